@@ -1,0 +1,30 @@
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+# Dev and CI pin the CPU build of torch; users installing the package get an unpinned torch.
+CONSTRAINTS := constraints.txt
+
+.PHONY: venv run test lint bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -c $(CONSTRAINTS) -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/batchgen demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	$(VENV)/bin/python bench/bct.py --quick
+
+clean:
+	rm -rf $(VENV) out build *.egg-info

@@ -1,0 +1,160 @@
+"""Expert-GEMM throughput versus tokens per expert: our grouped torch MoE (and the Triton kernel on CUDA)
+against transformers' Mixtral experts module on the same weights and routing.
+
+    python bench/kernels.py [--json] [--dim 512] [--inter 1024] [--experts 8] [--dtype float32]
+
+Routing is balanced so every expert sees exactly n tokens; FLOP/s counts the useful work only
+(6 * D * I per routed token: gate/up and down projections). With --json the last line is one JSON object.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from batchgen.kernels.moe_torch import fused_moe_torch
+
+TOP_K = 2
+TOKENS_PER_EXPERT = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def balanced_routing(tokens_per_expert: int, num_experts: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token t picks experts (t mod E/2) and (t mod E/2) + E/2: each expert gets exactly n tokens."""
+    half = num_experts // 2
+    tokens = tokens_per_expert * half
+    first = torch.arange(tokens, device=device) % half
+    topk_ids = torch.stack([first, first + half], dim=1)
+    topk_weights = torch.rand(tokens, TOP_K, device=device).softmax(dim=1)
+    return topk_ids, topk_weights
+
+
+def transformers_experts(impl: str, w_gate_up: torch.Tensor, w_down: torch.Tensor):
+    """transformers' MixtralExperts (the experts of MixtralSparseMoeBlock) holding our weights."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    num_experts, two_i, dim = w_gate_up.shape
+    config = MixtralConfig(
+        hidden_size=dim, intermediate_size=two_i // 2, num_local_experts=num_experts, num_experts_per_tok=TOP_K
+    )
+    config._experts_implementation = impl
+    experts = MixtralExperts(config).to(device=w_gate_up.device, dtype=w_gate_up.dtype)
+    experts.gate_up_proj.data.copy_(w_gate_up)
+    experts.down_proj.data.copy_(w_down)
+    return lambda x, ids, weights: experts(x, ids, weights)
+
+
+def implementations(device: torch.device, w_gate_up, w_down) -> dict:
+    impls = {"batchgen_torch_grouped": lambda x, ids, weights: fused_moe_torch(x, w_gate_up, w_down, weights, ids)}
+    if device.type == "cuda":
+        from batchgen.kernels.moe_triton import fused_moe_triton
+
+        impls["batchgen_triton"] = lambda x, ids, weights: fused_moe_triton(x, w_gate_up, w_down, weights, ids)
+    for impl in ("eager", "grouped_mm", "batched_mm"):
+        impls[f"transformers_{impl}"] = transformers_experts(impl, w_gate_up, w_down)
+    return impls
+
+
+def seconds_per_call(fn, args, device: torch.device, min_time: float) -> float:
+    fn(*args)  # warm-up (kernel compilation, allocator)
+    times = []
+    while sum(times) < min_time or len(times) < 3:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn(*args)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(args) -> dict:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    w_gate_up = (torch.randn(args.experts, 2 * args.inter, args.dim, generator=g) / args.dim**0.5).to(device, dtype)
+    w_down = (torch.randn(args.experts, args.dim, args.inter, generator=g) / args.inter**0.5).to(device, dtype)
+    impls = implementations(device, w_gate_up, w_down)
+    rows, skipped = [], {}
+    with torch.inference_mode():
+        for n in args.tokens_per_expert:
+            topk_ids, topk_weights = balanced_routing(n, args.experts, device)
+            x = torch.randn(topk_ids.shape[0], args.dim, device=device, dtype=dtype)
+            reference = fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids).float()
+            flops = topk_ids.numel() * 6 * args.dim * args.inter
+            for name, fn in impls.items():
+                if name in skipped:
+                    continue
+                try:
+                    out = fn(x, topk_ids, topk_weights)
+                except (RuntimeError, NotImplementedError) as exc:
+                    skipped[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+                    continue
+                error = (out.float() - reference).abs().max().item()
+                seconds = seconds_per_call(fn, (x, topk_ids, topk_weights), device, args.min_time)
+                rows.append(
+                    dict(
+                        impl=name,
+                        tokens_per_expert=n,
+                        tokens=x.shape[0],
+                        ms=round(seconds * 1e3, 4),
+                        gflops=round(flops / seconds / 1e9, 2),
+                        max_abs_err=float(f"{error:.3g}"),
+                    )
+                )
+    return dict(
+        bench="kernels.expert_gemm",
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        device_type=device.type,
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        dtype=args.dtype,
+        experts=args.experts,
+        top_k=TOP_K,
+        dim=args.dim,
+        inter=args.inter,
+        results=rows,
+        skipped=skipped,
+    )
+
+
+def print_table(report: dict) -> None:
+    names = sorted({r["impl"] for r in report["results"]}, key=lambda s: (not s.startswith("batchgen"), s))
+    by_key = {(r["impl"], r["tokens_per_expert"]): r for r in report["results"]}
+    print(
+        f"expert GEMM GFLOP/s on {report['device_type']} ({report['device']}, {report['threads']} threads), "
+        f"{report['dtype']}, E={report['experts']}, top-k={report['top_k']}, D={report['dim']}, I={report['inter']}"
+    )
+    print(f"{'tokens/expert':>13} " + " ".join(f"{n:>24}" for n in names))
+    for n in sorted({r["tokens_per_expert"] for r in report["results"]}):
+        cells = [by_key.get((name, n)) for name in names]
+        print(f"{n:>13} " + " ".join(f"{c['gflops']:>24.2f}" if c else f"{'-':>24}" for c in cells))
+    for name, reason in report["skipped"].items():
+        print(f"skipped {name}: {reason}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--inter", type=int, default=1024)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--tokens-per-expert", type=int, nargs="+", default=list(TOKENS_PER_EXPERT))
+    parser.add_argument("--min-time", type=float, default=0.2, help="seconds of timed calls per point")
+    args = parser.parse_args()
+    if args.experts % 2:
+        parser.error("--experts must be even (balanced top-2 routing)")
+    report = run(args)
+    print_table(report)
+    if args.json:
+        print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

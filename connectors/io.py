@@ -1,0 +1,77 @@
+"""fsspec helpers: one filesystem per URI, and the fail-fast checks a job runs before any inference."""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import uuid
+from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
+
+
+class StorageError(RuntimeError):
+    """A path that cannot be read or written; the message names the URI and the reason."""
+
+
+def filesystem(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem for `uri` and the path inside it (no scheme).
+
+    S3 storage options use s3fs names (`key`, `secret`, `endpoint_url`, `client_kwargs`, ...).
+    """
+    return url_to_fs(uri, **(storage_options or {}))
+
+
+def parse_storage_options(text: str | dict[str, Any] | None) -> dict[str, Any]:
+    """Storage options as given on a command line (a JSON object) or in a config file (a mapping)."""
+    if text is None or text == "":
+        return {}
+    if isinstance(text, dict):
+        return dict(text)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"storage options must be a JSON object, got {text!r}: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"storage options must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def list_files(uri: str, suffix: str, storage_options: dict[str, Any] | None = None) -> tuple[
+        fsspec.AbstractFileSystem, list[str]]:
+    """`uri` itself when it is a file, else every file under it ending in `suffix`, sorted by path."""
+    fs, path = filesystem(uri, storage_options)
+    try:
+        if fs.isfile(path):
+            return fs, [path]
+        if not fs.isdir(path):
+            raise StorageError(f"input {uri!r} does not exist")
+        files = sorted(p for p in fs.find(path) if p.endswith(suffix) and not _hidden(posixpath.relpath(p, path)))
+    except (OSError, PermissionError) as exc:
+        raise StorageError(f"cannot read input {uri!r}: {exc}") from exc
+    if not files:
+        raise StorageError(f"input {uri!r} holds no '*{suffix}' files")
+    return fs, files
+
+
+def check_writable(uri: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Create the output folder and write and delete a probe file, so a bad output fails before inference."""
+    fs, path = filesystem(uri, storage_options)
+    probe = posixpath.join(path, f"_probe-{uuid.uuid4().hex}")
+    try:
+        if fs.isfile(path):
+            raise StorageError(f"output {uri!r} is a file; it must be a folder")
+        fs.makedirs(path, exist_ok=True)
+        with fs.open(probe, "wb") as f:
+            f.write(b"ok")
+        fs.rm(probe)
+    except StorageError:
+        raise
+    except Exception as exc:  # botocore and friends raise their own types
+        raise StorageError(f"output {uri!r} is not writable: {exc}") from exc
+
+
+def _hidden(relative: str) -> bool:
+    """Files Hive/Spark writers leave beside data (_SUCCESS, .crc, _metadata)."""
+    return any(part.startswith(("_", ".")) for part in relative.split("/"))

@@ -1,0 +1,73 @@
+"""AttentionContext implementations over the paged pools (see engine/models/context.py).
+
+Three ways a micro-batch meets its KV:
+- prefill: attention over the batch's own new tokens, then the K/V are written to their pages
+  (device pages, or host pages when the prompt is offloaded right away);
+- resident decode: one new token per sequence against its device pages;
+- staged decode (offloaded COMBINE): the sequence's KV lives in the host store; for each layer
+  its pages are copied into a one-layer staging pool, attention runs there, and the new token's
+  K/V is written back to the host pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.engine.kv_pool import KVPool
+from batchgen.kernels import ops
+
+
+@dataclass
+class PrefillContext:
+    positions: torch.Tensor  # [T]
+    cu_seqlens: torch.Tensor  # [B + 1] int32
+    slots: torch.Tensor  # [T] int64 slots in `pool`
+    pool: KVPool
+
+    def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
+        ops.write_kv(k, v, self.pool.k[layer], self.pool.v[layer], self.slots)
+        return ops.prefill_attention(q, k, v, self.cu_seqlens, self.cu_seqlens, scale)
+
+
+@dataclass
+class DecodeContext:
+    positions: torch.Tensor  # [B] position of the new token (= tokens already cached)
+    slots: torch.Tensor  # [B] slot of the new token in `pool`
+    page_table: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] int32, including the new token
+    pool: KVPool
+
+    def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        ops.write_kv(k, v, k_cache, v_cache, self.slots)
+        return ops.paged_decode_attention(q, k_cache, v_cache, self.page_table, self.seq_lens, scale)
+
+
+@dataclass
+class StagedDecodeContext:
+    positions: torch.Tensor  # [B]
+    host: KVPool
+    host_pages: torch.Tensor  # [N] host pages of the batch, in order
+    host_slots: torch.Tensor  # [B] host slot of each new token
+    stage: KVPool  # one-layer pool on the device
+    stage_pages: torch.Tensor  # [N] staging pages receiving host_pages
+    stage_slots: torch.Tensor  # [B]
+    page_table: torch.Tensor  # [B, max_pages] into the staging pool
+    seq_lens: torch.Tensor  # [B]
+
+    def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
+        device = self.stage.device
+        non_blocking = self.host.device.type != device.type
+        self.stage.k[0, self.stage_pages] = self.host.k[layer, self.host_pages].to(device, non_blocking=non_blocking)
+        self.stage.v[0, self.stage_pages] = self.host.v[layer, self.host_pages].to(device, non_blocking=non_blocking)
+        ops.write_kv(k, v, self.stage.k[0], self.stage.v[0], self.stage_slots)
+        out = ops.paged_decode_attention(q, self.stage.k[0], self.stage.v[0], self.page_table, self.seq_lens, scale)
+        host_device = self.host.device
+        ops.write_kv(k.to(host_device), v.to(host_device), self.host.k[layer], self.host.v[layer], self.host_slots)
+        return out
+
+    @property
+    def bytes_staged_per_layer(self) -> int:
+        return self.stage.nbytes(len(self.stage_pages))

@@ -1,0 +1,84 @@
+"""Paged KV storage: one pool of fixed-size pages per memory tier (device or host).
+
+Pages are shared by all layers (a page id names the same slot in every layer's tensor), so a
+sequence has one page list per tier. Moving a sequence between tiers is one indexed copy per
+tensor, whatever the number of layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.engine.models.context import KVSpec
+
+
+class OutOfPagesError(RuntimeError):
+    """The pool cannot hold what was asked; the scheduler must evict first."""
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    spec: KVSpec
+    page_size: int
+    dtype: torch.dtype
+
+    @property
+    def page_bytes(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        per_token = self.spec.num_kv_heads * (self.spec.k_dim + self.spec.v_dim) * elem
+        return self.spec.num_layers * self.page_size * per_token
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def pages_in_budget(self, budget_bytes: int) -> int:
+        return max(0, budget_bytes // self.page_bytes)
+
+
+class KVPool:
+    """k/v tensors [L, P, page, Hkv, D] on one device plus a free list of page ids."""
+
+    def __init__(self, geometry: PoolGeometry, num_pages: int, device: torch.device, pin: bool = False):
+        spec = geometry.spec
+        self.geometry = geometry
+        self.num_pages = num_pages
+        self.device = device
+        shape = (spec.num_layers, num_pages, geometry.page_size, spec.num_kv_heads)
+        pin = pin and device.type == "cpu" and torch.cuda.is_available()
+        self.k = torch.zeros(*shape, spec.k_dim, dtype=geometry.dtype, device=device, pin_memory=pin)
+        self.v = torch.zeros(*shape, spec.v_dim, dtype=geometry.dtype, device=device, pin_memory=pin)
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise OutOfPagesError(f"need {count} pages, {len(self._free)} free of {self.num_pages}")
+        return [self._free.pop() for _ in range(count)]
+
+    def release(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+    def nbytes(self, num_pages: int) -> int:
+        return num_pages * self.geometry.page_bytes
+
+
+def copy_pages(src: KVPool, src_pages: list[int], dst: KVPool, dst_pages: list[int]) -> int:
+    """Copy whole pages between pools (any tiers); returns bytes moved."""
+    if not src_pages:
+        return 0
+    s = torch.tensor(src_pages, dtype=torch.long, device=src.device)
+    d = torch.tensor(dst_pages, dtype=torch.long, device=dst.device)
+    non_blocking = src.device.type != dst.device.type
+    dst.k[:, d] = src.k[:, s].to(dst.device, non_blocking=non_blocking)
+    dst.v[:, d] = src.v[:, s].to(dst.device, non_blocking=non_blocking)
+    return src.nbytes(len(src_pages))
+
+
+def slot_mapping(pages: list[int], start: int, count: int, page_size: int) -> list[int]:
+    """Flat slots (page * page_size + offset) of token positions [start, start + count)."""
+    return [pages[p // page_size] * page_size + p % page_size for p in range(start, start + count)]

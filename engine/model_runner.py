@@ -1,0 +1,124 @@
+"""Turns scheduled sequences into coroutine micro-batches and runs them through the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.engine.attention_context import DecodeContext, PrefillContext, StagedDecodeContext
+from batchgen.engine.coroutine import CoroutineBatch, run_layers
+from batchgen.engine.kv_manager import KVManager
+from batchgen.engine.sequence import ProgramPoint, Sequence
+
+
+@dataclass
+class BatchShape:
+    """How one forward is cut: attention micro-batches of at most `b_attn` sequences,
+    feed-forward (MoE) batches of at most `b_moe` tokens."""
+
+    b_attn: int
+    b_moe: int
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv: KVManager, device: torch.device, shape: BatchShape):
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.shape = shape
+        self.ffn_batches: list[int] = []  # tokens per feed-forward call, for metrics
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Prefill prompts whose pages are allocated; returns last-position logits [B, V]."""
+        micro = []
+        for start in range(0, len(seqs), self.shape.b_attn):
+            group = seqs[start : start + self.shape.b_attn]
+            micro.append(self._prefill_micro_batch(group))
+        hidden = run_layers(self.model, micro, self.shape.b_moe, self.ffn_batches.append)
+        last = torch.tensor(_cumsum([len(s.prompt_ids) for s in seqs]), device=self.device) - 1
+        for s in seqs:
+            s.kv_len = len(s.prompt_ids)
+        return self.model.head(hidden[last])
+
+    @torch.inference_mode()
+    def decode(self, resident: list[Sequence], staged_groups: list[list[Sequence]]) -> torch.Tensor:
+        """One decode step: resident sequences read device pages, staged ones stream from host."""
+        micro = []
+        for start in range(0, len(resident), self.shape.b_attn):
+            micro.append(self._decode_micro_batch(resident[start : start + self.shape.b_attn]))
+        micro.extend(self._staged_micro_batch(group) for group in staged_groups)
+        hidden = run_layers(self.model, micro, self.shape.b_moe, self.ffn_batches.append)
+        for b in micro:
+            for s in b.seqs:
+                s.kv_len += 1
+        return self.model.head(hidden)
+
+    def _embed(self, token_ids: list[int]) -> torch.Tensor:
+        return self.model.embed(torch.tensor(token_ids, dtype=torch.long, device=self.device))
+
+    def _prefill_micro_batch(self, seqs: list[Sequence]) -> CoroutineBatch:
+        pool = self.kv.pool(seqs[0].kv_location)
+        lengths = [len(s.prompt_ids) for s in seqs]
+        tokens = [t for s in seqs for t in s.prompt_ids]
+        slots = [slot for s in seqs for slot in self.kv.slots(s, 0, len(s.prompt_ids))]
+        ctx = PrefillContext(
+            positions=torch.cat([torch.arange(n, device=self.device) for n in lengths]),
+            cu_seqlens=torch.tensor([0, *_cumsum(lengths)], dtype=torch.int32, device=self.device),
+            slots=torch.tensor(slots, dtype=torch.long, device=pool.device),
+            pool=pool,
+        )
+        return CoroutineBatch(seqs, self._embed(tokens), ProgramPoint(0, "attn"), ctx)
+
+    def _decode_micro_batch(self, seqs: list[Sequence]) -> CoroutineBatch:
+        ctx = DecodeContext(
+            positions=torch.tensor([s.kv_len for s in seqs], device=self.device),
+            slots=self._new_token_slots(seqs, self.device),
+            page_table=_page_table([s.device_pages for s in seqs], self.device),
+            seq_lens=torch.tensor([s.kv_len + 1 for s in seqs], dtype=torch.int32, device=self.device),
+            pool=self.kv.device,
+        )
+        return CoroutineBatch(seqs, self._embed([s.last_token for s in seqs]), ProgramPoint(0, "attn"), ctx)
+
+    def _staged_micro_batch(self, seqs: list[Sequence]) -> CoroutineBatch:
+        page_size = self.kv.page_size
+        counts = [self.kv.pages_needed(s.kv_len + 1) for s in seqs]
+        stage_pages = list(range(sum(counts)))
+        tables, offset = [], 0
+        for n in counts:
+            tables.append(stage_pages[offset : offset + n])
+            offset += n
+        ctx = StagedDecodeContext(
+            positions=torch.tensor([s.kv_len for s in seqs], device=self.device),
+            host=self.kv.host,
+            host_pages=torch.tensor([p for s, n in zip(seqs, counts) for p in s.host_pages[:n]]),
+            host_slots=self._new_token_slots(seqs, torch.device("cpu")),
+            stage=self.kv.stage,
+            stage_pages=torch.tensor(stage_pages, device=self.device),
+            stage_slots=torch.tensor([t[s.kv_len // page_size] * page_size + s.kv_len % page_size
+                                      for s, t in zip(seqs, tables)], device=self.device),
+            page_table=_page_table(tables, self.device),
+            seq_lens=torch.tensor([s.kv_len + 1 for s in seqs], dtype=torch.int32, device=self.device),
+        )
+        return CoroutineBatch(seqs, self._embed([s.last_token for s in seqs]), ProgramPoint(0, "attn"), ctx)
+
+    def _new_token_slots(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+        return torch.tensor([self.kv.slots(s, s.kv_len, 1)[0] for s in seqs], dtype=torch.long, device=device)
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+def _page_table(pages: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(len(p) for p in pages)
+    table = torch.zeros(len(pages), width, dtype=torch.int32)
+    for row, p in enumerate(pages):
+        table[row, : len(p)] = torch.tensor(p, dtype=torch.int32)
+    return table.to(device)
+

@@ -1,0 +1,1 @@
+"""batchgen.engine.models"""

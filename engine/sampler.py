@@ -1,0 +1,88 @@
+"""Batched sampling with per-row parameters.
+
+Every row carries its own temperature / top-k / top-p / min-p; the filters run once over the
+whole batch. Seeded rows draw their noise from a generator seeded per (seed, sample, step), so
+a seeded sequence samples the same tokens whatever batch it lands in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceT
+
+import torch
+
+from batchgen.engine.request import TokenLogprob
+from batchgen.engine.sequence import Sequence
+
+
+def sample_next_tokens(logits: torch.Tensor, seqs: SequenceT[Sequence], generator: torch.Generator) -> list[int]:
+    """Pick one token per row and record logprobs on sequences that asked for them."""
+    logits = logits.float()
+    _suppress_early_stop(logits, seqs)
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+        probs = _filtered_probs(logits[rows], [seqs[i] for i in random_rows])
+        noise = _exponential_noise(probs.shape, [seqs[i] for i in random_rows], generator)
+        tokens[rows] = (probs / noise.to(probs.device)).argmax(dim=-1)
+    token_list = tokens.tolist()
+    wants = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
+    if wants:
+        _record_logprobs(logits, wants, seqs, token_list)
+    return token_list
+
+
+def _suppress_early_stop(logits: torch.Tensor, seqs: SequenceT[Sequence]) -> None:
+    for i, s in enumerate(seqs):
+        if len(s.generated) < s.sampling.min_tokens:
+            banned = set(s.sampling.stop_token_ids)
+            if not s.sampling.ignore_eos:
+                banned |= s.eos_token_ids
+            if banned:
+                logits[i, list(banned)] = float("-inf")
+
+
+def _filtered_probs(logits: torch.Tensor, seqs: SequenceT[Sequence]) -> torch.Tensor:
+    device = logits.device
+    temperature = torch.tensor([s.sampling.temperature for s in seqs], device=device).unsqueeze(1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    top_k = torch.tensor([s.sampling.top_k for s in seqs], device=device)
+    top_p = torch.tensor([s.sampling.top_p for s in seqs], device=device)
+    min_p = torch.tensor([s.sampling.min_p for s in seqs], device=device)
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(probs.shape[-1], device=device).unsqueeze(0)
+        drop = (top_k.unsqueeze(1) > 0) & (rank >= top_k.unsqueeze(1))
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop |= mass_before >= top_p.unsqueeze(1)
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    if bool((min_p > 0).any()):
+        floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
+
+
+def _exponential_noise(shape: torch.Size, seqs: SequenceT[Sequence], generator: torch.Generator) -> torch.Tensor:
+    noise = torch.empty(shape).exponential_(generator=generator)
+    for i, s in enumerate(seqs):
+        seed = s.rng_seed(len(s.generated))
+        if seed is not None:
+            row_gen = torch.Generator().manual_seed(seed)
+            noise[i] = torch.empty(shape[-1]).exponential_(generator=row_gen)
+    return noise
+
+
+def _record_logprobs(logits: torch.Tensor, rows: list[int], seqs: SequenceT[Sequence], tokens: list[int]) -> None:
+    logprobs = torch.log_softmax(logits[rows], dim=-1)
+    top_n = max(seqs[i].sampling.logprobs for i in rows)
+    top_vals, top_ids = logprobs.topk(max(top_n, 1), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logits.device)).squeeze(1)
+    for j, i in enumerate(rows):
+        n = seqs[i].sampling.logprobs
+        top = dict(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()))
+        entry = TokenLogprob(token_id=tokens[i], logprob=float(chosen[j]), top=top)
+        if seqs[i].logprobs is None:
+            seqs[i].logprobs = []
+        seqs[i].logprobs.append(entry)

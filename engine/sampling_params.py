@@ -1,0 +1,105 @@
+"""Per-request sampling parameters, validated up front so a bad request fails alone."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class InvalidRequestError(ValueError):
+    """A request that cannot run; the message names the offending field."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What to generate for one prompt. Defaults follow vLLM / OpenAI (temperature 1, 16 tokens)."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    seed: int | None = None
+    logprobs: int | None = None
+    max_prompt_tokens: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"invalid sampling parameter '{name}': {why}")
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise bad("temperature", f"must be a number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise bad("top_k", f"must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a string or a list of non-empty strings")
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.max_prompt_tokens is not None and (
+            not _is_int(self.max_prompt_tokens) or self.max_prompt_tokens < 1
+        ):
+            raise bad("max_prompt_tokens", f"must be an integer >= 1, got {self.max_prompt_tokens!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None, defaults: SamplingParams | None = None) -> SamplingParams:
+        """Build from a user dict (a Parquet struct, a JSON body); unknown keys are an error."""
+        base = dataclasses.asdict(defaults) if defaults is not None else {}
+        base.pop("extra", None)
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        for key, value in (values or {}).items():
+            if key not in known:
+                raise InvalidRequestError(f"unknown sampling parameter '{key}'")
+            if value is not None or key in ("seed", "logprobs", "max_prompt_tokens"):
+                base[key] = value
+        for key in ("stop", "stop_token_ids"):
+            if base.get(key) is None:
+                base.pop(key, None)
+        try:
+            return cls(**base)
+        except TypeError as exc:
+            raise InvalidRequestError(f"invalid sampling parameters: {exc}") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.pop("extra")
+        out["stop"] = list(self.stop)
+        out["stop_token_ids"] = list(self.stop_token_ids)
+        return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,202 @@
+"""Per-step decisions: refill (prefill), restore, evict, and how decode is cut into micro-batches.
+
+Two policies share the same queues and KV manager:
+- coroutine: over-subscribed. Sequences that do not fit in device pages are YIELDed to the host
+  store (the most progressed first) and keep decoding through the staging pool, so the MoE
+  batch holds every resident sequence. Prompts are refilled when the decode population falls
+  under a threshold.
+- lockstep: vLLM-style continuous batching. Only device-resident sequences run; on page
+  shortage the newest sequence is preempted (swapped to host) until pages free up.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from batchgen.engine.kv_manager import KVManager
+from batchgen.engine.sequence import KVLocation, Phase, Sequence
+
+
+class PromptTooLargeError(ValueError):
+    pass
+
+
+@dataclass
+class SchedulerConfig:
+    mode: str = "coroutine"  # or "lockstep"
+    max_num_seqs: int = 256
+    max_prefill_tokens: int = 4096
+    refill_threshold: float = 0.5
+    b_attn: int = 256
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("coroutine", "lockstep"):
+            raise ValueError(f"unknown engine mode {self.mode!r}: use 'coroutine' or 'lockstep'")
+
+
+@dataclass
+class PrefillPlan:
+    seqs: list[Sequence]
+    location: KVLocation
+
+
+@dataclass
+class DecodePlan:
+    resident: list[Sequence]
+    staged_groups: list[list[Sequence]] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()  # prompts, FIFO
+        self.running: list[Sequence] = []  # KV in device pages
+        self.suspended: deque[Sequence] = deque()  # KV in the host store, FIFO
+        self._refilling = True
+        self.yields = 0
+        self.restores = 0
+
+    @property
+    def coroutine(self) -> bool:
+        return self.config.mode == "coroutine"
+
+    def num_decoding(self) -> int:
+        return len(self.running) + len(self.suspended)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.suspended)
+
+    def check_fits(self, total_tokens: int) -> None:
+        """Reject a sequence that could never run, however long it waited (prompt + max_tokens)."""
+        need = self.kv.pages_needed(total_tokens)
+        device_ok = need + self.kv.reserve_pages <= self.kv.device.num_pages
+        streamed_ok = self.coroutine and need <= min(self.kv.stage.num_pages, self.kv.host.num_pages)
+        if not (device_ok or streamed_ok):
+            raise PromptTooLargeError(
+                f"a sequence of up to {total_tokens} tokens (prompt + max_tokens) does not fit in the KV "
+                f"budget ({self.kv.device.num_pages} device pages of {self.kv.page_size} tokens)")
+
+    def schedule(self) -> PrefillPlan | DecodePlan | None:
+        self._restore()
+        if self._should_refill():
+            plan = self._plan_prefill()
+            if plan is not None:
+                return plan
+        if not (self.running or self.suspended):
+            return None
+        return self._plan_decode()
+
+    def _should_refill(self) -> bool:
+        if not self.waiting:
+            return False
+        if not self.coroutine:
+            return True
+        active = self.num_decoding()
+        if active < self.config.refill_threshold * self.config.max_num_seqs:
+            self._refilling = True
+        if active >= self.config.max_num_seqs:
+            self._refilling = False
+        return self._refilling
+
+    def _plan_prefill(self) -> PrefillPlan | None:
+        batch: list[Sequence] = []
+        tokens = 0
+        location = None
+        room = self.config.max_num_seqs - self.num_decoding()
+        for seq in self.waiting:
+            samples = seq.sampling.n
+            if batch and (tokens + len(seq.prompt_ids) > self.config.max_prefill_tokens or samples > room):
+                break
+            if not batch and samples > room and self.num_decoding() > 0:
+                break
+            where = self._prefill_location(batch + [seq])
+            if where is None or (location is not None and where is not location):
+                break
+            location = where
+            batch.append(seq)
+            tokens += len(seq.prompt_ids)
+            room -= samples
+        if not batch:
+            return None
+        for _ in batch:
+            self.waiting.popleft()
+        for seq in batch:
+            self.kv.allocate(seq, location, len(seq.prompt_ids) + 1)
+        return PrefillPlan(batch, location)
+
+    def _prefill_location(self, seqs: list[Sequence]) -> KVLocation | None:
+        pages = sum(self.kv.pages_needed(len(s.prompt_ids) + 1) * s.sampling.n for s in seqs)
+        reserve = self.kv.reserve_pages * sum(s.sampling.n for s in seqs)
+        if pages + reserve <= self.kv.device.free_pages:
+            return KVLocation.DEVICE
+        if self.coroutine and pages <= self.kv.host.free_pages:
+            return KVLocation.HOST
+        return None
+
+    def _restore(self) -> None:
+        """Refill the device from the suspended pool in FIFO order (COMBINE restores KV)."""
+        while self.suspended and self.kv.fits(KVLocation.DEVICE, self.suspended[0].kv_len + 1):
+            seq = self.suspended.popleft()
+            self.kv.migrate(seq, KVLocation.DEVICE)
+            seq.phase = Phase.DECODE
+            self.running.append(seq)
+            self.restores += 1
+
+    def _plan_decode(self) -> DecodePlan:
+        for seq in list(self.running):
+            while seq in self.running and not self.kv.grow(seq, seq.kv_len + 1):
+                self._yield(self._victim())
+        staged: list[list[Sequence]] = []
+        if self.coroutine:
+            for seq in self.suspended:
+                if not self.kv.grow(seq, seq.kv_len + 1):
+                    raise RuntimeError("host KV store is full: raise host_kv_budget_bytes")
+            staged = self._staging_groups(list(self.suspended))
+        return DecodePlan(list(self.running), staged)
+
+    def _victim(self) -> Sequence:
+        if self.coroutine:  # most progressed first: the most KV already written, the closest to done
+            return max(self.running, key=lambda s: (len(s.generated), -s.arrival))
+        return max(self.running, key=lambda s: s.arrival)  # vLLM: preempt the newest
+
+    def _yield(self, seq: Sequence) -> None:
+        """YIELD a sequence off the device: checkpoint its KV to the host store."""
+        self.running.remove(seq)
+        self.kv.migrate(seq, KVLocation.HOST)
+        seq.phase = Phase.SUSPENDED
+        self.suspended.append(seq)
+        self.yields += 1
+
+    def _staging_groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
+        groups: list[list[Sequence]] = []
+        pages = 0
+        for seq in seqs:
+            need = self.kv.pages_needed(seq.kv_len + 1)
+            if not groups or pages + need > self.kv.stage.num_pages or len(groups[-1]) >= self.config.b_attn:
+                groups.append([])
+                pages = 0
+            groups[-1].append(seq)
+            pages += need
+        return groups
+
+    def admit(self, seq: Sequence) -> None:
+        seq.phase = Phase.WAITING
+        self.waiting.append(seq)
+
+    def place_decoding(self, seq: Sequence) -> None:
+        """A sequence whose KV was just written (prefill, fork, import) joins the decode pool."""
+        if seq.kv_location is KVLocation.DEVICE:
+            seq.phase = Phase.DECODE
+            self.running.append(seq)
+        else:
+            seq.phase = Phase.SUSPENDED
+            self.suspended.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.suspended:
+            self.suspended.remove(seq)
+        self.kv.free(seq)

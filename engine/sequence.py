@@ -1,0 +1,75 @@
+"""The state of one sequence coroutine: everything needed to resume it anywhere."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from batchgen.engine.request import TokenLogprob
+from batchgen.engine.sampling_params import SamplingParams
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # prompt not prefilled yet
+    PREFILL = "prefill"
+    DECODE = "decode"  # KV resident in device pages
+    SUSPENDED = "suspended"  # yielded: KV checkpointed in the host store
+    FINISHED = "finished"
+
+
+class KVLocation(enum.Enum):
+    NONE = "none"
+    DEVICE = "device"
+    HOST = "host"
+
+
+@dataclass
+class ProgramPoint:
+    """Where in the module program a coroutine stands; the scheduler COMBINEs equal points."""
+
+    layer: int = 0
+    module: str = "embed"  # embed -> attn -> ffn -> (next layer) ... -> head
+
+
+@dataclass
+class Sequence:
+    """One sample of one request. n > 1 requests fork into several sequences after prefill."""
+
+    seq_id: int
+    request_id: str
+    sample_index: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: frozenset[int]
+    arrival: int  # FIFO order of submission
+    phase: Phase = Phase.WAITING
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    point: ProgramPoint = field(default_factory=ProgramPoint)
+    hidden: torch.Tensor | None = None  # checkpoint of the last module's output at `point`
+    kv_location: KVLocation = KVLocation.NONE
+    device_pages: list[int] = field(default_factory=list)
+    host_pages: list[int] = field(default_factory=list)
+    kv_len: int = 0  # tokens whose K/V are stored
+    finish_reason: str | None = None
+    stop_text_end: int | None = None  # character offset where a stop string cut the text
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_scheduled_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.generated)
+
+    @property
+    def last_token(self) -> int:
+        return self.generated[-1] if self.generated else self.prompt_ids[-1]
+
+    def rng_seed(self, step: int) -> int | None:
+        """Counter-based seed: a seeded sample draws the same numbers whatever batch it runs in."""
+        if self.sampling.seed is None:
+            return None
+        return (self.sampling.seed * 1_000_003 + self.sample_index * 7_919 + step) % (2**63 - 1)

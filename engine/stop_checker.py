@@ -1,0 +1,46 @@
+"""Decides when a sequence is done, and what its text is."""
+
+from __future__ import annotations
+
+from batchgen.engine.sequence import Sequence
+
+
+def detokenize(tokenizer, token_ids: list[int]) -> str:
+    if tokenizer is None:
+        return ""
+    return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def finish_reason(seq: Sequence, tokenizer, max_model_len: int) -> str | None:
+    """Check the newest token; returns "stop", "length" or None to keep going."""
+    params = seq.sampling
+    token = seq.generated[-1]
+    if len(seq.generated) >= params.min_tokens:
+        if not params.ignore_eos and token in seq.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if params.stop:
+            text = detokenize(tokenizer, seq.generated)
+            cut = _first_stop(text, params.stop, len(detokenize(tokenizer, seq.generated[:-1])))
+            if cut is not None:
+                seq.stop_text_end = cut
+                return "stop"
+    if len(seq.generated) >= params.max_tokens or seq.num_tokens >= max_model_len:
+        return "length"
+    return None
+
+
+def _first_stop(text: str, stops: tuple[str, ...], previous_len: int) -> int | None:
+    """Earliest stop string that ends inside the newest token's text."""
+    hits = []
+    for stop in stops:
+        pos = text.find(stop, max(0, previous_len - len(stop) + 1))
+        if pos != -1:
+            hits.append(pos)
+    return min(hits) if hits else None
+
+
+def output_text(seq: Sequence, tokenizer) -> str:
+    text = detokenize(tokenizer, seq.generated)
+    return text if seq.stop_text_end is None else text[: seq.stop_text_end]

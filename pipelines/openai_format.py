@@ -1,0 +1,331 @@
+"""The OpenAI wire format: batch input lines in, engine requests out, and back to response objects.
+
+Checks that need only the file (JSON, custom_id, method, url, model) run when a batch is created and
+fail the whole batch with line numbers; checks on the body (messages, prompt, sampling) run when
+the line executes, so one bad request lands in the error file while the others complete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from batchgen.engine.request import Completion, Request, Result, TokenLogprob
+from batchgen.engine.sampling_params import InvalidRequestError, SamplingParams
+
+CHAT_ENDPOINT = "/v1/chat/completions"
+COMPLETIONS_ENDPOINT = "/v1/completions"
+ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
+MAX_REPORTED_ERRORS = 100
+
+# Body fields copied one to one into SamplingParams (the last five are vLLM extensions).
+_SAMPLING_FIELDS = ("temperature", "top_p", "n", "seed", "stop", "top_k", "min_p", "min_tokens", "ignore_eos",
+                    "stop_token_ids")
+# Fields accepted and ignored: they change nothing about what is generated.
+_IGNORED_FIELDS = ("model", "user", "store", "metadata", "service_tier", "stream_options", "parallel_tool_calls")
+# Fields accepted only at their neutral value: anything else would silently change the output.
+_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "stream": (None, False),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "echo": (None, False),
+    "suffix": (None, ""),
+}
+_CHAT_ONLY = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "response_format",
+              "modalities", "parallel_tool_calls", "store", "metadata", "service_tier")
+_COMPLETIONS_ONLY = ("prompt", "echo", "suffix", "best_of")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def error_object(message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> dict[str, Any]:
+    """The body of an OpenAI error response."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+@dataclass
+class BatchLine:
+    """One validated input line; `index` is its position among the requests (0-based)."""
+
+    index: int
+    line_number: int
+    custom_id: str
+    body: dict[str, Any]
+
+
+@dataclass
+class ParsedInput:
+    lines: list[BatchLine]
+    errors: list[dict[str, Any]]  # OpenAI batch error objects: code, message, param, line
+
+
+def parse_batch_input(data: bytes, endpoint: str, served_model: str, max_requests: int) -> ParsedInput:
+    """Validate a .jsonl batch file; every problem is reported with its 1-based line number."""
+    lines: list[BatchLine] = []
+    errors: list[dict[str, Any]] = []
+    seen: dict[str, int] = {}
+
+    def fail(line_number: int | None, code: str, message: str, param: str | None = None) -> None:
+        errors.append({"code": code, "message": message, "param": param, "line": line_number})
+
+    for line_number, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        problem = _check_line(raw, endpoint, served_model, seen, line_number)
+        if problem is not None:
+            fail(line_number, *problem)
+            continue
+        entry = json.loads(raw)
+        seen[entry["custom_id"]] = line_number
+        lines.append(BatchLine(len(lines), line_number, entry["custom_id"], entry["body"]))
+    if not lines and not errors:
+        fail(None, "empty_file", "the input file contains no requests")
+    if len(lines) > max_requests:
+        fail(None, "too_many_requests", f"the input file has {len(lines)} requests; this server accepts at most "
+             f"{max_requests} per batch")
+    if len(errors) > MAX_REPORTED_ERRORS:
+        hidden = len(errors) - MAX_REPORTED_ERRORS
+        errors = errors[:MAX_REPORTED_ERRORS]
+        fail(None, "too_many_errors", f"{hidden} more errors not shown")
+    return ParsedInput(lines, errors)
+
+
+def _check_line(raw: bytes, endpoint: str, served_model: str, seen: dict[str, int],
+                line_number: int) -> tuple[str, str, str | None] | None:
+    """(code, message, param) for the first problem of one input line, or None when it is valid."""
+    try:
+        entry = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return "invalid_json_line", f"line {line_number} is not valid JSON: {exc}", None
+    if not isinstance(entry, dict):
+        return "invalid_json_line", f"line {line_number} is not a JSON object", None
+    custom_id = entry.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return "missing_custom_id", f"line {line_number}: 'custom_id' must be a non-empty string", "custom_id"
+    if custom_id in seen:
+        return ("duplicate_custom_id", f"line {line_number}: custom_id {custom_id!r} already used on line "
+                f"{seen[custom_id]}", "custom_id")
+    if entry.get("method") != "POST":
+        return "invalid_method", f"line {line_number}: 'method' must be 'POST', got {entry.get('method')!r}", "method"
+    if entry.get("url") != endpoint:
+        return ("invalid_url", f"line {line_number}: 'url' must be the batch endpoint {endpoint!r}, got "
+                f"{entry.get('url')!r}", "url")
+    body = entry.get("body")
+    if not isinstance(body, dict):
+        return "invalid_body", f"line {line_number}: 'body' must be a JSON object", "body"
+    if body.get("model") != served_model:
+        return ("model_not_found", f"line {line_number}: model {body.get('model')!r} is not served here; this "
+                f"server serves {served_model!r}", "body.model")
+    return None
+
+
+@dataclass
+class RequestBuilder:
+    """Turns a line's body into an engine Request, applying the server's default sampling values."""
+
+    endpoint: str
+    tokenizer: Any
+    max_model_len: int
+    default_sampling: dict[str, Any]
+    chat_template: str | None = None
+
+    def build(self, request_id: str, body: dict[str, Any]) -> Request:
+        """Raises InvalidRequestError naming the offending field."""
+        chat = self.endpoint == CHAT_ENDPOINT
+        _check_fields(body, chat)
+        values = {key: body[key] for key in _SAMPLING_FIELDS if key in body}
+        values.update(_max_tokens(body, chat))
+        values.update(_logprobs(body, chat))
+        best_of = body.get("best_of")
+        if best_of is not None and best_of != body.get("n", 1):
+            raise InvalidRequestError("unsupported parameter 'best_of': only best_of equal to n is supported")
+        if chat:
+            prompt_ids = self._chat_prompt(body.get("messages"))
+            if "max_tokens" not in values and "max_tokens" not in self.default_sampling:
+                values["max_tokens"] = max(1, self.max_model_len - len(prompt_ids))
+            sampling = SamplingParams.from_dict({**self.default_sampling, **values})
+            return Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling)
+        sampling = SamplingParams.from_dict({**self.default_sampling, **values})
+        prompt = _completion_prompt(body.get("prompt"))
+        if isinstance(prompt, str):
+            return Request(request_id=request_id, prompt=prompt, sampling=sampling)
+        return Request(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
+
+    def _chat_prompt(self, messages: Any) -> list[int]:
+        conversation = _chat_messages(messages)
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise InvalidRequestError("the served model has no chat template; use /v1/completions or start the "
+                                      "server with --chat-template")
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as exc:  # a template's raise_exception() names what it rejects
+            raise InvalidRequestError(f"invalid 'messages': the chat template rejected them: {exc}") from exc
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _check_fields(body: dict[str, Any], chat: bool) -> None:
+    wrong_endpoint = _COMPLETIONS_ONLY if chat else _CHAT_ONLY
+    for key, value in body.items():
+        if key in wrong_endpoint:
+            where = COMPLETIONS_ENDPOINT if chat else CHAT_ENDPOINT
+            raise InvalidRequestError(f"parameter '{key}' belongs to {where}, not this batch's endpoint")
+        if key in _NEUTRAL_VALUES and value not in _NEUTRAL_VALUES[key]:
+            raise InvalidRequestError(f"unsupported parameter '{key}': only {_NEUTRAL_VALUES[key][1]!r} is supported")
+        known = (key in _SAMPLING_FIELDS or key in _IGNORED_FIELDS or key in _NEUTRAL_VALUES
+                 or key in ("messages", "prompt", "max_tokens", "max_completion_tokens", "logprobs",
+                            "top_logprobs", "best_of"))
+        if not known:
+            raise InvalidRequestError(f"unrecognized request parameter '{key}'")
+    if not isinstance(body.get("stop", ""), (str, list, type(None))):
+        raise InvalidRequestError("invalid 'stop': must be a string or a list of strings")
+
+
+def _max_tokens(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    value = body.get("max_completion_tokens") if chat else None
+    if value is None:
+        value = body.get("max_tokens")
+    return {} if value is None else {"max_tokens": value}
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """Chat asks with logprobs: bool + top_logprobs: int; completions with logprobs: int."""
+    if not chat:
+        return {} if body.get("logprobs") is None else {"logprobs": body["logprobs"]}
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted not in (None, True, False):
+        raise InvalidRequestError(f"invalid 'logprobs': must be a boolean, got {wanted!r}")
+    if top is not None and not wanted:
+        raise InvalidRequestError("'top_logprobs' requires 'logprobs': true")
+    return {"logprobs": 0 if top is None else top} if wanted else {}
+
+
+def _chat_messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("'messages' must be a non-empty list")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+            raise InvalidRequestError(f"messages[{i}] must be an object with 'role' in {list(_ROLES)}")
+        if message.get("tool_calls") or message.get("function_call"):
+            raise InvalidRequestError(f"messages[{i}]: tool calls are not supported")
+        role = "system" if message["role"] == "developer" else message["role"]
+        out.append({"role": role, "content": _message_text(message.get("content"), i)})
+    return out
+
+
+def _message_text(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"messages[{i}].content must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidRequestError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _completion_prompt(prompt: Any) -> str | list[int]:
+    """A string or a list of token ids, as OpenAI accepts (a one-element list of either too)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
+        return prompt
+    raise InvalidRequestError("'prompt' must be a string or a non-empty list of token ids (one prompt per line)")
+
+
+def response_body(endpoint: str, result: Result, model: str, tokenizer: Any) -> dict[str, Any]:
+    """A chat.completion or text_completion object for a finished request."""
+    completion_tokens = sum(len(c.token_ids) for c in result.outputs)
+    usage = {"prompt_tokens": len(result.prompt_token_ids), "completion_tokens": completion_tokens,
+             "total_tokens": len(result.prompt_token_ids) + completion_tokens}
+    created = int(time.time())
+    if endpoint == CHAT_ENDPOINT:
+        choices = [_chat_choice(c, tokenizer) for c in result.outputs]
+        return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": created, "model": model,
+                "choices": choices, "usage": usage, "system_fingerprint": None, "service_tier": None}
+    choices = [_text_choice(c, tokenizer) for c in result.outputs]
+    return {"id": new_id("cmpl-"), "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage, "system_fingerprint": None}
+
+
+def _chat_choice(c: Completion, tokenizer: Any) -> dict[str, Any]:
+    logprobs = None
+    if c.logprobs is not None:
+        logprobs = {"content": [_chat_logprob(lp, tokenizer) for lp in c.logprobs], "refusal": None}
+    message = {"role": "assistant", "content": c.text, "refusal": None}
+    return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+
+def _chat_logprob(lp: TokenLogprob, tokenizer: Any) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        token = tokenizer.decode([token_id])
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    top = [entry(t, v) for t, v in lp.top.items()]
+    return {**entry(lp.token_id, lp.logprob), "top_logprobs": top}
+
+
+def _text_choice(c: Completion, tokenizer: Any) -> dict[str, Any]:
+    logprobs = None
+    if c.logprobs is not None:
+        tokens = [tokenizer.decode([lp.token_id]) for lp in c.logprobs]
+        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        logprobs = {"tokens": tokens, "token_logprobs": [lp.logprob for lp in c.logprobs],
+                    "top_logprobs": [{tokenizer.decode([t]): v for t, v in lp.top.items()} for lp in c.logprobs],
+                    "text_offset": offsets}
+    return {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+
+def success_line(custom_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"id": new_id("batch_req_"), "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": new_id("req_"), "body": body}, "error": None}
+
+
+def request_error_line(custom_id: str, message: str, param: str | None = None) -> dict[str, Any]:
+    """A line the API rejected (HTTP 400), written to the error file."""
+    body = error_object(message, param=param)
+    return {"id": new_id("batch_req_"), "custom_id": custom_id,
+            "response": {"status_code": 400, "request_id": new_id("req_"), "body": body}, "error": None}
+
+
+def unfinished_line(custom_id: str, code: str) -> dict[str, Any]:
+    """A line that never ran because its batch expired (batch_expired) or was cancelled (batch_cancelled)."""
+    why = {"batch_expired": "This request could not be executed before the completion window expired.",
+           "batch_cancelled": "This request was not executed because the batch was cancelled."}[code]
+    return {"id": new_id("batch_req_"), "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": why}}
+
+
+_WINDOW = re.compile(r"^([1-9][0-9]*)([smhd])$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def completion_window_seconds(window: Any, allow_custom: bool) -> int:
+    """'24h' as OpenAI accepts; with allow_custom any '<n>s|m|h|d' (short windows make expiry testable)."""
+    if window == "24h" or (allow_custom and isinstance(window, str) and _WINDOW.match(window)):
+        match = _WINDOW.match(window)
+        return int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    allowed = "'24h' or '<n>s|m|h|d'" if allow_custom else "'24h'"
+    raise InvalidRequestError(f"invalid 'completion_window' {window!r}: must be {allowed}")

@@ -1,0 +1,70 @@
+"""`batchgen serve`: the OpenAI-compatible Batch API server over one engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from batchgen.engine.sampling_params import InvalidRequestError, SamplingParams
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve", help="serve the OpenAI Batch API (files, batches) over one engine",
+        description="OpenAI-compatible Batch API server. Point the official openai client at "
+                    "http://HOST:PORT/v1 and use client.files / client.batches as with OpenAI.")
+    p.add_argument("--model", required=True, help="model directory, fsspec URI (s3://...) or preset name")
+    p.add_argument("--storage", required=True,
+                   help="where uploaded and result files live: a local directory or an fsspec URI (s3://...)")
+    p.add_argument("--served-model-name", help="the name requests use in 'model' (default: the last path "
+                                               "component of --model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("BATCHGEN_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $BATCHGEN_API_KEY; unset = no auth)")
+    p.add_argument("--state-dir", help="local directory for the SQLite metadata (default: the storage "
+                                       "directory; required when --storage is remote)")
+    p.add_argument("--storage-options", type=json.loads, default=None,
+                   help='fsspec options for --storage and --model as JSON, e.g. {"endpoint_url": "http://..."}')
+    p.add_argument("--max-upload-bytes", type=int, default=200 * 1024 * 1024, help="largest accepted upload")
+    p.add_argument("--max-batch-requests", type=int, default=50_000, help="most requests in one batch file")
+    p.add_argument("--max-in-flight", type=int, default=256,
+                   help="requests handed to the engine at once; cancellation waits for these to finish")
+    p.add_argument("--default-sampling", type=json.loads, default={},
+                   help='batch-level defaults for request bodies as JSON, e.g. {"temperature": 0, "max_tokens": 256}')
+    p.add_argument("--chat-template", help="Jinja chat template (a file or the template itself) for models "
+                                           "whose tokenizer has none")
+    p.add_argument("--allow-custom-completion-window", action="store_true",
+                   help="accept any completion_window '<n>s|m|h|d', not only '24h' (short windows for tests)")
+    return p
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from batchgen.engine import Engine
+    from batchgen.pipelines.batch_runner import BatchRunner, RunnerConfig
+    from batchgen.pipelines.batch_server import ServerConfig, create_app
+    from batchgen.pipelines.batch_store import BatchStore
+
+    try:
+        SamplingParams.from_dict(args.default_sampling)
+    except InvalidRequestError as exc:
+        raise SystemExit(f"--default-sampling: {exc}") from None
+    served_model = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
+    chat_template = args.chat_template
+    if chat_template is not None and Path(chat_template).is_file():
+        chat_template = Path(chat_template).read_text()
+    store = BatchStore(args.storage, args.state_dir, args.storage_options)
+    engine = Engine(args.model, storage_options=args.storage_options)
+    runner = BatchRunner(engine, store, RunnerConfig(
+        served_model=served_model, default_sampling=args.default_sampling, chat_template=chat_template,
+        max_in_flight=args.max_in_flight, max_batch_requests=args.max_batch_requests))
+    app = create_app(store, runner, ServerConfig(
+        served_model=served_model, api_key=args.api_key, max_upload_bytes=args.max_upload_bytes,
+        allow_custom_completion_window=args.allow_custom_completion_window))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -1,0 +1,174 @@
+import pytest
+import torch
+from batchgen.kernels import ops, registry
+from batchgen.kernels.attention_torch import (
+    paged_decode_attention_torch,
+    prefill_attention_torch,
+)
+
+
+def naive_attention(q, k, v, scale, visible):
+    """float64 softmax attention of q [Lq, H, Dk] over k/v [Lk, Hkv, D] with a [Lq, Lk] bool mask."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 1), (8, 1)])
+@pytest.mark.parametrize("dim_k,dim_v", [(16, 16), (24, 8)])
+def test_prefill_matches_naive_with_prefix(heads, kv_heads, dim_k, dim_v):
+    g = torch.Generator().manual_seed(1)
+    lens_q, lens_k = [5, 1, 7, 3], [5, 4, 12, 3]
+    q = torch.randn(sum(lens_q), heads, dim_k, generator=g)
+    k = torch.randn(sum(lens_k), kv_heads, dim_k, generator=g)
+    v = torch.randn(sum(lens_k), kv_heads, dim_v, generator=g)
+    scale = dim_k**-0.5
+    out = prefill_attention_torch(q, k, v, cu(lens_q), cu(lens_k), scale)
+    assert out.shape == (sum(lens_q), heads, dim_v)
+    cq, ck = cu(lens_q).tolist(), cu(lens_k).tolist()
+    for b, (len_q, len_k) in enumerate(zip(lens_q, lens_k)):
+        visible = torch.arange(len_k)[None, :] <= torch.arange(len_q)[:, None] + (len_k - len_q)
+        expected = naive_attention(
+            q[cq[b] : cq[b + 1]], k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]], scale, visible
+        )
+        torch.testing.assert_close(out[cq[b] : cq[b + 1]].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_rejects_more_queries_than_keys():
+    q = torch.randn(3, 2, 8)
+    k = v = torch.randn(2, 2, 8)
+    with pytest.raises(ValueError, match="sequence 0 has 3 queries but only 2 keys"):
+        ops.prefill_attention(q, k, v, cu([3]), cu([2]), 1.0)
+
+
+def test_prefill_rejects_bad_gqa():
+    with pytest.raises(ValueError, match="H = 3 is not a multiple of Hkv = 2"):
+        ops.prefill_attention(
+            torch.randn(2, 3, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8), cu([2]), cu([2]), 1.0
+        )
+
+
+def make_paged(seq_lens, page_size, kv_heads, dim_k, dim_v, dtype=torch.float32, seed=0):
+    """Caches whose pages are handed out in a shuffled order, with -1 past each sequence's last page."""
+    g = torch.Generator().manual_seed(seed)
+    pages_per_seq = [-(-n // page_size) for n in seq_lens]
+    num_pages = sum(pages_per_seq) + 2
+    k_cache = torch.randn(num_pages, page_size, kv_heads, dim_k, generator=g).to(dtype)
+    v_cache = torch.randn(num_pages, page_size, kv_heads, dim_v, generator=g).to(dtype)
+    free = torch.randperm(num_pages, generator=g).tolist()
+    table = torch.full((len(seq_lens), max(pages_per_seq) + 1), -1, dtype=torch.int32)
+    for b, n in enumerate(pages_per_seq):
+        table[b, :n] = torch.tensor([free.pop() for _ in range(n)], dtype=torch.int32)
+    return k_cache, v_cache, table, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def naive_decode(q, k_cache, v_cache, table, seq_lens, scale):
+    out = []
+    for b, n in enumerate(seq_lens.tolist()):
+        pages = table[b, : -(-n // k_cache.shape[1])].long()
+        keys = k_cache[pages].flatten(0, 1)[:n]
+        values = v_cache[pages].flatten(0, 1)[:n]
+        out.append(naive_attention(q[b : b + 1], keys, values, scale, torch.ones(1, n, dtype=torch.bool))[0])
+    return torch.stack(out)
+
+
+# Lengths straddle page boundaries (one page, one past it, a single key) and span several splits
+# and key blocks.
+SEQ_LENS = [8, 9, 1, 23, 100]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 1), (8, 1), (16, 2)])
+def test_decode_torch_matches_naive(heads, kv_heads):
+    k_cache, v_cache, table, lens = make_paged(SEQ_LENS, 8, kv_heads, 16, 12)
+    q = torch.randn(len(SEQ_LENS), heads, 16)
+    out = paged_decode_attention_torch(q, k_cache, v_cache, table, lens, 0.25)
+    torch.testing.assert_close(
+        out.double(), naive_decode(q, k_cache, v_cache, table, lens, 0.25), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_decode_torch_chunks_large_batches(monkeypatch):
+    import batchgen.kernels.attention_torch as attention_torch
+
+    k_cache, v_cache, table, lens = make_paged([5, 17, 3, 30, 2], 4, 2, 8, 8)
+    q = torch.randn(5, 4, 8)
+    whole = paged_decode_attention_torch(q, k_cache, v_cache, table, lens, 0.3)
+    monkeypatch.setattr(attention_torch, "DECODE_GATHER_BUDGET", 2 * 32 * 2 * 16)
+    assert (
+        len(list(attention_torch.decode_chunks(lens.tolist(), 2 * 16, attention_torch.DECODE_GATHER_BUDGET)))
+        > 1
+    )
+    torch.testing.assert_close(paged_decode_attention_torch(q, k_cache, v_cache, table, lens, 0.3), whole)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim_k,dim_v,dtype,splits",
+    [
+        (4, 4, 16, 16, torch.float32, 1),
+        (4, 1, 16, 8, torch.float32, 3),
+        (8, 1, 24, 16, torch.float16, 2),
+        (16, 2, 16, 16, torch.float16, 4),
+    ],
+)
+def test_decode_triton_matches_torch(heads, kv_heads, dim_k, dim_v, dtype, splits):
+    from batchgen.kernels.decode_triton import paged_decode_attention_triton
+
+    k_cache, v_cache, table, lens = make_paged(SEQ_LENS, 8, kv_heads, dim_k, dim_v, dtype=dtype)
+    q = torch.randn(len(SEQ_LENS), heads, dim_k).to(dtype)
+    expected = paged_decode_attention_torch(q, k_cache, v_cache, table, lens, dim_k**-0.5)
+    got = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, dim_k**-0.5, num_splits=splits)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mla_latent_decode(backend):
+    """DeepSeek-V3 absorbed MLA: one KV head, K = [latent | rope] (576), V = the latent part of K (512)."""
+    rank, rope = 512, 64
+    k_cache, _, table, lens = make_paged([3, 17], 16, 1, rank + rope, 1, seed=3)
+    v_cache = k_cache[..., :rank]
+    q = torch.randn(2, 4, rank + rope)
+    scale = (128 + rope) ** -0.5
+    with registry.use_backend("paged_decode_attention", backend):
+        out = ops.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
+    assert registry.last_used("paged_decode_attention") == backend
+    assert out.shape == (2, 4, rank)
+    torch.testing.assert_close(
+        out.double(), naive_decode(q, k_cache, v_cache, table, lens, scale), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_kv_then_decode(backend, dtype):
+    page_size, kv_heads = 4, 2
+    k_cache = torch.zeros(6, page_size, kv_heads, 8, dtype=dtype)
+    v_cache = torch.zeros(6, page_size, kv_heads, 4, dtype=dtype)
+    slots = torch.tensor([5 * 4 + 3, 2 * 4 + 0, -1, 0 * 4 + 1], dtype=torch.int64)
+    k = torch.randn(4, kv_heads, 8).to(dtype)
+    v = torch.randn(4, kv_heads, 4).to(dtype)
+    with registry.use_backend("write_kv", backend):
+        ops.write_kv(k, v, k_cache, v_cache, slots)
+    assert registry.last_used("write_kv") == backend
+    flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat_k[slot], k[t]) and torch.equal(flat_v[slot], v[t])
+    written = {s for s in slots.tolist() if s >= 0}
+    untouched = [s for s in range(flat_k.shape[0]) if s not in written]
+    assert flat_k[untouched].eq(0).all() and flat_v[untouched].eq(0).all()
+
+
+def test_write_kv_torch_rejects_non_flat_pages():
+    cache = torch.zeros(4, 2, 4, 8).transpose(0, 1)  # [pages=2, page_size=4, ...] with pages not contiguous
+    with pytest.raises(ValueError, match="k_cache pages are not laid out contiguously"):
+        ops.write_kv(
+            torch.zeros(1, 4, 8), torch.zeros(1, 4, 8), cache, cache, torch.zeros(1, dtype=torch.int64)
+        )

@@ -1,0 +1,149 @@
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from batchgen.kernels import ops, registry
+from batchgen.kernels.moe_align import align_to_blocks
+from batchgen.kernels.moe_config import config_file_name, moe_config
+from batchgen.kernels.moe_torch import fused_moe_torch
+
+
+def naive_moe(x, w_gate_up, w_down, topk_weights, topk_ids):
+    """Token-by-token float64 evaluation of the fused_moe formula."""
+    inter = w_gate_up.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            if e < 0:
+                continue
+            h = w_gate_up[e].double() @ x[t].double()
+            y = w_down[e].double() @ (F.silu(h[:inter]) * h[inter:])
+            out[t] += float(topk_weights[t, k]) * y
+    return out
+
+
+def make_moe(tokens, dim, inter, experts, top_k, dtype=torch.float32, seed=0, skip_experts=()):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, dim, generator=g)
+    w_gate_up = torch.randn(experts, 2 * inter, dim, generator=g) / dim**0.5
+    w_down = torch.randn(experts, dim, inter, generator=g) / inter**0.5
+    allowed = torch.tensor([e for e in range(experts) if e not in skip_experts])
+    scores = torch.rand(tokens, len(allowed), generator=g)
+    topk_weights, picked = scores.topk(top_k, dim=1)
+    topk_ids = allowed[picked]
+    topk_weights = topk_weights / topk_weights.sum(1, keepdim=True)
+    return x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype), topk_weights, topk_ids
+
+
+@pytest.mark.parametrize("tokens,top_k", [(1, 1), (7, 2), (33, 8), (64, 2)])
+def test_grouped_torch_matches_naive(tokens, top_k):
+    args = make_moe(tokens, 16, 24, 10, top_k, skip_experts=(3,))
+    torch.testing.assert_close(fused_moe_torch(*args).double(), naive_moe(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_torch_skips_remote_experts():
+    x, w13, w2, weights, ids = make_moe(9, 16, 24, 4, 2)
+    ids[::2, 1] = -1
+    expected = naive_moe(x, w13, w2, weights, ids)
+    torch.testing.assert_close(
+        fused_moe_torch(x, w13, w2, weights, ids).double(), expected, rtol=1e-5, atol=1e-5
+    )
+
+
+def test_align_groups_pairs_by_expert_in_blocks():
+    ids = torch.tensor([[2, 0], [2, -1], [0, 2], [2, 2]])
+    blocks = align_to_blocks(ids, num_experts=4, block_m=4)
+    used = int(blocks.num_padded)
+    assert used == 12  # expert 0: 2 pairs -> one block of 4; expert 2: 5 pairs -> two blocks
+    sentinel = ids.numel()
+    assert blocks.sorted_ids[:used].tolist() == [1, 4, sentinel, sentinel, 0, 2, 5, 6, 7] + [sentinel] * 3
+    assert blocks.expert_ids[:3].tolist() == [0, 2, 2]
+    assert blocks.sorted_ids[used:].eq(sentinel).all()
+
+
+def test_align_counts_each_pair_once():
+    ids = torch.randint(0, 16, (50, 3))
+    blocks = align_to_blocks(ids, num_experts=16, block_m=16)
+    used = int(blocks.num_padded)
+    real = blocks.sorted_ids[:used]
+    real = real[real < ids.numel()]
+    assert sorted(real.tolist()) == list(range(ids.numel()))
+    flat = ids.reshape(-1)
+    for block, expert in enumerate(blocks.expert_ids[: used // 16].tolist()):
+        rows = blocks.sorted_ids[block * 16 : (block + 1) * 16]
+        rows = rows[rows < ids.numel()]
+        assert flat[rows.long()].eq(expert).all()
+
+
+def test_config_file_nearest_m(tmp_path, monkeypatch):
+    tuned = {
+        "1": dict(
+            BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2
+        ),
+        "256": dict(
+            BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=8, num_stages=3
+        ),
+    }
+    (tmp_path / config_file_name(8, 24, "cpu")).write_text(json.dumps(tuned))
+    monkeypatch.setenv("BATCHGEN_MOE_CONFIG_DIR", str(tmp_path))
+    assert moe_config(200, 8, 24, torch.device("cpu"))["BLOCK_SIZE_N"] == 128
+    assert moe_config(3, 8, 24, torch.device("cpu"))["BLOCK_SIZE_M"] == 16
+    assert moe_config(3, 8, 32, torch.device("cpu"))["BLOCK_SIZE_K"] == 64  # no file: default
+
+
+def test_config_file_missing_key_is_named(tmp_path, monkeypatch):
+    (tmp_path / config_file_name(4, 8, "cpu")).write_text(json.dumps({"1": {"BLOCK_SIZE_M": 16}}))
+    monkeypatch.setenv("BATCHGEN_MOE_CONFIG_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="lacks BLOCK_SIZE_N"):
+        moe_config(1, 4, 8, torch.device("cpu"))
+
+
+def test_ops_validates_shapes():
+    x, w13, w2, weights, ids = make_moe(4, 16, 24, 4, 2)
+    with pytest.raises(ValueError, match="w_down must be"):
+        ops.fused_moe(x, w13, w2.transpose(1, 2), weights, ids)
+    with pytest.raises(ValueError, match="topk_weights"):
+        ops.fused_moe(x, w13, w2, weights[:, :1], ids)
+
+
+def test_ops_picks_torch_on_cpu():
+    args = make_moe(5, 16, 24, 4, 2)
+    ops.fused_moe(*args)
+    assert registry.last_used("fused_moe") == "torch"
+
+
+SMALL_BLOCKS = dict(
+    BLOCK_SIZE_M=16, BLOCK_SIZE_N=16, BLOCK_SIZE_K=16, GROUP_SIZE_M=2, num_warps=4, num_stages=2
+)
+
+
+@pytest.mark.parametrize(
+    "tokens,top_k,dtype,skip",
+    [
+        (1, 1, torch.float32, ()),
+        (13, 2, torch.float32, (1,)),
+        (20, 8, torch.float32, ()),
+        (13, 2, torch.float16, (0, 5)),
+        (6, 8, torch.float16, ()),
+    ],
+)
+def test_triton_matches_torch(tokens, top_k, dtype, skip):
+    from batchgen.kernels.moe_triton import fused_moe_triton
+
+    args = make_moe(tokens, 40, 24, 10, top_k, dtype=dtype, skip_experts=skip)
+    expected = fused_moe_torch(*args)
+    got = fused_moe_triton(*args, config=SMALL_BLOCKS)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    assert got.dtype == dtype
+
+
+def test_triton_default_config_and_remote_experts_through_ops():
+    x, w13, w2, weights, ids = make_moe(9, 32, 16, 4, 2)
+    ids[1::3, 0] = -1
+    with registry.use_backend("fused_moe", "triton"):
+        got = ops.fused_moe(x, w13, w2, weights, ids)
+    assert registry.last_used("fused_moe") == "triton"
+    torch.testing.assert_close(got.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,90 @@
+import importlib.util
+
+import pytest
+import torch
+from batchgen.kernels import ops, registry
+
+
+@pytest.fixture(autouse=True)
+def clean_registry(monkeypatch):
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    for op in registry.OPS:
+        registry.set_backend(op, None)
+    registry.reset_usage()
+    yield
+    for op in registry.OPS:
+        registry.set_backend(op, None)
+
+
+def test_parse_overrides():
+    assert registry.parse_overrides("fused_moe=torch, paged_decode_attention=triton") == {
+        "fused_moe": "torch",
+        "paged_decode_attention": "triton",
+    }
+    assert registry.parse_overrides("triton") == {
+        "fused_moe": "triton",
+        "paged_decode_attention": "triton",
+        "write_kv": "triton",
+    }
+    with pytest.raises(ValueError, match="BATCHGEN_KERNELS: unknown backend 'cutlass' for fused_moe"):
+        registry.parse_overrides("fused_moe=cutlass")
+    with pytest.raises(ValueError, match="unknown kernel op 'matmul'"):
+        registry.parse_overrides("matmul=torch")
+
+
+def test_auto_picks_torch_on_cpu_even_under_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for op in registry.OPS:
+        assert registry.resolve(op, "cpu", torch.float32)[0] == "torch"
+
+
+def test_env_override_forces_triton_and_counts_use(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(registry.ENV_VAR, "write_kv=triton")
+    k_cache = torch.zeros(2, 4, 1, 8)
+    ops.write_kv(torch.ones(1, 1, 8), torch.ones(1, 1, 8), k_cache, k_cache.clone(), torch.tensor([5]))
+    assert registry.last_used("write_kv") == "triton"
+    assert k_cache[1, 1].eq(1).all()
+    monkeypatch.setenv(registry.ENV_VAR, "")
+    ops.write_kv(torch.ones(1, 1, 8), torch.ones(1, 1, 8), k_cache, k_cache.clone(), torch.tensor([0]))
+    assert registry.last_used("write_kv") == "torch"
+    assert registry.usage_counts() == {("write_kv", "triton"): 1, ("write_kv", "torch"): 1}
+
+
+def test_set_backend_beats_env(monkeypatch):
+    monkeypatch.setenv(registry.ENV_VAR, "paged_decode_attention=triton")
+    registry.set_backend("paged_decode_attention", "torch")
+    assert registry.resolve("paged_decode_attention", "cpu", torch.float32)[0] == "torch"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")
+def test_forcing_missing_flash_attn_names_it():
+    registry.set_backend("prefill_attention", "flash_attn")
+    q = torch.randn(2, 2, 8)
+    with pytest.raises(registry.BackendUnavailableError, match="flash-attn is not installed"):
+        ops.prefill_attention(q, q, q, torch.tensor([0, 2]), torch.tensor([0, 2]), 1.0)
+
+
+def test_forcing_triton_on_cpu_without_interpreter_names_device(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    registry.set_backend("fused_moe", "triton")
+    with pytest.raises(
+        registry.BackendUnavailableError, match="needs a cuda tensor .or TRITON_INTERPRET=1., got cpu"
+    ):
+        registry.resolve("fused_moe", "cpu", torch.float32)
+
+
+def test_unknown_names():
+    with pytest.raises(
+        ValueError, match="set_backend: unknown backend 'flash_attn' for fused_moe; known: triton, torch"
+    ):
+        registry.set_backend("fused_moe", "flash_attn")
+    with pytest.raises(ValueError, match="unknown kernel op"):
+        registry.last_used("softmax")
+
+
+def test_use_backend_restores_previous():
+    registry.set_backend("fused_moe", "torch")
+    with registry.use_backend("fused_moe", "triton"):
+        assert registry._state.forced["fused_moe"] == "triton"
+    assert registry._state.forced["fused_moe"] == "torch"
