@@ -14,11 +14,12 @@ import statistics
 import time
 
 import torch
-
 from batchgen.kernels.moe_torch import fused_moe_torch
 
 TOP_K = 2
 TOKENS_PER_EXPERT = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# transformers' batched_mm gathers a copy of the expert weights for every routed token: cap its memory.
+BATCHED_MM_MAX_BYTES = 2 << 30
 
 
 def balanced_routing(tokens_per_expert: int, num_experts: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,7 +39,10 @@ def transformers_experts(impl: str, w_gate_up: torch.Tensor, w_down: torch.Tenso
 
     num_experts, two_i, dim = w_gate_up.shape
     config = MixtralConfig(
-        hidden_size=dim, intermediate_size=two_i // 2, num_local_experts=num_experts, num_experts_per_tok=TOP_K
+        hidden_size=dim,
+        intermediate_size=two_i // 2,
+        num_local_experts=num_experts,
+        num_experts_per_tok=TOP_K,
     )
     config._experts_implementation = impl
     experts = MixtralExperts(config).to(device=w_gate_up.device, dtype=w_gate_up.dtype)
@@ -48,11 +52,15 @@ def transformers_experts(impl: str, w_gate_up: torch.Tensor, w_down: torch.Tenso
 
 
 def implementations(device: torch.device, w_gate_up, w_down) -> dict:
-    impls = {"batchgen_torch_grouped": lambda x, ids, weights: fused_moe_torch(x, w_gate_up, w_down, weights, ids)}
+    impls = {
+        "batchgen_torch_grouped": lambda x, ids, weights: fused_moe_torch(x, w_gate_up, w_down, weights, ids)
+    }
     if device.type == "cuda":
         from batchgen.kernels.moe_triton import fused_moe_triton
 
-        impls["batchgen_triton"] = lambda x, ids, weights: fused_moe_triton(x, w_gate_up, w_down, weights, ids)
+        impls["batchgen_triton"] = lambda x, ids, weights: fused_moe_triton(
+            x, w_gate_up, w_down, weights, ids
+        )
     for impl in ("eager", "grouped_mm", "batched_mm"):
         impls[f"transformers_{impl}"] = transformers_experts(impl, w_gate_up, w_down)
     return impls
@@ -76,8 +84,12 @@ def run(args) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype)
     g = torch.Generator(device="cpu").manual_seed(0)
-    w_gate_up = (torch.randn(args.experts, 2 * args.inter, args.dim, generator=g) / args.dim**0.5).to(device, dtype)
-    w_down = (torch.randn(args.experts, args.dim, args.inter, generator=g) / args.inter**0.5).to(device, dtype)
+    w_gate_up = (torch.randn(args.experts, 2 * args.inter, args.dim, generator=g) / args.dim**0.5).to(
+        device, dtype
+    )
+    w_down = (torch.randn(args.experts, args.dim, args.inter, generator=g) / args.inter**0.5).to(
+        device, dtype
+    )
     impls = implementations(device, w_gate_up, w_down)
     rows, skipped = [], {}
     with torch.inference_mode():
@@ -86,7 +98,12 @@ def run(args) -> dict:
             x = torch.randn(topk_ids.shape[0], args.dim, device=device, dtype=dtype)
             reference = fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids).float()
             flops = topk_ids.numel() * 6 * args.dim * args.inter
+            gathered_bytes = topk_ids.numel() * 3 * args.dim * args.inter * w_down.element_size()
             for name, fn in impls.items():
+                if name == "transformers_batched_mm" and gathered_bytes > BATCHED_MM_MAX_BYTES:
+                    skipped.setdefault(
+                        name, f"from {n} tokens/expert: would gather {gathered_bytes / 2**30:.1f} GiB"
+                    )
                 if name in skipped:
                     continue
                 try:
@@ -127,7 +144,8 @@ def print_table(report: dict) -> None:
     by_key = {(r["impl"], r["tokens_per_expert"]): r for r in report["results"]}
     print(
         f"expert GEMM GFLOP/s on {report['device_type']} ({report['device']}, {report['threads']} threads), "
-        f"{report['dtype']}, E={report['experts']}, top-k={report['top_k']}, D={report['dim']}, I={report['inter']}"
+        f"{report['dtype']}, E={report['experts']}, top-k={report['top_k']}, "
+        f"D={report['dim']}, I={report['inter']}"
     )
     print(f"{'tokens/expert':>13} " + " ".join(f"{n:>24}" for n in names))
     for n in sorted({r["tokens_per_expert"] for r in report["results"]}):

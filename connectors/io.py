@@ -15,7 +15,8 @@ class StorageError(RuntimeError):
     """A path that cannot be read or written; the message names the URI and the reason."""
 
 
-def filesystem(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+def filesystem(uri: str, storage_options: dict[str, Any] | None = None
+               ) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem for `uri` and the path inside it (no scheme).
 
     S3 storage options use s3fs names (`key`, `secret`, `endpoint_url`, `client_kwargs`, ...).
@@ -47,7 +48,8 @@ def list_files(uri: str, suffix: str, storage_options: dict[str, Any] | None = N
             return fs, [path]
         if not fs.isdir(path):
             raise StorageError(f"input {uri!r} does not exist")
-        files = sorted(p for p in fs.find(path) if p.endswith(suffix) and not _hidden(posixpath.relpath(p, path)))
+        files = sorted(p for p in fs.find(path)
+                       if p.endswith(suffix) and not _hidden(posixpath.relpath(p, path)))
     except (OSError, PermissionError) as exc:
         raise StorageError(f"cannot read input {uri!r}: {exc}") from exc
     if not files:

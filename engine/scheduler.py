@@ -71,7 +71,7 @@ class Scheduler:
     def check_fits(self, total_tokens: int) -> None:
         """Reject a sequence that could never run, however long it waited (prompt + max_tokens)."""
         need = self.kv.pages_needed(total_tokens)
-        device_ok = need + self.kv.reserve_pages <= self.kv.device.num_pages
+        device_ok = need <= self.kv.device.num_pages
         streamed_ok = self.coroutine and need <= min(self.kv.stage.num_pages, self.kv.host.num_pages)
         if not (device_ok or streamed_ok):
             raise PromptTooLargeError(
@@ -128,7 +128,7 @@ class Scheduler:
 
     def _prefill_location(self, seqs: list[Sequence]) -> KVLocation | None:
         pages = sum(self.kv.pages_needed(len(s.prompt_ids) + 1) * s.sampling.n for s in seqs)
-        reserve = self.kv.reserve_pages * sum(s.sampling.n for s in seqs)
+        reserve = self.kv.reserve_pages * sum(s.sampling.n for s in seqs) if self.running else 0
         if pages + reserve <= self.kv.device.free_pages:
             return KVLocation.DEVICE
         if self.coroutine and pages <= self.kv.host.free_pages:
@@ -137,7 +137,8 @@ class Scheduler:
 
     def _restore(self) -> None:
         """Refill the device from the suspended pool in FIFO order (COMBINE restores KV)."""
-        while self.suspended and self.kv.fits(KVLocation.DEVICE, self.suspended[0].kv_len + 1):
+        while self.suspended and self.kv.fits(KVLocation.DEVICE, self.suspended[0].kv_len + 1,
+                                              reserve=bool(self.running)):
             seq = self.suspended.popleft()
             self.kv.migrate(seq, KVLocation.DEVICE)
             seq.phase = Phase.DECODE
@@ -153,7 +154,9 @@ class Scheduler:
             for seq in self.suspended:
                 if not self.kv.grow(seq, seq.kv_len + 1):
                     raise RuntimeError("host KV store is full: raise host_kv_budget_bytes")
-            staged = self._staging_groups(list(self.suspended))
+            # a sequence larger than the staging pool waits in the host store for a device restore
+            streamable = [s for s in self.suspended if self.kv.pages_needed(s.kv_len + 1) <= self.kv.stage.num_pages]
+            staged = self._staging_groups(streamable)
         return DecodePlan(list(self.running), staged)
 
     def _victim(self) -> Sequence:

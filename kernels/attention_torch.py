@@ -44,7 +44,7 @@ def prefill_attention_torch(
     return out
 
 
-def decode_chunks(seq_lens: list[int], row_cost: int, budget: int = DECODE_GATHER_BUDGET):
+def decode_chunks(seq_lens: list[int], row_cost: int, budget: int):
     """Consecutive (start, end, max_len) row ranges whose padded gather stays under budget elements."""
     start, longest = 0, 0
     for row, length in enumerate(seq_lens):
@@ -71,7 +71,14 @@ def paged_decode_attention_torch(
     dim_v = v_cache.shape[-1]
     out = q.new_empty(batch, heads, dim_v)
     lens = seq_lens.to(device=q.device, dtype=torch.long)
-    for start, end, max_len in decode_chunks(seq_lens.tolist(), kv_heads * (dim_k + dim_v)):
+    lengths = seq_lens.tolist()
+    if lengths and max(lengths) > page_table.shape[1] * page_size:
+        row = max(range(batch), key=lengths.__getitem__)
+        raise ValueError(
+            f"paged_decode_attention: seq_lens[{row}] = {lengths[row]} exceeds page_table capacity "
+            f"{page_table.shape[1]} pages x {page_size}"
+        )
+    for start, end, max_len in decode_chunks(lengths, kv_heads * (dim_k + dim_v), DECODE_GATHER_BUDGET):
         num_pages = -(-max_len // page_size)
         rows = end - start
         page_ids = torch.arange(num_pages, device=q.device)

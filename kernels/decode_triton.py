@@ -168,7 +168,7 @@ def paged_decode_attention_triton(
     partial = torch.empty(batch, heads, num_splits, dim_v, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     block_dv = triton.next_power_of_2(dim_v)
-    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    dot_precision = "ieee" if q.dtype == torch.float32 else None  # exact fp32, default otherwise
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q,
         k_cache,

@@ -107,9 +107,7 @@ def grouped_gemm(
     """Launch one grouped GEMM over the aligned blocks: c [pairs, N] <- a rows x b [E, N(*2), K]."""
     n_out = b.shape[1] // 2 if gated else b.shape[1]
     k_in = b.shape[2]
-    grid = (
-        triton.cdiv(blocks.max_padded, config["BLOCK_SIZE_M"]) * triton.cdiv(n_out, config["BLOCK_SIZE_N"]),
-    )
+    grid = (triton.cdiv(blocks.max_padded, blocks.block_m) * triton.cdiv(n_out, config["BLOCK_SIZE_N"]),)
     _grouped_gemm_kernel[grid](
         a,
         b,
@@ -133,8 +131,8 @@ def grouped_gemm(
         ROWS_PER_TOKEN=rows_per_token,
         GATED=gated,
         MUL_WEIGHT=weights is not None,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_SIZE_M=config["BLOCK_SIZE_M"],
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else None,
+        BLOCK_SIZE_M=blocks.block_m,
         BLOCK_SIZE_N=config["BLOCK_SIZE_N"],
         BLOCK_SIZE_K=config["BLOCK_SIZE_K"],
         GROUP_SIZE_M=config["GROUP_SIZE_M"],

@@ -108,7 +108,8 @@ class BatchRunner:
             if not self.store.set_status(batch_id, "failed", only_from=("validating",), errors=errors):
                 self.store.set_status(batch_id, "cancelled", only_from=("cancelling",))
             return
-        if not self.store.set_status(batch_id, "in_progress", only_from=("validating",), total=len(parsed.lines)):
+        total = len(parsed.lines)
+        if not self.store.set_status(batch_id, "in_progress", only_from=("validating",), total=total):
             self.store.set_status(batch_id, "cancelled", only_from=("cancelling",))
             return
         record = self.store.get_batch(batch_id)
@@ -210,7 +211,7 @@ class BatchRunner:
             self._finalize(batch)
 
     def _finalize(self, batch: RunningBatch) -> None:
-        """Write the output file (successes) and error file (failures, then never-run lines) in input order."""
+        """Write the output file (successes) and the error file (failures, never-run lines) in input order."""
         code = batch.stop_code
         if code is None and not self.store.set_status(batch.id, "finalizing", only_from=("in_progress",)):
             if self.store.get_batch(batch.id).status == "cancelling":

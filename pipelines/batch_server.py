@@ -57,7 +57,10 @@ class UploadLimit:
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.limit:
-                raise HTTPException(413, f"upload larger than the limit of {self.limit - MULTIPART_SLACK} bytes")
+                while message.get("more_body", False):  # drain, so the client reads the 413, not a reset
+                    message = await receive()
+                most = self.limit - MULTIPART_SLACK
+                raise HTTPException(413, f"upload larger than the limit of {most} bytes")
             return message
 
         await self.app(scope, limited_receive, send)
@@ -65,7 +68,9 @@ class UploadLimit:
 
 def _error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                     type_: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(error_object(message, type_, param, code), status_code=status)
+    # None of these errors goes away on retry; the openai client would otherwise retry a 409 twice.
+    return JSONResponse(error_object(message, type_, param, code), status_code=status,
+                        headers={"x-should-retry": "false"})
 
 
 def create_app(store: BatchStore, runner: BatchRunner, config: ServerConfig) -> FastAPI:
@@ -202,7 +207,8 @@ def create_app(store: BatchStore, runner: BatchRunner, config: ServerConfig) -> 
             raise APIError(400, "the request body must be a JSON object")
         endpoint = body.get("endpoint")
         if endpoint not in ENDPOINTS:
-            raise APIError(400, f"invalid 'endpoint' {endpoint!r}: must be one of {list(ENDPOINTS)}", "endpoint")
+            raise APIError(400, f"invalid 'endpoint' {endpoint!r}: must be one of {list(ENDPOINTS)}",
+                           "endpoint")
         window = body.get("completion_window")
         try:
             seconds = completion_window_seconds(window, config.allow_custom_completion_window)

@@ -13,12 +13,11 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import IO, Any
 
-import fsspec
-
+from batchgen.connectors.io import filesystem
 from batchgen.pipelines.openai_format import new_id
 
 FILE_ID = re.compile(r"^file-[0-9a-f]{24}$")
@@ -90,15 +89,12 @@ class BatchRecord:
         usage = {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": 0},
                  "output_tokens": self.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": self.input_tokens + self.output_tokens}
+        plain = ("id", "endpoint", "input_file_id", "completion_window", "status", "output_file_id",
+                 "error_file_id", "created_at", "expires_at", *(f"{s}_at" for s in _TIMESTAMPED), "metadata")
         return {
-            "id": self.id, "object": "batch", "endpoint": self.endpoint, "model": model, "errors": errors,
-            "input_file_id": self.input_file_id, "completion_window": self.completion_window,
-            "status": self.status, "output_file_id": self.output_file_id, "error_file_id": self.error_file_id,
-            "created_at": self.created_at, "in_progress_at": self.in_progress_at, "expires_at": self.expires_at,
-            "finalizing_at": self.finalizing_at, "completed_at": self.completed_at, "failed_at": self.failed_at,
-            "expired_at": self.expired_at, "cancelling_at": self.cancelling_at, "cancelled_at": self.cancelled_at,
+            **{key: getattr(self, key) for key in plain}, "object": "batch", "model": model, "errors": errors,
             "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed},
-            "metadata": self.metadata, "usage": usage,
+            "usage": usage,
         }
 
 
@@ -126,13 +122,13 @@ class BatchStore:
 
     def __init__(self, storage_uri: str, state_dir: str | None = None,
                  storage_options: dict[str, Any] | None = None) -> None:
-        self.fs, root = fsspec.core.url_to_fs(storage_uri, **(storage_options or {}))
+        self.fs, root = filesystem(storage_uri, storage_options)
         self.files_root = root.rstrip("/") + "/files"
         self.fs.makedirs(self.files_root, exist_ok=True)
         if state_dir is None:
             if not _is_local(storage_uri):
-                raise ValueError(f"storage {storage_uri!r} is remote: pass --state-dir, a local directory for "
-                                 "the SQLite metadata")
+                raise ValueError(f"storage {storage_uri!r} is remote: pass --state-dir, a local directory "
+                                 "for the SQLite metadata")
             state_dir = root
         os.makedirs(state_dir, exist_ok=True)
         self.db_path = os.path.join(state_dir, DB_NAME)
@@ -192,8 +188,9 @@ class BatchStore:
         """Unfinished batches that still need this file as their input."""
         marks = ", ".join("?" for _ in TERMINAL)
         with self._lock:
-            rows = self._db.execute(f"SELECT id FROM batches WHERE input_file_id = ? AND status NOT IN ({marks})",
-                                    (file_id, *TERMINAL)).fetchall()
+            rows = self._db.execute(
+                f"SELECT id FROM batches WHERE input_file_id = ? AND status NOT IN ({marks})",
+                (file_id, *TERMINAL)).fetchall()
         return [r[0] for r in rows]
 
     def delete_file(self, file_id: str) -> None:
@@ -262,7 +259,8 @@ class BatchStore:
 
     def done_indices(self, batch_id: str) -> set[int]:
         with self._lock:
-            rows = self._db.execute("SELECT line_index FROM results WHERE batch_id = ?", (batch_id,)).fetchall()
+            rows = self._db.execute("SELECT line_index FROM results WHERE batch_id = ?",
+                                    (batch_id,)).fetchall()
         return {r[0] for r in rows}
 
     def results(self, batch_id: str) -> dict[int, tuple[bool, str]]:
@@ -314,9 +312,10 @@ class BatchStore:
                 where = [*where, "seq > ?" if ascending else "seq < ?"]
                 args = [*args, row[0]]
             clause = f"WHERE {' AND '.join(where)}" if where else ""
+            direction = "ASC" if ascending else "DESC"
             rows = self._db.execute(
-                f"SELECT {', '.join(columns)} FROM {table} {clause} ORDER BY seq {'ASC' if ascending else 'DESC'} "
-                "LIMIT ?", (*args, limit + 1)).fetchall()
+                f"SELECT {', '.join(columns)} FROM {table} {clause} ORDER BY seq {direction} LIMIT ?",
+                (*args, limit + 1)).fetchall()
         return rows[:limit], len(rows) > limit
 
     def close(self) -> None:

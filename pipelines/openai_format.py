@@ -26,7 +26,8 @@ MAX_REPORTED_ERRORS = 100
 _SAMPLING_FIELDS = ("temperature", "top_p", "n", "seed", "stop", "top_k", "min_p", "min_tokens", "ignore_eos",
                     "stop_token_ids")
 # Fields accepted and ignored: they change nothing about what is generated.
-_IGNORED_FIELDS = ("model", "user", "store", "metadata", "service_tier", "stream_options", "parallel_tool_calls")
+_IGNORED_FIELDS = ("model", "user", "store", "metadata", "service_tier", "stream_options",
+                   "parallel_tool_calls")
 # Fields accepted only at their neutral value: anything else would silently change the output.
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "stream": (None, False),
@@ -94,8 +95,8 @@ def parse_batch_input(data: bytes, endpoint: str, served_model: str, max_request
     if not lines and not errors:
         fail(None, "empty_file", "the input file contains no requests")
     if len(lines) > max_requests:
-        fail(None, "too_many_requests", f"the input file has {len(lines)} requests; this server accepts at most "
-             f"{max_requests} per batch")
+        fail(None, "too_many_requests", f"the input file has {len(lines)} requests; this server accepts at "
+             f"most {max_requests} per batch")
     if len(errors) > MAX_REPORTED_ERRORS:
         hidden = len(errors) - MAX_REPORTED_ERRORS
         errors = errors[:MAX_REPORTED_ERRORS]
@@ -119,7 +120,8 @@ def _check_line(raw: bytes, endpoint: str, served_model: str, seen: dict[str, in
         return ("duplicate_custom_id", f"line {line_number}: custom_id {custom_id!r} already used on line "
                 f"{seen[custom_id]}", "custom_id")
     if entry.get("method") != "POST":
-        return "invalid_method", f"line {line_number}: 'method' must be 'POST', got {entry.get('method')!r}", "method"
+        return ("invalid_method", f"line {line_number}: 'method' must be 'POST', got {entry.get('method')!r}",
+                "method")
     if entry.get("url") != endpoint:
         return ("invalid_url", f"line {line_number}: 'url' must be the batch endpoint {endpoint!r}, got "
                 f"{entry.get('url')!r}", "url")
@@ -127,8 +129,8 @@ def _check_line(raw: bytes, endpoint: str, served_model: str, seen: dict[str, in
     if not isinstance(body, dict):
         return "invalid_body", f"line {line_number}: 'body' must be a JSON object", "body"
     if body.get("model") != served_model:
-        return ("model_not_found", f"line {line_number}: model {body.get('model')!r} is not served here; this "
-                f"server serves {served_model!r}", "body.model")
+        return ("model_not_found", f"line {line_number}: model {body.get('model')!r} is not served here; "
+                f"this server serves {served_model!r}", "body.model")
     return None
 
 
@@ -168,8 +170,8 @@ class RequestBuilder:
         conversation = _chat_messages(messages)
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
-            raise InvalidRequestError("the served model has no chat template; use /v1/completions or start the "
-                                      "server with --chat-template")
+            raise InvalidRequestError("the served model has no chat template; use /v1/completions or start "
+                                      "the server with --chat-template")
         try:
             text = self.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
                                                       add_generation_prompt=True)
@@ -185,7 +187,8 @@ def _check_fields(body: dict[str, Any], chat: bool) -> None:
             where = COMPLETIONS_ENDPOINT if chat else CHAT_ENDPOINT
             raise InvalidRequestError(f"parameter '{key}' belongs to {where}, not this batch's endpoint")
         if key in _NEUTRAL_VALUES and value not in _NEUTRAL_VALUES[key]:
-            raise InvalidRequestError(f"unsupported parameter '{key}': only {_NEUTRAL_VALUES[key][1]!r} is supported")
+            neutral = _NEUTRAL_VALUES[key][1]
+            raise InvalidRequestError(f"unsupported parameter '{key}': only {neutral!r} is supported")
         known = (key in _SAMPLING_FIELDS or key in _IGNORED_FIELDS or key in _NEUTRAL_VALUES
                  or key in ("messages", "prompt", "max_tokens", "max_completion_tokens", "logprobs",
                             "top_logprobs", "best_of"))
@@ -239,7 +242,8 @@ def _message_text(content: Any, i: int) -> str:
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise InvalidRequestError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
+            raise InvalidRequestError(f"messages[{i}].content[{j}]: only text parts are supported, "
+                                      f"got {kind!r}")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -252,7 +256,8 @@ def _completion_prompt(prompt: Any) -> str | list[int]:
         return prompt
     if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
         return prompt
-    raise InvalidRequestError("'prompt' must be a string or a non-empty list of token ids (one prompt per line)")
+    raise InvalidRequestError("'prompt' must be a string or a non-empty list of token ids "
+                              "(one prompt per line)")
 
 
 def response_body(endpoint: str, result: Result, model: str, tokenizer: Any) -> dict[str, Any]:
@@ -273,29 +278,43 @@ def response_body(endpoint: str, result: Result, model: str, tokenizer: Any) -> 
 def _chat_choice(c: Completion, tokenizer: Any) -> dict[str, Any]:
     logprobs = None
     if c.logprobs is not None:
-        logprobs = {"content": [_chat_logprob(lp, tokenizer) for lp in c.logprobs], "refusal": None}
+        content = [{**_chat_token(piece, lp.logprob), "top_logprobs": [_chat_token(p, v) for p, v in top]}
+                   for piece, lp, top in _token_pieces(c.logprobs, tokenizer)]
+        logprobs = {"content": content, "refusal": None}
     message = {"role": "assistant", "content": c.text, "refusal": None}
     return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
 
-def _chat_logprob(lp: TokenLogprob, tokenizer: Any) -> dict[str, Any]:
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        token = tokenizer.decode([token_id])
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
-
-    top = [entry(t, v) for t, v in lp.top.items()]
-    return {**entry(lp.token_id, lp.logprob), "top_logprobs": top}
+def _chat_token(piece: str, logprob: float) -> dict[str, Any]:
+    return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
 
 
 def _text_choice(c: Completion, tokenizer: Any) -> dict[str, Any]:
     logprobs = None
     if c.logprobs is not None:
-        tokens = [tokenizer.decode([lp.token_id]) for lp in c.logprobs]
-        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        logprobs = {"tokens": tokens, "token_logprobs": [lp.logprob for lp in c.logprobs],
-                    "top_logprobs": [{tokenizer.decode([t]): v for t, v in lp.top.items()} for lp in c.logprobs],
-                    "text_offset": offsets}
+        pieces = list(_token_pieces(c.logprobs, tokenizer))
+        tokens = [piece for piece, _, _ in pieces]
+        logprobs = {"tokens": tokens, "token_logprobs": [lp.logprob for _, lp, _ in pieces],
+                    "top_logprobs": [dict(top) for _, _, top in pieces],
+                    "text_offset": [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]}
     return {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+
+def _token_pieces(logprobs: list[TokenLogprob], tokenizer: Any, context: int = 4):
+    """(text the token adds, its logprob, [(alternative's text, logprob)]) per generated token.
+
+    A token decoded alone loses its leading space in SentencePiece-style tokenizers, so each piece
+    is what it adds after the few tokens before it; the pieces then concatenate to the text.
+    """
+    ids = [lp.token_id for lp in logprobs]
+    for i, lp in enumerate(logprobs):
+        before = ids[max(0, i - context):i]
+        prefix = tokenizer.decode(before, skip_special_tokens=True)
+
+        def piece(token_id: int, before=before, prefix=prefix) -> str:
+            return tokenizer.decode([*before, token_id], skip_special_tokens=True)[len(prefix):]
+
+        yield piece(lp.token_id), lp, [(piece(t), v) for t, v in lp.top.items()]
 
 
 def success_line(custom_id: str, body: dict[str, Any]) -> dict[str, Any]:

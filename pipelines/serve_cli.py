@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
+from batchgen.engine.config import EngineConfig
 from batchgen.engine.sampling_params import InvalidRequestError, SamplingParams
+
+_ARG_TYPES = {"int": int, "float": float, "str": str}
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -35,12 +40,22 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-in-flight", type=int, default=256,
                    help="requests handed to the engine at once; cancellation waits for these to finish")
     p.add_argument("--default-sampling", type=json.loads, default={},
-                   help='batch-level defaults for request bodies as JSON, e.g. {"temperature": 0, "max_tokens": 256}')
+                   help='batch-level defaults for request bodies as JSON, '
+                        'e.g. {"temperature": 0, "max_tokens": 256}')
     p.add_argument("--chat-template", help="Jinja chat template (a file or the template itself) for models "
                                            "whose tokenizer has none")
     p.add_argument("--allow-custom-completion-window", action="store_true",
                    help="accept any completion_window '<n>s|m|h|d', not only '24h' (short windows for tests)")
+    engine = p.add_argument_group("engine", "EngineConfig fields; unset ones keep EngineConfig's defaults")
+    for f in dataclasses.fields(EngineConfig):
+        engine.add_argument(f"--{f.name.replace('_', '-')}", dest=f"engine_{f.name}", default=None,
+                            type=_ARG_TYPES[str(f.type).replace(" | None", "")], metavar=f.name.upper())
     return p
+
+
+def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {f.name: getattr(args, f"engine_{f.name}") for f in dataclasses.fields(EngineConfig)
+            if getattr(args, f"engine_{f.name}") is not None}
 
 
 def run_serve(args: argparse.Namespace) -> None:
@@ -51,6 +66,7 @@ def run_serve(args: argparse.Namespace) -> None:
     from batchgen.pipelines.batch_server import ServerConfig, create_app
     from batchgen.pipelines.batch_store import BatchStore
 
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     try:
         SamplingParams.from_dict(args.default_sampling)
     except InvalidRequestError as exc:
@@ -60,7 +76,9 @@ def run_serve(args: argparse.Namespace) -> None:
     if chat_template is not None and Path(chat_template).is_file():
         chat_template = Path(chat_template).read_text()
     store = BatchStore(args.storage, args.state_dir, args.storage_options)
-    engine = Engine(args.model, storage_options=args.storage_options)
+    remote_model = "://" in args.model and not args.model.startswith("file://")
+    engine = Engine(args.model, storage_options=args.storage_options if remote_model else None,
+                    **_engine_overrides(args))
     runner = BatchRunner(engine, store, RunnerConfig(
         served_model=served_model, default_sampling=args.default_sampling, chat_template=chat_template,
         max_in_flight=args.max_in_flight, max_batch_requests=args.max_batch_requests))

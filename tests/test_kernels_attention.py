@@ -94,18 +94,30 @@ def test_decode_torch_matches_naive(heads, kv_heads):
     )
 
 
+def test_decode_rejects_lengths_beyond_the_page_table():
+    k_cache, v_cache, table, lens = make_paged([5, 9], 4, 1, 8, 8)
+    lens[1] = table.shape[1] * 4 + 1
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] = 17 exceeds page_table capacity 4 pages x 4"):
+        ops.paged_decode_attention(torch.randn(2, 1, 8), k_cache, v_cache, table, lens, 1.0)
+
+
 def test_decode_torch_chunks_large_batches(monkeypatch):
     import batchgen.kernels.attention_torch as attention_torch
 
     k_cache, v_cache, table, lens = make_paged([5, 17, 3, 30, 2], 4, 2, 8, 8)
     q = torch.randn(5, 4, 8)
     whole = paged_decode_attention_torch(q, k_cache, v_cache, table, lens, 0.3)
-    monkeypatch.setattr(attention_torch, "DECODE_GATHER_BUDGET", 2 * 32 * 2 * 16)
-    assert (
-        len(list(attention_torch.decode_chunks(lens.tolist(), 2 * 16, attention_torch.DECODE_GATHER_BUDGET)))
-        > 1
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda *a, **kw: calls.append(1) or sdpa(*a, **kw),
     )
-    torch.testing.assert_close(paged_decode_attention_torch(q, k_cache, v_cache, table, lens, 0.3), whole)
+    monkeypatch.setattr(attention_torch, "DECODE_GATHER_BUDGET", 2 * 32 * 2 * 16)
+    chunked = paged_decode_attention_torch(q, k_cache, v_cache, table, lens, 0.3)
+    assert len(calls) > 1
+    torch.testing.assert_close(chunked, whole)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,399 @@
+"""Batch completion time (BCT): BatchGen (the coroutine engine), the same engine in lockstep mode
+(vLLM-style continuous batching) and transformers' own continuous batching, on the same weights,
+in one process and one run.
+
+    python bench/bct.py [--quick] [--json] [--seed 0] [--num-prompts 128] [--experts 16] [--top-k 2]
+                        [--sigma 0.8] [--kv-budget-mb MB]
+
+Workload "bench-moe": the bench-moe preset (Mixtral-style, random weights), prompts of random token ids
+with lengths uniform in [32, 256), output lengths lognormal(mu=3.5, sigma) + 1 capped at 512, fixed per
+prompt by max_tokens with ignore_eos, greedy. Two scenarios: unconstrained (every sequence's full context
+fits in device KV) and a device KV budget holding 16 sequences of MEAN full context (prompt + output):
+2 * layers * kv_heads * head_dim * dtype bytes * mean context * 16, or --kv-budget-mb. transformers gets
+the same bytes as its cache size (num_blocks); its CPU swap pool needs pinned memory, so on a CPU-only
+torch it soft-resets (re-prefills) the requests it evicts.
+
+Each system first runs a few short warm-up requests (kept out of the timings); BCT runs from the first
+request submitted to the last result returned. The roofline bound (bench/roofline.py) is measured in the
+same run. With --json the last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from batchgen.connectors.checkpoint import load_model
+from batchgen.connectors.presets import build_preset
+from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
+from roofline import MoEShape, measure_peaks, workload_bound
+
+SYSTEMS = ("batchgen", "lockstep", "transformers")
+ENGINE_MODES = {"batchgen": "coroutine", "lockstep": "lockstep"}
+PAGE_SIZE = 64
+WARMUP_PROMPTS = 4
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    num_prompts: int = 128
+    prompt_len: tuple[int, int] = (32, 256)  # uniform in [low, high)
+    mu: float = 3.5
+    sigma: float = 0.8
+    max_output: int = 512
+    budget_seqs: int = 16  # the KV-budget scenario holds this many mean full contexts
+    seed: int = 0
+
+
+# --quick: the same model and systems, a workload small enough to finish in under a minute on 2 cores
+QUICK = dict(num_prompts=16, prompt_len=(16, 64), mu=2.5, max_output=48, budget_seqs=8)
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def contexts(self) -> list[int]:
+        return [len(p) + n for p, n in zip(self.prompts, self.max_tokens)]
+
+
+@dataclass
+class SystemRun:
+    tokens: list[list[int]]
+    bct_s: float
+    completion_times: list[float]
+    mean_expert_batch: float
+    engine_metrics: dict | None = None  # our engine's own counters
+
+
+def make_workload(spec: WorkloadSpec, vocab_size: int) -> Workload:
+    rng = random.Random(spec.seed)
+    prompts = [[rng.randrange(vocab_size) for _ in range(rng.randrange(*spec.prompt_len))]
+               for _ in range(spec.num_prompts)]
+    max_tokens = [min(spec.max_output, int(rng.lognormvariate(spec.mu, spec.sigma)) + 1) for _ in prompts]
+    return Workload(prompts, max_tokens)
+
+
+def warmup_workload(workload: Workload) -> Workload:
+    prompts = workload.prompts[:WARMUP_PROMPTS]
+    return Workload(prompts, [WARMUP_TOKENS] * len(prompts))
+
+
+def budget_bytes(shape: MoEShape, workload: Workload, budget_seqs: int) -> int:
+    """Device KV bytes that hold `budget_seqs` sequences of the workload's mean full context."""
+    return int(shape.kv_bytes_per_token * statistics.mean(workload.contexts) * budget_seqs)
+
+
+def check_budget(shape: MoEShape, workload: Workload, device_bytes: int) -> None:
+    """Lockstep must hold the longest sequence on the device, with the two pages it reserves ahead."""
+    need = (-(-max(workload.contexts) // PAGE_SIZE) + 2) * PAGE_SIZE * shape.kv_bytes_per_token
+    if device_bytes < need:
+        raise ValueError(f"KV budget of {device_bytes / 2**20:.2f} MiB cannot hold the longest sequence "
+                         f"({max(workload.contexts)} tokens + 2 reserved pages): "
+                         f"--kv-budget-mb must be at least {need / 2**20:.2f}")
+
+
+def all_contexts_bytes(shape: MoEShape, workload: Workload) -> int:
+    """KV bytes of every sequence's full context in whole pages, plus the two pages each reserves ahead."""
+    pages = sum(-(-n // PAGE_SIZE) + 2 for n in workload.contexts)
+    return pages * PAGE_SIZE * shape.kv_bytes_per_token
+
+
+def requests_for(workload: Workload) -> list[Request]:
+    return [Request(request_id=f"p{i}", prompt_token_ids=prompt,
+                    sampling=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            for i, (prompt, n) in enumerate(zip(workload.prompts, workload.max_tokens))]
+
+
+def run_engine(loaded, mode: str, workload: Workload, device_bytes: int, host_bytes: int) -> SystemRun:
+    config = EngineConfig(mode=mode, page_size=PAGE_SIZE, kv_budget_bytes=device_bytes,
+                          host_kv_budget_bytes=host_bytes)
+    Engine(loaded, config).generate(requests_for(warmup_workload(workload)))
+    gc.collect()
+    engine = Engine(loaded, config)
+    start = time.perf_counter()
+    results = engine.generate(requests_for(workload))
+    bct = time.perf_counter() - start
+    errors = [(r.request_id, r.error) for r in results if r.error]
+    if errors:
+        raise RuntimeError(f"{mode} engine failed requests: {errors[:3]}")
+    metrics = engine.metrics()
+    del engine
+    gc.collect()
+    return SystemRun(tokens=[r.outputs[0].token_ids for r in results], bct_s=bct,
+                     completion_times=[r.finished_at - start for r in results],
+                     mean_expert_batch=metrics["mean_expert_batch"], engine_metrics=metrics)
+
+
+class ExpertBatchCounter:
+    """Tokens per expert per MoE call in a transformers model (hooks on its fused experts modules)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.calls = 0
+        self.tokens_per_expert = 0.0
+        experts = [m for m in model.modules()
+                   if type(m).__name__.endswith("Experts") and hasattr(m, "num_experts")]
+        if not experts:
+            raise ValueError(f"{type(model).__name__} has no fused experts module to count MoE batches on")
+        self._hooks = [m.register_forward_pre_hook(self._count) for m in experts]
+
+    def _count(self, module: torch.nn.Module, args: tuple) -> None:
+        top_k_index = args[1]
+        self.calls += 1
+        self.tokens_per_expert += top_k_index.numel() / module.num_experts
+
+    @property
+    def mean(self) -> float:
+        return self.tokens_per_expert / self.calls if self.calls else 0.0
+
+    def reset(self) -> None:
+        self.calls, self.tokens_per_expert = 0, 0.0
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _drain(manager, workload: Workload, prefix: str) -> tuple[dict[str, list[int]], dict[str, float]]:
+    for i, (prompt, n) in enumerate(zip(workload.prompts, workload.max_tokens)):
+        manager.add_request(prompt, request_id=f"{prefix}{i}", max_new_tokens=n, eos_token_id=-1)
+    tokens, finished = {}, {}
+    while len(tokens) < len(workload.prompts):
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped before finishing")
+            continue
+        if result.is_finished():
+            if result.error is not None:
+                raise RuntimeError(f"transformers failed request {result.request_id}: {result.error}")
+            tokens[result.request_id] = list(result.generated_tokens)
+            finished[result.request_id] = time.perf_counter()
+    return tokens, finished
+
+
+def run_transformers(hf_model, workload: Workload, device_bytes: int, host_bytes: int, kv_bytes_per_token: int
+                     ) -> SystemRun:
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    generation = GenerationConfig(do_sample=False, max_new_tokens=max(workload.max_tokens), eos_token_id=-1)
+    offload_gib = host_bytes / 2**30 if torch.cuda.is_available() else 0.0  # its swap pool must be pinned
+    cb_config = ContinuousBatchingConfig(
+        page_size=PAGE_SIZE, num_blocks=max(1, device_bytes // (PAGE_SIZE * kv_bytes_per_token)),
+        allow_block_sharing=False, cpu_offload_space=offload_gib, seed=0)
+    counter = ExpertBatchCounter(hf_model)
+    manager = hf_model.init_continuous_batching(generation_config=generation,
+                                                continuous_batching_config=cb_config)
+    manager.start()
+    try:
+        _drain(manager, warmup_workload(workload), "warmup")
+        counter.reset()
+        start = time.perf_counter()
+        tokens, finished = _drain(manager, workload, "p")
+        bct = time.perf_counter() - start
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+        counter.remove()
+    ids = [f"p{i}" for i in range(len(workload.prompts))]
+    return SystemRun(tokens=[tokens[i] for i in ids], bct_s=bct,
+                     completion_times=[finished[i] - start for i in ids], mean_expert_batch=counter.mean)
+
+
+@dataclass
+class MatchReport:
+    exact: int
+    total: int
+    mean_prefix: float  # tokens matching before the first difference, averaged over prompts
+    mean_prefix_share: float  # the same as a share of each output's length
+    first_mismatch: dict | None  # prompt index, position and both tokens of the first difference
+
+    @property
+    def all_match(self) -> bool:
+        return self.exact == self.total
+
+
+def compare(reference: list[list[int]], other: list[list[int]]) -> MatchReport:
+    prefixes, first = [], None
+    for index, (a, b) in enumerate(zip(reference, other)):
+        prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if (prefix < len(a) or len(a) != len(b)) and first is None:
+            first = {"prompt": index, "position": prefix, "reference": a[prefix] if prefix < len(a) else None,
+                     "other": b[prefix] if prefix < len(b) else None}
+        prefixes.append((prefix, len(a)))
+    exact = sum(a == b for a, b in zip(reference, other))
+    return MatchReport(exact=exact, total=len(reference), mean_prefix=statistics.mean(p for p, _ in prefixes),
+                       mean_prefix_share=statistics.mean(p / n for p, n in prefixes), first_mismatch=first)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def scenario_summary(runs: dict[str, SystemRun], output_tokens: int, bound_s: float) -> dict:
+    batchgen, lockstep = runs["batchgen"], runs["lockstep"]
+    vs_lockstep = compare(batchgen.tokens, lockstep.tokens)
+    vs_hf = compare(batchgen.tokens, runs["transformers"].tokens)
+    engine_keys = ("scheduler_share", "yields", "restores", "bytes_moved", "peak_active", "peak_suspended",
+                   "prefill_steps", "decode_steps", "moe_calls")
+    return {
+        "bct_s": {name: run.bct_s for name, run in runs.items()},
+        "tokens_per_s": {name: output_tokens / run.bct_s for name, run in runs.items()},
+        "mean_expert_batch": {name: run.mean_expert_batch for name, run in runs.items()},
+        "speedup_vs_hf": runs["transformers"].bct_s / batchgen.bct_s,
+        "speedup_vs_lockstep": lockstep.bct_s / batchgen.bct_s,
+        "expert_batch_vs_lockstep": batchgen.mean_expert_batch / max(lockstep.mean_expert_batch, 1e-9),
+        "bct_over_roofline": batchgen.bct_s / bound_s,
+        "scheduler_share": {name: run.engine_metrics["scheduler_share"] for name, run in runs.items()
+                            if run.engine_metrics},
+        "completion_time_s": {name: {f"p{q}": percentile(run.completion_times, q) for q in (50, 95, 99)}
+                              for name, run in runs.items()},
+        "engine": {name: {k: run.engine_metrics[k] for k in engine_keys}
+                   for name, run in runs.items() if run.engine_metrics},
+        "outputs_match": {"batchgen_vs_lockstep": vs_lockstep.all_match, "batchgen_vs_hf": vs_hf.all_match},
+        "match": {"batchgen_vs_lockstep": dataclasses.asdict(vs_lockstep),
+                  "batchgen_vs_hf": dataclasses.asdict(vs_hf)},
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=f"scaled-down workload: {QUICK}")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (prompts and output lengths)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="default 128 (16 with --quick)")
+    parser.add_argument("--experts", type=int, default=None, help="override the preset's expert count")
+    parser.add_argument("--top-k", type=int, default=None, help="override the preset's experts per token")
+    parser.add_argument("--sigma", type=float, default=0.8, help="sigma of the lognormal output lengths")
+    parser.add_argument("--kv-budget-mb", type=float, default=None,
+                        help="device KV budget of the constrained scenario (default: 16 mean full contexts)")
+    args = parser.parse_args(argv)
+    for name in ("num_prompts", "experts", "top_k"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.sigma < 0:
+        parser.error(f"--sigma must be >= 0, got {args.sigma}")
+    if args.kv_budget_mb is not None and args.kv_budget_mb <= 0:
+        parser.error(f"--kv-budget-mb must be > 0, got {args.kv_budget_mb}")
+    return args
+
+
+def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
+    spec = WorkloadSpec(**QUICK) if args.quick else WorkloadSpec()
+    changes = {"seed": args.seed, "sigma": args.sigma}
+    if args.num_prompts is not None:
+        changes["num_prompts"] = args.num_prompts
+    return dataclasses.replace(spec, **changes)
+
+
+def load_systems(model_dir: str, device: torch.device):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    loaded = load_model(model_dir, dtype="float32", device=str(device))
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    return loaded, hf_model
+
+
+def run(args: argparse.Namespace, log) -> dict:
+    spec = workload_spec(args)
+    overrides = {k: v for k, v in (("experts", args.experts), ("top_k", args.top_k)) if v is not None}
+    model_dir = build_preset("bench-moe", **overrides)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    shape = MoEShape.from_hf_config(config)
+    workload = make_workload(spec, shape.vocab)
+    output_tokens = sum(workload.max_tokens)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    load_at_start = os.getloadavg()  # other jobs on a shared machine skew every timing: report them
+    log(f"model {model_dir}: {shape.experts} experts top-{shape.top_k}, {shape.layers} layers; "
+        f"{spec.num_prompts} prompts, {sum(map(len, workload.prompts))} prompt tokens, {output_tokens} "
+        f"output tokens (max {max(workload.max_tokens)}); torch threads {torch.get_num_threads()}, {device}, "
+        f"load average {load_at_start[0]:.2f}")
+
+    peaks = measure_peaks(device=device)
+    bound = workload_bound(shape, [len(p) for p in workload.prompts], workload.max_tokens, peaks)
+    log(f"roofline: matmul {peaks.matmul_flops / 1e9:.0f} GFLOP/s, read {peaks.read_bandwidth / 1e9:.1f} GB/s"
+        f" -> bound {bound.seconds:.2f} s (prefill {bound.prefill_seconds:.2f} s, {bound.decode_steps} "
+        f"decode steps {bound.decode_seconds:.2f} s, {bound.compute_bound_steps} of them compute-bound)")
+
+    loaded, hf_model = load_systems(model_dir, device)
+    host_bytes = all_contexts_bytes(shape, workload)
+    constrained = budget_bytes(shape, workload, spec.budget_seqs)
+    if args.kv_budget_mb:
+        constrained = int(args.kv_budget_mb * 2**20)
+    check_budget(shape, workload, constrained)
+    # unconstrained: twice every full context, so room is left after coroutine mode's staging share
+    budgets = {"unconstrained": 2 * host_bytes, "kv_budget": constrained}
+    scenarios = {}
+    for scenario, device_bytes in budgets.items():
+        runs = {}
+        for name in SYSTEMS:
+            if name == "transformers":
+                runs[name] = run_transformers(hf_model, workload, device_bytes, host_bytes,
+                                              shape.kv_bytes_per_token)
+            else:
+                runs[name] = run_engine(loaded, ENGINE_MODES[name], workload, device_bytes, host_bytes)
+            log(f"{scenario:>13} {name:>12}: BCT {runs[name].bct_s:7.2f} s, "
+                f"{output_tokens / runs[name].bct_s:7.1f} tok/s, "
+                f"mean expert batch {runs[name].mean_expert_batch:.2f}")
+        summary = scenario_summary(runs, output_tokens, bound.seconds)
+        scenarios[scenario] = {"kv_budget_bytes": device_bytes, **summary}
+        log(describe(scenario, summary))
+
+    return {
+        "workload": {**dataclasses.asdict(spec), "experts": shape.experts, "top_k": shape.top_k,
+                     "layers": shape.layers, "prompt_tokens": sum(map(len, workload.prompts)),
+                     "output_tokens": output_tokens, "max_output_tokens": max(workload.max_tokens),
+                     "budget_rule": ("--kv-budget-mb" if args.kv_budget_mb else
+                                     "kv_bytes_per_token * mean(prompt + output) * budget_seqs"),
+                     "kv_bytes_per_token": shape.kv_bytes_per_token, "host_kv_bytes": host_bytes},
+        "machine": {"torch_threads": torch.get_num_threads(), "device": str(device),
+                    "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(),
+                    **dataclasses.asdict(peaks)},
+        "roofline": dataclasses.asdict(bound),
+        "scenarios": scenarios,
+        "outputs_match": {key: all(s["outputs_match"][key] for s in scenarios.values())
+                          for key in ("batchgen_vs_lockstep", "batchgen_vs_hf")},
+    }
+
+
+def describe(scenario: str, summary: dict) -> str:
+    lines = [f"[{scenario}] speedup vs transformers {summary['speedup_vs_hf']:.2f}x, "
+             f"vs lockstep {summary['speedup_vs_lockstep']:.2f}x; "
+             f"expert batch {summary['expert_batch_vs_lockstep']:.2f}x lockstep's; "
+             f"BatchGen at {summary['bct_over_roofline']:.2f}x the roofline bound; scheduler share "
+             + ", ".join(f"{k} {v:.1%}" for k, v in summary["scheduler_share"].items())]
+    for pair, match in summary["match"].items():
+        line = (f"  outputs {pair}: {match['exact']}/{match['total']} identical, mean matching prefix "
+                f"{match['mean_prefix']:.1f} tokens ({match['mean_prefix_share']:.1%})")
+        if match["first_mismatch"]:
+            line += f"; first difference {match['first_mismatch']}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    report = run(args, log=lambda message: print(message, flush=True))
+    if args.json:
+        print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Roofline lower bound of a generation workload on this machine.
+
+No engine can run a decode step faster than max(FLOPs / peak FLOP/s, bytes read / memory bandwidth).
+The bound schedules the workload as well as any engine could: every prompt prefilled in one pass, then
+every unfinished sequence decoded in one batch per step (so weights are read once per step for the
+whole population), over as many steps as the longest output needs. Peaks are measured here, in the same
+process as the benchmark: a large fp32 GEMM and a large tensor reduction.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MachinePeaks:
+    matmul_flops: float  # FLOP/s of a large square GEMM
+    read_bandwidth: float  # bytes/s streaming a large tensor (sum)
+    copy_bandwidth: float  # bytes/s read + written by a large tensor copy
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """What the bound needs of a Mixtral-style model (q/k/v/o attention, top-k routed SwiGLU experts)."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    intermediate: int
+    dtype_bytes: int
+
+    @classmethod
+    def from_hf_config(cls, config: dict, dtype_bytes: int = 4) -> MoEShape:
+        needed = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "num_local_experts", "num_experts_per_tok", "intermediate_size")
+        missing = [k for k in needed if k not in config]
+        if missing:
+            raise ValueError(f"config.json of model_type {config.get('model_type')!r} lacks {missing}: "
+                             "the roofline bound needs a Mixtral-style MoE config")
+        heads = config["num_attention_heads"]
+        return cls(vocab=config["vocab_size"], hidden=config["hidden_size"],
+                   layers=config["num_hidden_layers"], heads=heads,
+                   kv_heads=config.get("num_key_value_heads") or heads,
+                   head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+                   experts=config["num_local_experts"], top_k=config["num_experts_per_tok"],
+                   intermediate=config["intermediate_size"], dtype_bytes=dtype_bytes)
+
+    @property
+    def dense_params_per_layer(self) -> int:
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return attn + self.hidden * self.experts + 2 * self.hidden  # + router + two norms
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden * self.intermediate
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class RooflineBound:
+    seconds: float
+    prefill_seconds: float
+    decode_seconds: float
+    decode_steps: int
+    compute_bound_steps: int
+    flops: float
+    bytes_read: float
+
+
+def _best_seconds(fn, repeats: int, device: torch.device) -> float:
+    def timed() -> float:
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    timed()  # warm-up: allocator, thread pool, kernel selection
+    return min(timed() for _ in range(repeats))
+
+
+def measure_peaks(device: torch.device | None = None, gemm_size: int = 2048, stream_mib: int = 512,
+                  repeats: int = 5) -> MachinePeaks:
+    """Best-of-`repeats` fp32 GEMM FLOP/s and streaming bandwidth, with torch's default thread count."""
+    device = device or torch.device("cpu")
+    a = torch.randn(gemm_size, gemm_size, device=device)
+    b = torch.randn(gemm_size, gemm_size, device=device)
+    gemm = _best_seconds(lambda: torch.mm(a, b), repeats, device)
+    x = torch.ones(stream_mib * 2**20 // 4, device=device)
+    y = torch.empty_like(x)
+    read = _best_seconds(lambda: x.sum(), repeats, device)
+    copy = _best_seconds(lambda: y.copy_(x), repeats, device)
+    nbytes = x.numel() * x.element_size()
+    return MachinePeaks(matmul_flops=2 * gemm_size**3 / gemm, read_bandwidth=nbytes / read,
+                        copy_bandwidth=2 * nbytes / copy)
+
+
+def _experts_touched(shape: MoEShape, tokens: int) -> float:
+    """Expected distinct experts hit per layer when `tokens` tokens route uniformly at random."""
+    return shape.experts * (1 - (1 - shape.top_k / shape.experts) ** tokens)
+
+
+def _step_cost(shape: MoEShape, tokens: int, attended: int, kv_tokens_read: int, experts_hit: float
+               ) -> tuple[float, float]:
+    """(FLOPs, bytes read) of one forward: `tokens` new tokens (one logits row each at most), `attended`
+    (query, key) pairs, `kv_tokens_read` cached tokens read back, `experts_hit` experts per layer."""
+    per_token = shape.layers * (shape.dense_params_per_layer + shape.top_k * shape.expert_params)
+    flops = 2 * tokens * per_token + shape.layers * 4 * shape.heads * shape.head_dim * attended
+    weights = shape.layers * (shape.dense_params_per_layer + experts_hit * shape.expert_params)
+    weights += shape.vocab * shape.hidden + tokens * shape.hidden  # LM head + embedding rows
+    return flops, weights * shape.dtype_bytes + kv_tokens_read * shape.kv_bytes_per_token
+
+
+def workload_bound(shape: MoEShape, prompt_lens: list[int], output_lens: list[int], peaks: MachinePeaks
+                   ) -> RooflineBound:
+    """Least time for prompts `prompt_lens` generating `output_lens` tokens each (the first from prefill)."""
+    if len(prompt_lens) != len(output_lens) or not prompt_lens:
+        raise ValueError(f"need one output length per prompt, got {len(prompt_lens)} prompts "
+                         f"and {len(output_lens)} output lengths")
+    logits_flops = 2 * shape.vocab * shape.hidden
+    total_flops = total_bytes = 0.0
+
+    def seconds(flops: float, nbytes: float) -> tuple[float, bool]:
+        nonlocal total_flops, total_bytes
+        total_flops += flops
+        total_bytes += nbytes
+        compute, memory = flops / peaks.matmul_flops, nbytes / peaks.read_bandwidth
+        return max(compute, memory), compute >= memory
+
+    attended = sum(n * (n + 1) // 2 for n in prompt_lens)
+    flops, nbytes = _step_cost(shape, sum(prompt_lens), attended, 0, shape.experts)
+    prefill, _ = seconds(flops + len(prompt_lens) * logits_flops, nbytes)
+
+    decode, compute_bound, steps = 0.0, 0, max(output_lens) - 1
+    for step in range(1, steps + 1):
+        contexts = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
+        batch = len(contexts)
+        flops, nbytes = _step_cost(shape, batch, sum(contexts), sum(contexts), _experts_touched(shape, batch))
+        step_seconds, is_compute = seconds(flops + batch * logits_flops, nbytes)
+        decode += step_seconds
+        compute_bound += is_compute
+    return RooflineBound(seconds=prefill + decode, prefill_seconds=prefill, decode_seconds=decode,
+                         decode_steps=steps, compute_bound_steps=compute_bound, flops=total_flops,
+                         bytes_read=total_bytes)

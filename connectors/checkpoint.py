@@ -1,0 +1,292 @@
+"""Load an HF-format checkpoint directory (config.json, *.safetensors, tokenizer files) from any fsspec URI.
+
+Local shards are memory-mapped (safetensors.safe_open) and copied tensor by tensor into a model built
+on the meta device, so no weight is held twice; remote shards (s3://, memory://, ...) are streamed
+one file at a time. Every problem (missing file, corrupt shard, wrong shape, missing tensor,
+unsupported model_type) raises before any generation, naming the file, tensor or type.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from batchgen.connectors.io import filesystem
+from batchgen.connectors.presets import resolve_preset
+from batchgen.engine.models.registry import ModelFamily, model_family
+from batchgen.engine.models.weight_names import WeightTarget, checkpoint_name, checkpoint_target
+from fsspec.implementations.local import LocalFileSystem
+from safetensors import safe_open
+from safetensors.torch import load as load_safetensors_bytes
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# Small files copied next to config.json for transformers (tokenizers, chat templates, generation config).
+METADATA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file or tensor at fault."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    config: Any  # the transformers PretrainedConfig
+    tokenizer: Any | None  # transformers tokenizer, None when the checkpoint ships none
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    dtype: torch.dtype
+    uri: str
+
+
+def load_model(
+    uri: str | os.PathLike,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    storage_options: dict[str, Any] | None = None,
+) -> LoadedModel:
+    """Load the checkpoint at `uri` (local path, s3://, memory://, or a preset name such as "tiny-moe")."""
+    torch_dtype = parse_dtype(dtype)
+    uri = resolve_preset(str(uri)) or str(uri)
+    fs, root = filesystem(uri, storage_options)
+    files = _list_files(fs, root, uri)
+    with _metadata_dir(fs, root, files) as meta_dir:
+        config = _read_config(meta_dir, uri)
+        family = model_family(config.model_type)
+        tokenizer = _load_tokenizer(meta_dir, files, uri)
+        eos_token_ids = _eos_token_ids(meta_dir, files, config, tokenizer)
+    shards = _shard_paths(fs, root, files, uri)
+    model = _build_empty(family, config, torch_dtype, torch.device(device))
+    _fill_weights(model, family, fs, shards, uri)
+    return LoadedModel(model.eval(), config, tokenizer, eos_token_ids, int(config.max_position_embeddings),
+                       torch_dtype, uri)
+
+
+def load_tokenizer(uri: str | os.PathLike, storage_options: dict[str, Any] | None = None):
+    """The checkpoint's tokenizer alone (None when it ships none), reading no weights: for CPU-only
+    tokenize / detokenize stages, and to check a model URI before a job starts."""
+    uri = resolve_preset(str(uri)) or str(uri)
+    fs, root = filesystem(uri, storage_options)
+    files = _list_files(fs, root, uri)
+    with _metadata_dir(fs, root, files) as meta_dir:
+        return _load_tokenizer(meta_dir, files, uri)
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+
+
+def _list_files(fs, root: str, uri: str) -> set[str]:
+    """Names of the files directly inside the checkpoint directory."""
+    try:
+        if not fs.isdir(root):
+            kind = "is a file, not a directory" if fs.isfile(root) else "does not exist"
+            raise CheckpointError(f"checkpoint directory {uri!r} {kind}")
+        names = {posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False)}
+    except OSError as exc:
+        raise CheckpointError(f"cannot list checkpoint directory {uri!r}: {exc}") from exc
+    if CONFIG_FILE not in names:
+        raise CheckpointError(f"checkpoint {uri!r} has no {CONFIG_FILE}")
+    return names
+
+
+@contextmanager
+def _metadata_dir(fs, root: str, files: set[str]) -> Iterator[str]:
+    """A local directory holding config.json and the tokenizer files, as transformers wants a path:
+    the checkpoint itself when local, else a temporary copy of its small files."""
+    if isinstance(fs, LocalFileSystem):
+        yield root
+        return
+    with tempfile.TemporaryDirectory(prefix="batchgen-ckpt-") as tmp:
+        for name in files:
+            if name.endswith(METADATA_SUFFIXES):
+                fs.get_file(posixpath.join(root, name), str(Path(tmp) / name))
+        yield tmp
+
+
+def _read_config(meta_dir: str, uri: str):
+    from transformers import AutoConfig
+
+    path = Path(meta_dir) / CONFIG_FILE
+    try:
+        model_type = json.loads(path.read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise CheckpointError(f"{uri}/{CONFIG_FILE} is not a JSON object: {exc}") from exc
+    model_family(model_type)  # an unsupported type fails here, naming the type
+    try:
+        return AutoConfig.from_pretrained(meta_dir)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"{uri}/{CONFIG_FILE} is not a valid {model_type} config: {exc}") from exc
+
+
+def _load_tokenizer(meta_dir: str, files: set[str], uri: str):
+    if not files.intersection(TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(meta_dir)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"cannot load the tokenizer of {uri!r}: {exc}") from exc
+
+
+def _eos_token_ids(meta_dir: str, files: set[str], config, tokenizer) -> tuple[int, ...]:
+    """generation_config.json's eos ids (what transformers' generate stops on), else config's, else the
+    tokenizer's."""
+    candidates = []
+    if GENERATION_CONFIG_FILE in files:
+        generation = json.loads((Path(meta_dir) / GENERATION_CONFIG_FILE).read_text())
+        candidates.append(generation.get("eos_token_id"))
+    candidates.append(config.eos_token_id)
+    candidates.append(tokenizer.eos_token_id if tokenizer is not None else None)
+    for eos in candidates:
+        if eos is not None:
+            return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    return ()
+
+
+def _shard_paths(fs, root: str, files: set[str], uri: str) -> list[str]:
+    """The safetensors files: those the index names (each must exist), else every *.safetensors file."""
+    if INDEX_FILE in files:
+        try:
+            weight_map = json.loads(fs.cat_file(posixpath.join(root, INDEX_FILE)))["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{uri}/{INDEX_FILE} is not a valid safetensors index: {exc}") from exc
+        names = sorted(set(weight_map.values()))
+        missing = [name for name in names if name not in files]
+        if missing:
+            raise CheckpointError(f"shard {missing[0]!r} named in {uri}/{INDEX_FILE} is missing")
+    else:
+        names = sorted(name for name in files if name.endswith(".safetensors"))
+        if not names:
+            raise CheckpointError(f"checkpoint {uri!r} has no *.safetensors weights")
+    return [posixpath.join(root, name) for name in names]
+
+
+def _build_empty(family: ModelFamily, config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The model with uninitialised weights in `dtype` on `device`: nothing is computed or allocated twice."""
+    with torch.device("meta"):
+        model = family.build(config)
+    tied = _tied_parameters(model)
+    model = model.to(dtype=dtype).to_empty(device=device).requires_grad_(False)
+    for alias, source in tied:  # leaving the meta device gives every module its own Parameter: re-tie
+        module, _, attr = alias.rpartition(".")
+        setattr(model.get_submodule(module), attr, model.get_parameter(source))
+    return model
+
+
+def _tied_parameters(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """(alias, first name) of every parameter registered under more than one name (tied embeddings)."""
+    first: dict[int, str] = {}
+    tied = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied.append((name, first[id(param)]))
+        else:
+            first[id(param)] = name
+    return tied
+
+
+def _open_shard(fs, path: str) -> tuple[list[str], Callable[[str], torch.Tensor]]:
+    """(tensor names, getter); local files are memory-mapped, remote ones read whole."""
+    try:
+        if isinstance(fs, LocalFileSystem):
+            handle = safe_open(path, framework="pt", device="cpu")
+            return list(handle.keys()), handle.get_tensor
+        tensors = load_safetensors_bytes(fs.cat_file(path))
+        return list(tensors), tensors.__getitem__
+    except Exception as exc:  # safetensors raises its own SafetensorError; fsspec backends their own types
+        raise CheckpointError(f"cannot read safetensors file {path!r}: {exc}") from exc
+
+
+@torch.no_grad()
+def _fill_weights(model: torch.nn.Module, family: ModelFamily, fs, shards: list[str], uri: str) -> None:
+    params = dict(model.named_parameters())
+    aliases = dict(_tied_parameters(model))  # a tied lm_head.weight fills embed_tokens.weight
+    filled: dict[str, dict[tuple, int]] = {name: {} for name in params}  # param -> {(expert, half): numel}
+    ignored = []
+    for path in shards:
+        names, get_tensor = _open_shard(fs, path)
+        for name in names:
+            target = checkpoint_target(name, family.checkpoint_renames)
+            param_name = aliases.get(target.param, target.param)
+            if param_name not in params:
+                ignored.append(name)
+                continue
+            dest = _destination(params[param_name], target, name, path)
+            tensor = _read_tensor(get_tensor, name, path)
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise CheckpointError(
+                    f"tensor {name!r} in {path}: expected shape {list(dest.shape)}, got {list(tensor.shape)}"
+                )
+            dest.copy_(tensor)
+            filled[param_name][(target.expert, target.half)] = dest.numel()
+    _check_complete(params, filled, uri)
+    if ignored:
+        logger.warning("%s: ignored %d checkpoint tensors the model does not use, e.g. %s",
+                       uri, len(ignored), ignored[:3])
+
+
+def _destination(param: torch.Tensor, target: WeightTarget, name: str, path: str) -> torch.Tensor:
+    """The view of `param` a checkpoint tensor fills: all of it, or one expert's (gate or up) rows."""
+    if target.expert is None:
+        return param
+    if target.expert >= param.shape[0]:
+        raise CheckpointError(
+            f"tensor {name!r} in {path}: expert {target.expert} is out of range (the config has "
+            f"{param.shape[0]} experts)"
+        )
+    rows = param[target.expert]
+    return rows if target.half is None else rows.chunk(2, dim=0)[target.half]
+
+
+def _read_tensor(get_tensor: Callable[[str], torch.Tensor], name: str, path: str) -> torch.Tensor:
+    try:
+        return get_tensor(name)
+    except Exception as exc:  # a truncated or corrupt shard fails here for mmapped files
+        raise CheckpointError(f"cannot read tensor {name!r} from {path}: {exc}") from exc
+
+
+def _check_complete(params: dict[str, torch.nn.Parameter], filled: dict[str, dict[tuple, int]],
+                    uri: str) -> None:
+    missing = []
+    for name, param in params.items():
+        parts = filled[name]
+        if (None, None) in parts or sum(parts.values()) == param.numel():
+            continue
+        per_expert = Counter()
+        for (expert, _), numel in parts.items():
+            if expert is not None:
+                per_expert[expert] += numel
+        if per_expert:
+            absent = [e for e in range(param.shape[0]) if per_expert[e] < param[0].numel()]
+            missing.append(f"{checkpoint_name(name)} (experts {absent})")
+        else:
+            missing.append(checkpoint_name(name))
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"checkpoint {uri!r} is missing tensor(s) {', '.join(missing[:5])}{more}")

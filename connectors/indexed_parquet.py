@@ -1,0 +1,240 @@
+"""Parquet in and out of a job, keyed by each row's position in the input (`row_index`).
+
+Reading numbers every row by its place in the input (files sorted by path, then row groups, then
+rows), from the Parquet footers alone, so the numbering is the same in every run. Writing puts each
+contiguous run of row indices into one file named after it, `part-<first>-<last>.parquet`, with
+the rows sorted: files sorted by name are the input order, whichever task wrote them and in which
+run. A file appears under its final name only once complete (written under a temporary name, then
+moved), and a rewritten range lands on the same name.
+
+That makes the output its own checkpoint. A restarted job scans the output folder: every complete
+part file is a range of rows that is done; the reader skips those rows and the new files cover
+only the gaps. Ray Data's CheckpointConfig records ids in a side store after each write, so a
+crash between the data write and that record redoes (and writes twice) the rows in between; here
+there is no second record to disagree with.
+"""
+
+from __future__ import annotations
+
+import bisect
+import posixpath
+import re
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from batchgen.connectors.io import StorageError, filesystem, list_files
+from ray.data import Datasink
+from ray.data.block import Block, BlockAccessor, BlockMetadata
+from ray.data.datasource import Datasource, ReadTask
+
+ROW_INDEX = "row_index"
+_PART = re.compile(r"^part-(\d{12})-(\d{12})\.parquet$")
+
+
+@dataclass(frozen=True)
+class RangeSet:
+    """Sorted, disjoint inclusive ranges of row indices."""
+
+    starts: tuple[int, ...] = ()
+    ends: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, ranges: Iterable[tuple[int, int]]) -> RangeSet:
+        merged: list[list[int]] = []
+        for first, last in sorted(ranges):
+            if merged and first <= merged[-1][1] + 1:
+                merged[-1][1] = max(merged[-1][1], last)
+            else:
+                merged.append([first, last])
+        return cls(tuple(m[0] for m in merged), tuple(m[1] for m in merged))
+
+    @property
+    def count(self) -> int:
+        return sum(e - s + 1 for s, e in zip(self.starts, self.ends))
+
+    def covers(self, first: int, last: int) -> bool:
+        i = bisect.bisect_right(self.starts, first) - 1
+        return i >= 0 and self.ends[i] >= last
+
+    def mask(self, indices: np.ndarray) -> np.ndarray:
+        """True where an index is in the set."""
+        if not self.starts:
+            return np.zeros(len(indices), dtype=bool)
+        i = np.searchsorted(np.asarray(self.starts), indices, side="right") - 1
+        return (i >= 0) & (indices <= np.asarray(self.ends)[np.maximum(i, 0)])
+
+
+@dataclass(frozen=True)
+class _Fragment:
+    path: str
+    row_group: int
+    first_row: int  # row index of the row group's first row
+    num_rows: int
+    size_bytes: int
+
+
+class IndexedParquetSource(Datasource):
+    """Parquet files as a Ray dataset with a `row_index` column, skipping rows in `skip`."""
+
+    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None, skip: RangeSet = RangeSet(),
+                 rows_per_block: int = 256) -> None:
+        super().__init__()
+        self.uri = uri
+        self.fs, files = list_files(uri, ".parquet", storage_options)
+        self.skip = skip
+        self.rows_per_block = rows_per_block
+        self.fragments: list[_Fragment] = []
+        self.schema: pa.Schema | None = None
+        next_row = 0
+        for path in files:
+            meta = self._metadata(path)
+            schema = meta.schema.to_arrow_schema()
+            if self.schema is None:
+                self.schema = schema
+            elif schema.names != self.schema.names:
+                raise StorageError(f"input file {path!r} has columns {schema.names}, but {files[0]!r} has "
+                                   f"{self.schema.names}; every input file needs the same columns")
+            for g in range(meta.num_row_groups):
+                group = meta.row_group(g)
+                self.fragments.append(_Fragment(path, g, next_row, group.num_rows, group.total_byte_size))
+                next_row += group.num_rows
+        if ROW_INDEX in self.schema.names:
+            raise StorageError(f"input {uri!r} already has a '{ROW_INDEX}' column; the job reserves it")
+        self.num_rows = next_row
+
+    def _metadata(self, path: str) -> pq.FileMetaData:
+        try:
+            with self.fs.open(path, "rb") as f:
+                return pq.ParquetFile(f).metadata
+        except Exception as exc:
+            raise StorageError(f"input file {path!r} is not readable Parquet: {exc}") from exc
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self.schema.names)
+
+    def estimate_inmemory_data_size(self) -> int:
+        return sum(f.size_bytes for f in self.fragments)
+
+    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
+                       data_context: Any = None) -> list[ReadTask]:
+        todo = [f for f in self.fragments if not self.skip.covers(f.first_row, f.first_row + f.num_rows - 1)
+                and f.num_rows > 0]
+        groups = [list(g) for g in np.array_split(np.arange(len(todo)), max(1, min(parallelism, len(todo))))
+                  if len(g)]
+        schema = self.schema.append(pa.field(ROW_INDEX, pa.int64()))
+        tasks = []
+        for group in groups:
+            fragments = [todo[i] for i in group]
+            rows = sum(f.num_rows for f in fragments)
+            meta = BlockMetadata(num_rows=rows, size_bytes=sum(f.size_bytes for f in fragments),
+                                 exec_stats=None, input_files=tuple(dict.fromkeys(f.path for f in fragments)))
+            read = _reader(self.fs, fragments, self.skip, self.rows_per_block)
+            tasks.append(ReadTask(read, meta, schema=schema, per_task_row_limit=per_task_row_limit))
+        return tasks
+
+
+def _reader(fs, fragments: list[_Fragment], skip: RangeSet, rows_per_block: int):
+    def read() -> Iterator[Block]:
+        for frag in fragments:
+            with fs.open(frag.path, "rb") as f:
+                table = pq.ParquetFile(f).read_row_group(frag.row_group)
+            index = np.arange(frag.first_row, frag.first_row + frag.num_rows, dtype=np.int64)
+            table = table.append_column(ROW_INDEX, pa.array(index))
+            keep = ~skip.mask(index)
+            if not keep.all():
+                table = table.filter(pa.array(keep))
+            for start in range(0, table.num_rows, rows_per_block):
+                yield table.slice(start, rows_per_block)
+
+    return read
+
+
+@dataclass(frozen=True)
+class PartFile:
+    path: str
+    first: int
+    last: int
+
+
+def part_name(first: int, last: int) -> str:
+    return f"part-{first:012d}-{last:012d}.parquet"
+
+
+def scan_output(uri: str, storage_options: dict[str, Any] | None = None) -> list[PartFile]:
+    """The complete part files under `uri`, sorted, with leftovers of a crash removed.
+
+    Removed: temporary files, files whose footer does not read or whose row count disagrees with
+    their name, and files overlapping one kept before them (their rows get redone).
+    """
+    fs, path = filesystem(uri, storage_options)
+    if not fs.exists(path):
+        return []
+    kept: list[PartFile] = []
+    for entry in sorted(fs.ls(path, detail=False)):
+        name = posixpath.basename(entry)
+        if name.startswith(".part-") and name.endswith(".tmp"):
+            fs.rm(entry)
+            continue
+        match = _PART.match(name)
+        if match is None:
+            continue
+        part = PartFile(entry, int(match.group(1)), int(match.group(2)))
+        if not _complete(fs, part) or (kept and part.first <= kept[-1].last):
+            fs.rm(entry)
+            continue
+        kept.append(part)
+    return kept
+
+
+def _complete(fs, part: PartFile) -> bool:
+    try:
+        with fs.open(part.path, "rb") as f:
+            return pq.ParquetFile(f).metadata.num_rows == part.last - part.first + 1
+    except Exception:
+        return False
+
+
+class OrderedParquetSink(Datasink[list[str]]):
+    """Writes each contiguous run of `row_index` to its own `part-<first>-<last>.parquet`."""
+
+    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None,
+                 rows_per_file: int | None = None,
+                 on_written: Callable[[pa.Table], None] | None = None) -> None:
+        self.fs, self.path = filesystem(uri, storage_options)
+        self.rows_per_file = rows_per_file
+        self.on_written = on_written  # called in the write task with each committed file's rows
+
+    @property
+    def min_rows_per_write(self) -> int | None:
+        return self.rows_per_file
+
+    def write(self, blocks: Iterable[Block], ctx: Any) -> list[str]:
+        tables = [BlockAccessor.for_block(b).to_arrow() for b in blocks]
+        tables = [t for t in tables if t.num_rows]
+        if not tables:
+            return []
+        table = pa.concat_tables(tables, promote_options="permissive").sort_by(ROW_INDEX)
+        index = table.column(ROW_INDEX).to_numpy()
+        breaks = np.flatnonzero(np.diff(index) != 1) + 1
+        written = []
+        for start, stop in zip([0, *breaks.tolist()], [*breaks.tolist(), len(index)]):
+            name = part_name(int(index[start]), int(index[stop - 1]))
+            part = table.slice(start, stop - start)
+            written.append(self._commit(part, name))
+            if self.on_written is not None:
+                self.on_written(part)
+        return written
+
+    def _commit(self, table: pa.Table, name: str) -> str:
+        final = posixpath.join(self.path, name)
+        temporary = posixpath.join(self.path, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
+        with self.fs.open(temporary, "wb") as f:
+            pq.write_table(table, f)
+        self.fs.mv(temporary, final)
+        return final

@@ -1,0 +1,245 @@
+"""Building blocks shared by every decoder family (and reused by DeepSeek-V3).
+
+Modules see flat token batches [T, D] without padding. Parameter names inside the blocks follow
+the transformers-5 names (q_proj, gate_up_proj, shared_expert, ...) so checkpoint mapping stays a
+prefix rewrite. Weights always come from a checkpoint: the loader builds models on the meta device
+and fills them, so modules do no random initialisation of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from batchgen.engine.models.context import AttentionContext
+from batchgen.kernels import ops
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+# Rope types whose frequencies depend only on the config. "dynamic" and "longrope" re-derive them from
+# the longest sequence in the batch, which makes a token's output depend on its batch neighbours.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class RMSNorm(nn.Module):
+    """Normalises in float32 and scales in the input dtype, like the HF Llama/Qwen/Mixtral norms."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """cos/sin tables per position, from the config's rope parameters (transformers' own init functions,
+    so linear / llama3 / yarn scaling match exactly). `dim` is the rotated head dimension.
+
+    Not an nn.Module: it holds no weights, and its float32 frequencies must survive the loader's
+    meta-device construction and dtype casts untouched.
+    """
+
+    def __init__(self, config, dim: int):
+        params = config.rope_parameters
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in STATIC_ROPE_TYPES:
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported (supported: {', '.join(STATIC_ROPE_TYPES)})"
+            )
+        with torch.device("cpu"):
+            if rope_type == "default":
+                exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+                inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponents), 1.0
+            else:
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        if inv_freq.numel() * 2 != dim:
+            raise ValueError(f"rope parameters give {inv_freq.numel() * 2} rotary dims, the model uses {dim}")
+        self.inv_freq = inv_freq
+        self.scaling = float(scaling)
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, dim] in `dtype` (computed in float32 like transformers)."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, dim] rotated in the half-split (GPT-NeoX) layout; cos/sin [T, dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class GQAAttention(nn.Module):
+    """Grouped-query attention; the KV cache and the attention itself belong to the context."""
+
+    def __init__(
+        self,
+        layer: int,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_eps: float | None = None,
+    ):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.rotary = rotary
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        # Qwen3: per-head RMSNorm on q and k before rotary.
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = self.rotary(ctx.positions, x.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = ctx.attend(self.layer, q, k, v, self.scale)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)): dense layers, Qwen shared experts, DeepSeek shared experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """Softmax over all experts (in float32), then top-k; optionally renormalised over the k chosen.
+
+    `round_to_model_dtype`: Qwen rounds the weights to the activation dtype, Mixtral keeps float32.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, normalize: bool,
+                 round_to_model_dtype: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.top_k = top_k
+        self.normalize = normalize
+        self.round_to_model_dtype = round_to_model_dtype
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> topk_weights [T, K], topk_ids [T, K] int64."""
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.round_to_model_dtype:
+            weights = weights.to(logits.dtype)
+        return weights, ids
+
+
+class FusedExperts(nn.Module):
+    """All routed experts' weights in the transformers-5 fused layout, computed by kernels.ops.fused_moe.
+
+    gate_up_proj [E, 2I, D] (gate rows, then up rows); down_proj [E, D, I].
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return ops.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+
+
+class SparseMoE(nn.Module):
+    """Router + routed experts (+ optional shared expert, optionally sigmoid-gated as in Qwen2-MoE).
+
+    The router is any module mapping x [T, D] to (topk_weights, topk_ids), so a DeepSeek-style
+    sigmoid / group-limited router plugs in unchanged. `on_route`, when set, sees every routing decision
+    (topk_ids [T, K]) so the engine can count tokens per expert.
+    """
+
+    def __init__(self, gate: nn.Module, experts: FusedExperts, shared_expert: nn.Module | None = None,
+                 shared_expert_gate: nn.Linear | None = None):
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
+        self.on_route: Callable[[torch.Tensor], None] | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts.num_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)
+        if self.on_route is not None:
+            self.on_route(topk_ids)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
+
+
+class AttentionBlock(nn.Module):
+    """x + attention(norm(x)): the engine's first yield point of a layer sits at its exit."""
+
+    def __init__(self, input_layernorm: RMSNorm, self_attn: nn.Module):
+        super().__init__()
+        self.input_layernorm = input_layernorm
+        self.self_attn = self_attn
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        return x + self.self_attn(self.input_layernorm(x), ctx)
+
+
+class FeedForwardBlock(nn.Module):
+    """x + mlp(norm(x)), the mlp being dense or sparse (MoE)."""
+
+    def __init__(self, post_attention_layernorm: RMSNorm, mlp: nn.Module):
+        super().__init__()
+        self.post_attention_layernorm = post_attention_layernorm
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLayer(nn.Module):
+    """One transformer layer as two separately callable blocks (the engine runs them apart)."""
+
+    def __init__(self, attn: AttentionBlock, ffn: FeedForwardBlock):
+        super().__init__()
+        self.attn = attn
+        self.ffn = ffn
+        self.is_moe = isinstance(ffn.mlp, SparseMoE)
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        return self.ffn(self.attn(x, ctx))

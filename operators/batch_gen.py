@@ -1,0 +1,79 @@
+"""`ds.map_batches(BatchGen, ...)`: generation inside Ray Data, one engine per actor.
+
+    ds.map_batches(BatchGen, fn_constructor_kwargs={"model": "s3://bucket/model",
+                   "sampling_params": {"temperature": 0, "max_tokens": 256}, "max_num_seqs": 512},
+                   batch_size=256, concurrency=4, num_gpus=1)
+
+Constructor keywords other than those named below are EngineConfig fields. Rows follow the column
+contract in `batchgen.operators.columns`; a bad row gets an `error` and the batch carries on.
+
+`__call__` is async: Ray Data keeps several batches of one task in flight per actor (4 by default,
+RAY_DATA_DEFAULT_ASYNC_BATCH_UDF_MAX_CONCURRENCY), all feeding the one engine through its loop
+thread, so the engine holds up to that many batches of sequences to choose from. Larger batches
+raise that over-subscription further. Each batch's rows come back in that batch's order.
+
+Actor deaths are Ray Data's to handle: its actor pools restart dead actors and resubmit their
+unfinished tasks (max_restarts=-1, max_task_retries=-1 by default), and a task's rows are only
+emitted when the whole task finished, so a crash redoes rows without emitting any twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from typing import Any
+
+import pyarrow as pa
+from batchgen.engine import Engine, Request, SamplingParams
+from batchgen.operators.batches import as_table, rows, with_columns
+from batchgen.operators.columns import (
+    PROMPT_COLUMNS,
+    SAMPLING_PARAMS,
+    RowOutcome,
+    RowParser,
+    output_columns,
+)
+from batchgen.operators.engine_loop import EngineLoop
+from batchgen.operators.fault_injection import crash_injector
+
+
+class BatchGen:
+    def __init__(self, model: str, sampling_params: dict[str, Any] | None = None, *,
+                 storage_options: dict[str, Any] | None = None, list_outputs: bool | None = None,
+                 crash_after: dict | None = None, **engine_options: Any) -> None:
+        """
+        model: a local checkpoint directory, an fsspec URI (s3://...) or a preset name ("tiny-moe").
+        sampling_params: defaults for every row (SamplingParams fields); a row's own override them.
+        list_outputs: one list entry per sample in the output columns (default: when n > 1).
+        crash_after: {"batches": K, "marker": PATH}, fault-injection for tests (see CrashAfter).
+        """
+        defaults = SamplingParams.from_dict(sampling_params)
+        self.list_outputs = defaults.n > 1 if list_outputs is None else bool(list_outputs)
+        self.engine = Engine(model, storage_options=storage_options, **engine_options)
+        self.parser = RowParser(self.engine.tokenizer, defaults, self.list_outputs)
+        self.loop = EngineLoop(self.engine)
+        self._crash = crash_injector(crash_after)
+        self._ids = (f"{uuid.uuid4().hex[:12]}-{i}" for i in itertools.count())
+
+    async def __call__(self, batch: Any) -> pa.Table:
+        if self._crash is not None:
+            self._crash.on_batch()
+        table = as_table(batch)
+        outcomes = [RowOutcome() for _ in range(table.num_rows)]
+        requests: list[tuple[int, Request]] = []
+        for i, row in enumerate(rows(table, (*PROMPT_COLUMNS, SAMPLING_PARAMS))):
+            parsed = self.parser.parse(row)
+            if isinstance(parsed, str):
+                outcomes[i].error = parsed
+                continue
+            outcomes[i].num_prompt_tokens = len(parsed.prompt_token_ids)
+            requests.append((i, Request(next(self._ids), parsed.prompt_token_ids, sampling=parsed.sampling)))
+
+        def admit(engine: Engine) -> None:
+            for _, request in requests:
+                engine.add_request(request)
+
+        results = await self.loop.run([r.request_id for _, r in requests], admit)
+        for (i, _), result in zip(requests, results):
+            outcomes[i].result = result
+        return with_columns(table, output_columns(outcomes, self.list_outputs))

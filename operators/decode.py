@@ -1,0 +1,77 @@
+"""Decode stage: KV refs -> generated token ids, one engine per actor kept over-subscribed.
+
+Fetches each row's PrefillOutput from the KVStore and adopts it into the engine
+(`add_prefilled`), with every in-flight batch feeding the same engine loop as in BatchGen. A ref
+whose KV is gone (its owner died, or this task is a retry after the KV was already released) is
+not an error: the row's prompt ids travel with it, so the engine prefills it again here. The KV
+is deleted from the store once the row's result exists. Text is left to the detokenize stage;
+where a stop string cut a sample, its cut position travels along.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pyarrow as pa
+from batchgen.connectors.kv_store import KVStore
+from batchgen.engine import Engine, Request, Result
+from batchgen.operators import stage_columns as sc
+from batchgen.operators.batches import as_table, column_values, with_columns
+from batchgen.operators.columns import ERROR
+from batchgen.operators.engine_loop import EngineLoop
+from batchgen.operators.fault_injection import crash_injector
+
+
+class Decode:
+    def __init__(self, model: str, kv_store: KVStore, *, storage_options: dict[str, Any] | None = None,
+                 crash_after: dict | None = None, **engine_options: Any) -> None:
+        self.engine = Engine(model, storage_options=storage_options, **engine_options)
+        self.store = kv_store
+        self.loop = EngineLoop(self.engine)
+        self._crash = crash_injector(crash_after)
+
+    async def __call__(self, batch: Any) -> pa.Table:
+        if self._crash is not None:
+            self._crash.on_batch()
+        table = as_table(batch)
+        errors = column_values(table, ERROR)
+        refs = column_values(table, sc.KV_REF)
+        todo = [i for i, (ref, error) in enumerate(zip(refs, errors)) if error is None and ref is not None]
+        # the store's calls block on Ray; keep them off the event loop other batches are awaiting on
+        prefilled = await asyncio.to_thread(self.store.get_many, [refs[i] for i in todo])
+        ids, sampling = column_values(table, sc.PROMPT_IDS), column_values(table, sc.SAMPLING)
+        recompute = {i: Request(refs[i].rsplit("/", 1)[-1], ids[i],
+                                sampling=sc.sampling_from_json(sampling[i]))
+                     for i, p in zip(todo, prefilled) if p is None}
+
+        def admit(engine: Engine) -> None:
+            for i, p in zip(todo, prefilled):
+                if p is None:
+                    engine.add_request(recompute[i])
+                else:
+                    engine.add_prefilled(p)
+
+        request_ids = [recompute[i].request_id if p is None else p.request.request_id
+                       for i, p in zip(todo, prefilled)]
+        results = await self.loop.run(request_ids, admit)
+        await asyncio.to_thread(self.store.delete_many, [refs[i] for i in todo])
+        by_row: dict[int, Result] = dict(zip(todo, results))
+        generated, reasons, text_ends, seconds = ([None] * table.num_rows for _ in range(4))
+        for i, result in by_row.items():
+            if result.error is not None:
+                errors[i] = result.error
+                continue
+            params = sc.sampling_from_json(sampling[i])
+            generated[i] = [c.token_ids for c in result.outputs]
+            reasons[i] = [c.finish_reason for c in result.outputs]
+            text_ends[i] = [len(c.text) if params.stop and c.finish_reason == "stop" else None
+                            for c in result.outputs]
+            seconds[i] = result.completion_time
+        return with_columns(table, {
+            sc.GENERATED_IDS: sc.column(sc.GENERATED_IDS, generated),
+            sc.FINISH_REASONS: sc.column(sc.FINISH_REASONS, reasons),
+            sc.TEXT_ENDS: sc.column(sc.TEXT_ENDS, text_ends),
+            sc.COMPLETION_S: sc.column(sc.COMPLETION_S, seconds),
+            ERROR: pa.array(errors, pa.string()),
+        })

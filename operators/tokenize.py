@@ -1,0 +1,36 @@
+"""CPU stage: rows -> prompt token ids and resolved sampling params, bad rows -> `error`.
+
+Loads only the tokenizer (no weights), so it scales on CPU nodes apart from the engine stages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+from batchgen.connectors.checkpoint import load_tokenizer
+from batchgen.engine import SamplingParams
+from batchgen.operators import stage_columns as sc
+from batchgen.operators.batches import as_table, rows, with_columns
+from batchgen.operators.columns import ERROR, PROMPT_COLUMNS, SAMPLING_PARAMS, RowParser
+
+
+class Tokenize:
+    def __init__(self, model: str, sampling_params: dict[str, Any] | None = None, *,
+                 storage_options: dict[str, Any] | None = None, list_outputs: bool | None = None) -> None:
+        defaults = SamplingParams.from_dict(sampling_params)
+        list_outputs = defaults.n > 1 if list_outputs is None else bool(list_outputs)
+        self.parser = RowParser(load_tokenizer(model, storage_options), defaults, list_outputs)
+
+    def __call__(self, batch: Any) -> pa.Table:
+        table = as_table(batch)
+        ids, sampling, errors = [], [], []
+        for row in rows(table, (*PROMPT_COLUMNS, SAMPLING_PARAMS)):
+            parsed = self.parser.parse(row)
+            bad = isinstance(parsed, str)
+            ids.append(None if bad else parsed.prompt_token_ids)
+            sampling.append(None if bad else sc.sampling_to_json(parsed.sampling))
+            errors.append(parsed if bad else None)
+        return with_columns(table, {sc.PROMPT_IDS: sc.column(sc.PROMPT_IDS, ids),
+                                    sc.SAMPLING: sc.column(sc.SAMPLING, sampling),
+                                    ERROR: pa.array(errors, type=pa.string())})

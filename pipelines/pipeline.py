@@ -1,0 +1,249 @@
+"""Ready pipelines: Parquet in, generation, Parquet out in input order, resumable.
+
+Two shapes, one job:
+  "disaggregated": read -> tokenize -> prefill -> [host KV store] -> decode -> detokenize -> write,
+                   prefill and decode each their own actor pool with its own concurrency;
+  "single":        read -> BatchGen -> write, one engine pool doing both phases.
+
+Every row is numbered by its input position on read (`row_index`) and written into part files
+named by their row range (connectors/indexed_parquet.py), so a restarted job with the same output
+skips the rows already written and writes none twice. Order does not depend on the user setting
+`preserve_order`: the pipeline sets it, and the file names carry it anyway.
+
+Checks that fail the job before any inference: the model's files and tokenizer (no weights read),
+the input's files, footers and prompt column, the output's writability, and that an existing
+output belongs to the same job.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow.parquet as pq
+import ray
+from batchgen.connectors.indexed_parquet import (
+    IndexedParquetSource,
+    OrderedParquetSink,
+    RangeSet,
+    scan_output,
+)
+from batchgen.connectors.io import StorageError, check_writable, filesystem
+from batchgen.connectors.kv_store import RayKVStore
+from batchgen.engine import EngineConfig, SamplingParams
+from batchgen.operators import BatchGen, Decode, Detokenize, Prefill, Tokenize
+from batchgen.operators.columns import ERROR, check_input_columns
+from batchgen.pipelines.progress import Progress, ProgressTracker, ReportWritten
+
+MODES = ("disaggregated", "single")
+MANIFEST = "_batchgen_job.json"
+
+
+class JobError(RuntimeError):
+    """The job cannot run or did not complete; the message says what to fix."""
+
+
+@dataclass
+class JobConfig:
+    model: str
+    input: str
+    output: str
+    mode: str = "disaggregated"
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
+    storage_options: dict[str, Any] = field(default_factory=dict)  # for input, output and model
+    batch_size: int = 64
+    concurrency: int = 1  # engine actors in "single" mode
+    prefill_concurrency: int = 1
+    decode_concurrency: int = 1
+    tokenize_concurrency: int = 1
+    detokenize_concurrency: int = 1
+    engine_num_cpus: float | None = None  # per engine actor; None: a share of the cluster's CPUs
+    engine_num_gpus: float = 0.0
+    rows_per_block: int = 256
+    rows_per_file: int | None = None  # None: one file per written block
+    list_outputs: bool | None = None
+    fault_injection: dict | None = None  # crash_after for the engine actors (tests)
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise JobError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("batch_size", "concurrency", "prefill_concurrency", "decode_concurrency",
+                     "tokenize_concurrency", "detokenize_concurrency", "rows_per_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise JobError(f"{name} must be an integer >= 1, got {value!r}")
+        try:
+            SamplingParams.from_dict(self.sampling_params)
+            EngineConfig.from_kwargs(**self.engine)
+        except (ValueError, TypeError) as exc:
+            raise JobError(str(exc)) from None
+
+
+@dataclass
+class JobSummary:
+    progress: Progress
+    output: str
+    files: int
+    completion_time_p50_s: float | None
+    completion_time_p99_s: float | None
+
+    @property
+    def bct_s(self) -> float:
+        return self.progress.elapsed_s
+
+
+def run_job(config: JobConfig, on_progress: Callable[[Progress], None] | None = None,
+            poll_s: float = 0.5) -> JobSummary:
+    """Run (or resume) a job to completion; raises JobError when it cannot run or did not finish."""
+    config.validate()
+    _check_model(config)
+    _check_output(config)
+    done = RangeSet.of((p.first, p.last) for p in scan_output(config.output, config.storage_options))
+    try:
+        source = IndexedParquetSource(config.input, config.storage_options, skip=done,
+                                      rows_per_block=config.rows_per_block)
+        check_input_columns(source.columns, f"input {config.input!r}")
+    except (StorageError, ValueError) as exc:
+        raise JobError(str(exc)) from exc
+    _claim_output(config, source.num_rows)
+    progress = Progress(total_rows=source.num_rows, skipped_rows=done.count)
+    tracker = ProgressTracker.remote()
+    started = time.perf_counter()
+    if progress.skipped_rows < progress.total_rows:
+        ds = build_dataset(config, source)
+        sink = OrderedParquetSink(config.output, config.storage_options, config.rows_per_file,
+                                  on_written=ReportWritten(tracker, "num_generated_tokens", ERROR))
+        _run_with_progress(lambda: ds.write_datasink(sink, ray_remote_args={"num_cpus": _CPU_STAGE_CPUS}),
+                           tracker, progress, started, on_progress, poll_s)
+    progress.elapsed_s = time.perf_counter() - started
+    progress.rows, progress.errors, progress.generated_tokens = ray.get(tracker.snapshot.remote())
+    return _summarise(config, progress)
+
+
+_CPU_STAGE_CPUS = 0.25  # read, tokenize, detokenize, write: light, and must never starve the engine actors
+
+
+def build_dataset(config: JobConfig, source: IndexedParquetSource) -> ray.data.Dataset:
+    """The lazy dataset of the job's pipeline, from read to the last operator (no write)."""
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    common = {"storage_options": config.storage_options}
+    engine_kwargs = {**common, **config.engine, "crash_after": config.fault_injection}
+    engine_res = {"num_cpus": _engine_cpus(config), "num_gpus": config.engine_num_gpus}
+    cpu_res = {"num_cpus": _CPU_STAGE_CPUS}
+    ds = ray.data.read_datasource(source, num_cpus=_CPU_STAGE_CPUS)
+    if config.mode == "single":
+        return ds.map_batches(BatchGen, batch_size=config.batch_size, batch_format="pyarrow",
+                              concurrency=config.concurrency, **engine_res, fn_constructor_kwargs={
+                                  "model": config.model, "sampling_params": config.sampling_params,
+                                  "list_outputs": config.list_outputs, **engine_kwargs})
+    store = RayKVStore.create()
+    ds = ds.map_batches(Tokenize, batch_size=config.batch_size, batch_format="pyarrow",
+                        concurrency=config.tokenize_concurrency, **cpu_res, fn_constructor_kwargs={
+                            "model": config.model, "sampling_params": config.sampling_params,
+                            "list_outputs": config.list_outputs, **common})
+    ds = ds.map_batches(Prefill, batch_size=config.batch_size, batch_format="pyarrow",
+                        concurrency=config.prefill_concurrency, **engine_res,
+                        fn_constructor_kwargs={"model": config.model, "kv_store": store, **engine_kwargs})
+    ds = ds.map_batches(Decode, batch_size=config.batch_size, batch_format="pyarrow",
+                        concurrency=config.decode_concurrency, **engine_res,
+                        fn_constructor_kwargs={"model": config.model, "kv_store": store, **engine_kwargs})
+    list_outputs = config.list_outputs
+    if list_outputs is None:
+        list_outputs = SamplingParams.from_dict(config.sampling_params).n > 1
+    return ds.map_batches(Detokenize, batch_size=config.batch_size, batch_format="pyarrow",
+                          concurrency=config.detokenize_concurrency, **cpu_res, fn_constructor_kwargs={
+                              "model": config.model, "list_outputs": list_outputs, **common})
+
+
+def _engine_cpus(config: JobConfig) -> float:
+    """Engine actors share half the cluster's CPUs unless told: whole CPUs per actor would leave
+    none for reading and writing on a small machine, and the job would wait forever."""
+    if config.engine_num_cpus is not None:
+        return config.engine_num_cpus
+    actors = config.concurrency if config.mode == "single" else config.prefill_concurrency + \
+        config.decode_concurrency
+    return min(1.0, ray.cluster_resources().get("CPU", 1.0) * 0.5 / actors)
+
+
+def _run_with_progress(write: Callable[[], None], tracker, progress: Progress, started: float,
+                       on_progress: Callable[[Progress], None] | None, poll_s: float) -> None:
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            write()
+        except BaseException as exc:  # re-raised on the caller's thread
+            failure.append(exc)
+
+    worker = threading.Thread(target=target, name="batchgen-job", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(poll_s)
+        if on_progress is not None:
+            progress.elapsed_s = time.perf_counter() - started
+            progress.rows, progress.errors, progress.generated_tokens = ray.get(tracker.snapshot.remote())
+            on_progress(progress)
+    if failure:
+        raise JobError(f"the job failed: {failure[0]}") from failure[0]
+
+
+def _check_model(config: JobConfig) -> None:
+    from batchgen.connectors.checkpoint import load_tokenizer
+
+    try:
+        load_tokenizer(config.model, config.storage_options)
+    except Exception as exc:  # CheckpointError, PresetError, fsspec and botocore errors alike
+        raise JobError(f"model {config.model!r} is not readable: {exc}") from exc
+
+
+def _check_output(config: JobConfig) -> None:
+    try:
+        check_writable(config.output, config.storage_options)
+    except StorageError as exc:
+        raise JobError(str(exc)) from exc
+
+
+def _claim_output(config: JobConfig, total_rows: int) -> None:
+    """Record which job the output belongs to; refuse to mix a different job's rows into it."""
+    fs, path = filesystem(config.output, config.storage_options)
+    manifest = posixpath.join(path, MANIFEST)
+    mine = {"input": config.input, "model": config.model, "mode": config.mode, "total_rows": total_rows,
+            "sampling_params": SamplingParams.from_dict(config.sampling_params).to_dict(),
+            "list_outputs": config.list_outputs}
+    fs.invalidate_cache(path)
+    if fs.exists(manifest):
+        theirs = json.loads(fs.cat_file(manifest))
+        differing = sorted(k for k in mine if theirs.get(k) != mine[k])
+        if differing:
+            raise JobError(f"output {config.output!r} holds results of a different job (differs in "
+                           f"{differing}); give a new output path or remove the old one")
+        return
+    with fs.open(manifest, "w") as f:
+        json.dump(mine, f, indent=2)
+
+
+def _summarise(config: JobConfig, progress: Progress) -> JobSummary:
+    parts = scan_output(config.output, config.storage_options)
+    written = RangeSet.of((p.first, p.last) for p in parts)
+    if written.count != progress.total_rows:
+        raise JobError(f"the job ended with {written.count} of {progress.total_rows} rows in "
+                       f"{config.output!r}; run it again to finish the rest")
+    fs, _ = filesystem(config.output, config.storage_options)
+    times = []
+    for part in parts:
+        with fs.open(part.path, "rb") as f:
+            times.extend(t for t in pq.read_table(f, columns=["completion_time_s"]).column(0).to_pylist()
+                         if t is not None)
+    times.sort()
+
+    def quantile(q: float) -> float | None:
+        return times[min(len(times) - 1, int(q * len(times)))] if times else None
+
+    return JobSummary(progress, config.output, len(parts), quantile(0.5), quantile(0.99))

@@ -1,0 +1,523 @@
+"""The Batch API end to end: real server processes on 127.0.0.1 driven by the official openai client."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from batchgen.connectors.presets import build_preset
+from batchgen.engine import Engine, Request, SamplingParams
+
+CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant]{% endif %}")
+PROMPTS = ["the quick brown fox", "once upon a time", "hello world", "batch inference on a budget"]
+SERVED = "tiny-served"
+API_KEY = "sk-test-0123456789"
+KV = {"kv_budget_bytes": 32 << 20, "host_kv_budget_bytes": 128 << 20}  # small: several engines run at once
+ENGINE_ARGS = [arg for key, value in KV.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
+SERVE_CMD = [sys.executable, "-m", "batchgen.pipelines.cli", "serve"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `batchgen serve` subprocess; its log lands in `log_path`."""
+
+    def __init__(self, workdir: Path, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.args, self.env = args, {**os.environ, **(env or {})}
+        self.log_path = workdir / f"server-{_free_port()}.log"
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 120) -> Server:
+        self.port = _free_port()
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [*SERVE_CMD, *self.args, *ENGINE_ARGS, "--port", str(self.port)],
+            stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server did not come up:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=30)
+
+
+# ---- fixtures --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return Path(build_preset("tiny-moe", cache_dir=tmp_path_factory.mktemp("models")))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir) -> Engine:
+    return Engine(str(model_dir), **KV)
+
+
+@pytest.fixture(scope="module")
+def template_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("template") / "chat.jinja"
+    path.write_text(CHAT_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, template_file, tmp_path_factory):
+    work = tmp_path_factory.mktemp("server")
+    srv = Server(work, ["--model", str(model_dir), "--storage", str(work / "storage"),
+                        "--served-model-name", SERVED, "--chat-template", str(template_file),
+                        "--allow-custom-completion-window", "--max-in-flight", "4",
+                        "--max-upload-bytes", "65536"]).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server.client()
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+
+
+def _jsonl(lines: list[dict | str]) -> bytes:
+    return "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
+
+
+def _line(custom_id: str, body: dict, url: str = "/v1/completions", model: str = SERVED) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": model, **body}}
+
+
+def _submit(client: openai.OpenAI, lines: list, endpoint: str = "/v1/completions", window: str = "24h",
+            metadata: dict | None = None):
+    upload = client.files.create(file=("input.jsonl", _jsonl(lines)), purpose="batch")
+    return client.batches.create(input_file_id=upload.id, endpoint=endpoint, completion_window=window,
+                                 metadata=metadata)
+
+
+def _wait(client: openai.OpenAI, batch_id: str, until=None, timeout: float = 120):
+    """Poll until the batch is terminal (or `until(batch)` holds); every status seen is checked valid."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if until(batch) if until else batch.status in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        time.sleep(0.1)
+    raise AssertionError(f"batch {batch_id} stuck in {batch.status}: {batch.request_counts}")
+
+
+def _read_lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+def _counts(batch) -> tuple[int, int, int]:
+    return batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed
+
+
+def _greedy(engine: Engine, prompts: list, max_tokens: int, ignore_eos: bool = False) -> list[str]:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+    requests = [Request(f"ref{i}", prompt=p, sampling=sampling) if isinstance(p, str) else
+                Request(f"ref{i}", prompt_token_ids=p, sampling=sampling) for i, p in enumerate(prompts)]
+    results = engine.generate(requests)
+    assert all(r.ok for r in results), [r.error for r in results]
+    return [r.outputs[0].text for r in results]
+
+
+def _chat_ids(engine: Engine, messages: list[dict]) -> list[int]:
+    text = engine.tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False,
+                                                add_generation_prompt=True)
+    return list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# ---- tests -----------------------------------------------------------------------------------------
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list()] == [SERVED]
+    assert client.models.retrieve(SERVED).id == SERVED
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+def test_completions_batch_matches_engine(client, engine):
+    token_prompt = engine.tokenizer.encode("a list of token ids")
+    lines = [_line(f"req-{i}", {"prompt": p, "max_tokens": 6, "temperature": 0})
+             for i, p in enumerate(PROMPTS)]
+    lines.append(_line("tokens", {"prompt": token_prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2}))
+    created = _submit(client, lines, metadata={"job": "nightly"})
+    assert created.status == "validating" and created.metadata == {"job": "nightly"}
+    assert created.expires_at - created.created_at == 24 * 3600
+    batch = _wait(client, created.id)
+
+    assert batch.status == "completed", batch.errors
+    assert batch.request_counts.total == 5 and batch.request_counts.completed == 5
+    assert batch.request_counts.failed == 0 and batch.error_file_id is None
+    assert batch.created_at <= batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
+    assert batch.failed_at is batch.cancelled_at is batch.expired_at is None
+    out = _read_lines(client, batch.output_file_id)
+    assert [x["custom_id"] for x in out] == [x["custom_id"] for x in lines]  # input order
+    expected = _greedy(engine, [*PROMPTS, token_prompt], max_tokens=6)
+    for entry, text in zip(out, expected):
+        assert entry["error"] is None and entry["response"]["status_code"] == 200
+        body = entry["response"]["body"]
+        assert body["object"] == "text_completion" and body["model"] == SERVED
+        assert body["choices"][0]["text"] == text
+        assert body["choices"][0]["finish_reason"] in ("stop", "length")
+        usage = body["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
+    tokens_body = out[-1]["response"]["body"]
+    assert tokens_body["usage"]["prompt_tokens"] == len(token_prompt)
+    logprobs = tokens_body["choices"][0]["logprobs"]
+    assert "".join(logprobs["tokens"]) == tokens_body["choices"][0]["text"]
+    assert len(logprobs["tokens"]) == tokens_body["usage"]["completion_tokens"]
+    assert all(1 <= len(top) <= 2 and lp <= 0 for top, lp in zip(logprobs["top_logprobs"],
+                                                            logprobs["token_logprobs"]))
+    assert batch.usage.input_tokens == sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in out)
+
+
+def test_chat_batch(client, engine):
+    conversations = [[{"role": "user", "content": p}] for p in PROMPTS[:2]]
+    conversations.append([{"role": "system", "content": "be brief"},
+                          {"role": "user", "content": [{"type": "text", "text": "hi there"}]}])
+    lines = [_line(f"chat-{i}", {"messages": m, "max_completion_tokens": 5, "temperature": 0},
+                   url="/v1/chat/completions") for i, m in enumerate(conversations)]
+    lines.append(_line("sampled", {"messages": conversations[0], "max_tokens": 5, "n": 2, "seed": 7,
+                                   "temperature": 1.0, "logprobs": True, "top_logprobs": 3},
+                       url="/v1/chat/completions"))
+    lines.append(_line("image", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, url="/v1/chat/completions"))
+    batch = _wait(client, _submit(client, lines, endpoint="/v1/chat/completions").id)
+
+    assert batch.status == "completed"
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (4, 1)
+    out = _read_lines(client, batch.output_file_id)
+    assert [x["custom_id"] for x in out] == ["chat-0", "chat-1", "chat-2", "sampled"]
+    prompts = [_chat_ids(engine, [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+                                   else m["content"][0]["text"]} for m in conv]) for conv in conversations]
+    expected = _greedy(engine, prompts, max_tokens=5)
+    for entry, text, prompt in zip(out, expected, prompts):
+        body = entry["response"]["body"]
+        assert body["object"] == "chat.completion"
+        assert body["choices"][0]["message"] == {"role": "assistant", "content": text, "refusal": None}
+        assert body["usage"]["prompt_tokens"] == len(prompt)
+    sampled = out[3]["response"]["body"]
+    assert [c["index"] for c in sampled["choices"]] == [0, 1]
+    for choice in sampled["choices"]:
+        content = choice["logprobs"]["content"]
+        assert "".join(t["token"] for t in content) == choice["message"]["content"]
+        assert all(len(t["top_logprobs"]) == 3 and t["bytes"] == list(t["token"].encode()) for t in content)
+    errors = _read_lines(client, batch.error_file_id)
+    assert [e["custom_id"] for e in errors] == ["image"]
+    assert errors[0]["response"]["status_code"] == 400
+    assert "only text parts" in errors[0]["response"]["body"]["error"]["message"]
+
+
+def test_per_request_errors_go_to_error_file(client, engine):
+    too_long = [5] * (engine.max_model_len + 3)
+    bad = {
+        "bad-temperature": ({"prompt": "x", "temperature": -1}, "temperature"),
+        "too-long": ({"prompt": too_long, "max_tokens": 2}, "prompt has"),
+        "logit-bias": ({"prompt": "x", "logit_bias": {"5": 3}}, "logit_bias"),
+        "bad-prompt": ({"prompt": {"text": "x"}}, "'prompt'"),
+        "unknown-field": ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+        "chat-field": ({"prompt": "x", "messages": []}, "messages"),
+        "bad-max-tokens": ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    }
+    lines = [_line("ok-1", {"prompt": "hello", "max_tokens": 3})]
+    lines += [_line(cid, body) for cid, (body, _) in bad.items()]
+    lines.append(_line("ok-2", {"prompt": "world", "max_tokens": 3}))
+    batch = _wait(client, _submit(client, lines).id)
+
+    assert batch.status == "completed"
+    assert _counts(batch) == (9, 2, 7)
+    assert [x["custom_id"] for x in _read_lines(client, batch.output_file_id)] == ["ok-1", "ok-2"]
+    errors = _read_lines(client, batch.error_file_id)
+    assert [e["custom_id"] for e in errors] == list(bad)
+    for entry in errors:
+        assert entry["response"]["status_code"] == 400 and entry["error"] is None
+        message = entry["response"]["body"]["error"]["message"]
+        assert bad[entry["custom_id"]][1] in message, message
+
+
+def test_invalid_input_fails_validation_with_line_numbers(client):
+    good = _line("a", {"prompt": "x"})
+    lines = [
+        '{"custom_id": ',  # 1: malformed JSON
+        "[1, 2]",  # 2: not an object
+        {**good, "custom_id": None},  # 3: missing custom_id
+        good,  # 4: fine
+        good,  # 5: duplicate custom_id
+        {**good, "custom_id": "b", "method": "GET"},  # 6
+        {**good, "custom_id": "c", "url": "/v1/embeddings"},  # 7
+        {**good, "custom_id": "d", "body": {"model": "gpt-4o", "prompt": "x"}},  # 8
+        "",  # 9: blank lines are skipped
+        {**good, "custom_id": "e", "body": "not an object"},  # 10
+    ]
+    batch = _wait(client, _submit(client, lines).id)
+    assert batch.status == "failed" and batch.failed_at is not None and batch.in_progress_at is None
+    assert batch.output_file_id is None and batch.request_counts.total == 0
+    found = [(e.line, e.code) for e in batch.errors.data]
+    assert found == [(1, "invalid_json_line"), (2, "invalid_json_line"), (3, "missing_custom_id"),
+                     (5, "duplicate_custom_id"), (6, "invalid_method"), (7, "invalid_url"),
+                     (8, "model_not_found"), (10, "invalid_body")]
+    assert "line 4" in batch.errors.data[3].message and "'tiny-served'" in batch.errors.data[6].message
+
+    empty = _wait(client, _submit(client, ["", ""]).id)
+    assert empty.status == "failed" and empty.errors.data[0].code == "empty_file"
+
+
+def test_create_batch_rejects_bad_arguments(client):
+    upload = client.files.create(file=("in.jsonl", _jsonl([_line("a", {"prompt": "x"})])), purpose="batch")
+    cases = [
+        ({"endpoint": "/v1/embeddings"}, "endpoint"),
+        ({"completion_window": "soon"}, "completion_window"),
+        ({"input_file_id": "file-" + "0" * 24}, "input_file_id"),
+        ({"input_file_id": "../batchgen_batches.sqlite"}, "input_file_id"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ]
+    for override, param in cases:
+        args = {"input_file_id": upload.id, "endpoint": "/v1/completions", "completion_window": "24h",
+                **override}
+        with pytest.raises(openai.BadRequestError) as err:
+            client.batches.create(**args)
+        assert err.value.body["param"] == param, err.value.body
+    with pytest.raises(openai.BadRequestError):
+        client.files.create(file=("in.jsonl", b"{}\n"), purpose="fine-tune")
+
+
+def test_files_api_and_path_traversal(server, client):
+    data = _jsonl([_line("a", {"prompt": "x"})])
+    uploads = [client.files.create(file=(f"f{i}.jsonl", data), purpose="batch") for i in range(3)]
+    got = client.files.retrieve(uploads[0].id)
+    assert (got.filename, got.bytes, got.purpose) == ("f0.jsonl", len(data), "batch")
+    assert client.files.content(uploads[1].id).content == data
+    page = client.files.list(limit=2)
+    assert [f.id for f in page.data] == [uploads[2].id, uploads[1].id] and page.has_more
+    assert uploads[0].id in [f.id for f in client.files.list(limit=2, after=uploads[1].id).data]
+    assert client.files.delete(uploads[2].id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploads[2].id)
+
+    db = Path(server.args[server.args.index("--storage") + 1]) / "batchgen_batches.sqlite"
+    assert db.exists()
+    for path in ["..%2Fbatchgen_batches.sqlite", "..%2F..%2Fstorage%2Fbatchgen_batches.sqlite",
+                 "%2e%2e", "..", "file-..%2F..%2Fbatchgen_batches.sqlite", "%2Fetc%2Fpasswd",
+                 "file-" + "0" * 24]:
+        for suffix in ("", "/content"):
+            response = httpx.get(f"{server.url}/v1/files/{path}{suffix}")
+            assert response.status_code == 404, (path, response.text)
+            assert b"SQLite" not in response.content and b"root:" not in response.content
+        assert httpx.delete(f"{server.url}/v1/files/{path}").status_code == 404
+    assert httpx.get(f"{server.url}/v1/files/../batchgen_batches.sqlite").status_code == 404
+    assert db.exists()
+
+
+def test_upload_over_limit_gets_413(client):
+    row = json.dumps(_line("x", {"prompt": "y" * 1000})) + "\n"
+    slightly_over = (row * 80).encode()  # ~85 KB: caught after parsing (limit 64 KiB + framing slack)
+    far_over = (row * 400).encode()  # ~420 KB: cut off while streaming
+    for data in (slightly_over, far_over):
+        with pytest.raises(openai.APIStatusError) as err:
+            client.files.create(file=("big.jsonl", data), purpose="batch")
+        assert err.value.status_code == 413
+    assert client.files.create(file=("small.jsonl", row.encode()), purpose="batch").bytes == len(row)
+
+
+def test_list_batches_pagination(client):
+    ids = [_submit(client, ["not json"]).id for _ in range(3)]
+    first = client.batches.list(limit=2)
+    assert [b.id for b in first.data] == ids[::-1][:2] and first.has_more
+    second = client.batches.list(limit=2, after=first.data[-1].id)
+    assert second.data[0].id == ids[0]
+    every = [b.id for b in client.batches.list(limit=2)]  # auto-pagination over `after`
+    assert every[:3] == ids[::-1] and len(every) == len(set(every))
+    raw = httpx.get(f"{client.base_url}batches", params={"limit": 2}).json()
+    assert raw["first_id"] == ids[2] and raw["last_id"] == ids[1] and raw["has_more"] is True
+    with pytest.raises(openai.BadRequestError):
+        client.batches.list(limit=101)
+    for batch_id in ids:
+        _wait(client, batch_id)
+
+
+def _long_lines(n: int, tokens: int) -> list[dict]:
+    return [_line(f"long-{i}", {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens, "temperature": 0,
+                                "ignore_eos": True}) for i in range(n)]
+
+
+def _check_partial(client, batch, lines, code: str) -> None:
+    """Every custom_id exactly once: successes in the output file, the rest as `code` in the error file."""
+    out = _read_lines(client, batch.output_file_id)
+    errors = _read_lines(client, batch.error_file_id)
+    counts = batch.request_counts
+    assert 0 < counts.completed < counts.total == len(lines)
+    assert len(out) == counts.completed and counts.failed == len(errors) == counts.total - counts.completed
+    assert all(e["error"]["code"] == code and e["response"] is None for e in errors)
+    ids = [x["custom_id"] for x in out + errors]
+    assert sorted(ids) == sorted(x["custom_id"] for x in lines)
+    order = [x["custom_id"] for x in lines]
+    assert [x["custom_id"] for x in out] == [c for c in order if c in {x["custom_id"] for x in out}]
+
+
+def test_cancel_running_batch(client):
+    lines = _long_lines(40, tokens=24)
+    created = _submit(client, lines)
+    _wait(client, created.id, until=lambda b: b.status == "in_progress" and b.request_counts.completed >= 2)
+    cancelled = client.batches.cancel(created.id)
+    assert cancelled.status in ("cancelling", "cancelled") and cancelled.cancelling_at is not None
+    batch = _wait(client, created.id)
+    assert batch.status == "cancelled" and batch.cancelled_at >= batch.cancelling_at
+    _check_partial(client, batch, lines, "batch_cancelled")
+    assert client.batches.cancel(created.id).status == "cancelled"
+
+    done = _wait(client, _submit(client, [_line("a", {"prompt": "x", "max_tokens": 2})]).id)
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(done.id)
+
+
+def test_completion_window_expires_unfinished_requests(client):
+    lines = _long_lines(100, tokens=32)
+    created = _submit(client, lines, window="2s")
+    assert created.expires_at - created.created_at == 2
+    batch = _wait(client, created.id)
+    assert batch.status == "expired" and batch.expired_at >= batch.expires_at
+    _check_partial(client, batch, lines, "batch_expired")
+
+
+# ---- auth, s3 storage, restart ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint(tmp_path_factory):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            httpx.get(endpoint, timeout=1)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    yield endpoint
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def s3_server(model_dir, moto_endpoint, tmp_path_factory):
+    """API key on, files in S3 (moto), SQLite in a local state dir; the restart test kills and restarts it."""
+    import s3fs
+
+    work = tmp_path_factory.mktemp("s3-server")
+    options = {"key": "testing", "secret": "testing", "endpoint_url": moto_endpoint}
+    s3fs.S3FileSystem(**options).mkdir("batches")
+    srv = Server(work, ["--model", str(model_dir), "--storage", "s3://batches/api", "--state-dir",
+                        str(work / "state"), "--storage-options", json.dumps(options), "--api-key", API_KEY,
+                        "--max-in-flight", "2"]).start()
+    srv.fs, srv.state_dir = s3fs.S3FileSystem(**options), work / "state"
+    yield srv
+    srv.stop()
+
+
+def test_api_key_and_s3_storage(s3_server, model_dir):
+    srv = s3_server
+    assert httpx.get(f"{srv.url}/health").status_code == 200  # no auth on /health
+    with pytest.raises(openai.AuthenticationError):
+        srv.client("wrong-key").models.list()
+    for headers in ({}, {"Authorization": "Bearer"}, {"Authorization": API_KEY},
+                    {"Authorization": f"Basic {API_KEY}"}):
+        raw = httpx.get(f"{srv.url}/v1/batches", headers=headers)
+        assert raw.status_code == 401 and raw.json()["error"]["code"] == "invalid_api_key"
+    upload = httpx.post(f"{srv.url}/v1/files", files={"file": ("a", b"x")}, data={"purpose": "batch"})
+    assert upload.status_code == 401
+
+    client = srv.client(API_KEY)
+    assert [m.id for m in client.models.list()] == [model_dir.name]  # last path component of --model
+    lines = [_line("s3-a", {"prompt": "hello", "max_tokens": 3}, model=model_dir.name),
+             _line("s3-b", {"prompt": "x", "n": 0}, model=model_dir.name)]
+    with pytest.raises(openai.BadRequestError):  # only '24h' without --allow-custom-completion-window
+        _submit(client, lines, window="5s")
+    batch = _wait(client, _submit(client, lines).id)
+    assert batch.status == "completed" and batch.request_counts.failed == 1
+    assert [x["custom_id"] for x in _read_lines(client, batch.output_file_id)] == ["s3-a"]
+    assert "'n'" in _read_lines(client, batch.error_file_id)[0]["response"]["body"]["error"]["message"]
+    srv.fs.invalidate_cache()
+    stored = {p.rsplit("/", 1)[-1] for p in srv.fs.ls("batches/api/files")}
+    assert {batch.input_file_id, batch.output_file_id, batch.error_file_id} <= stored
+    assert (srv.state_dir / "batchgen_batches.sqlite").exists()
+
+
+def test_restart_resumes_without_losing_or_repeating(s3_server, model_dir, engine):
+    srv, model = s3_server, model_dir.name
+    client = srv.client(API_KEY)
+    finished = _wait(client, _submit(client, [_line("early", {"prompt": "x", "max_tokens": 2}, model=model)]).id)
+    finished_output = client.files.content(finished.output_file_id).content
+    lines = [_line(f"r-{i}", {"prompt": f"{PROMPTS[i % 4]} {i}", "max_tokens": 8, "temperature": 0,
+                              "ignore_eos": True}, model=model) for i in range(20)]
+    created = _submit(client, lines)
+    running = _wait(client, created.id, until=lambda b: b.request_counts.completed >= 4)
+    srv.kill()
+    srv.start()
+    client = srv.client(API_KEY)
+    assert client.batches.retrieve(finished.id).status == "completed"  # finished batches stay readable
+    assert client.files.content(finished.output_file_id).content == finished_output
+    batch = _wait(client, created.id)
+    out = _read_lines(client, batch.output_file_id)
+
+    assert running.status == "in_progress"
+    assert batch.status == "completed"
+    assert _counts(batch) == (20, 20, 0)
+    resumed = re.search(rf"resuming batch {created.id}: (\d+) of 20 requests left", srv.log())
+    assert resumed is not None, srv.log()
+    assert int(resumed.group(1)) <= 20 - running.request_counts.completed  # finished requests not redone
+    assert [x["custom_id"] for x in out] == [x["custom_id"] for x in lines]
+    expected = _greedy(engine, [x["body"]["prompt"] for x in lines], max_tokens=8, ignore_eos=True)
+    assert [x["response"]["body"]["choices"][0]["text"] for x in out] == expected

@@ -1,0 +1,83 @@
+"""Tiny random checkpoints of every supported architecture, built with transformers (no download).
+
+Shared by the model, checkpoint and engine tests. Each config also exercises a family switch: rope
+scaling (llama3, yarn), tied embeddings, explicit head_dim, a dense layer inside a MoE model. The
+raised initializer_range makes greedy tokens vary instead of repeating one token. No eos token by
+default, so greedy runs always produce max_new_tokens tokens (pass eos_token_id=... to add one).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import fsspec
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+COMMON = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+)
+EXTRA = {
+    "llama": dict(rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0,
+                                       low_freq_factor=1.0, high_freq_factor=4.0,
+                                       original_max_position_embeddings=64)),
+    "qwen2": dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                       original_max_position_embeddings=128)),
+    "qwen3": dict(head_dim=24, tie_word_embeddings=True),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1]),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      head_dim=32),
+}
+
+
+def tiny_config(arch: str, **overrides):
+    """A transformers config of `arch` (a model_type in ARCHITECTURES), with overrides applied."""
+    return AutoConfig.for_model(arch, **{**COMMON, **EXTRA[arch], **overrides})
+
+
+def tiny_hf_model(arch: str, seed: int = 0, **overrides):
+    """The transformers model of a tiny config, float32, eval mode, weights seeded."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
+    return model.eval()
+
+
+def save_tiny_checkpoint(arch: str, directory: str | Path, seed: int = 0, **overrides):
+    """save_pretrained (safetensors) a tiny model into `directory`; returns the transformers model."""
+    model = tiny_hf_model(arch, seed, **overrides)
+    model.save_pretrained(directory)
+    return model
+
+
+def copy_to_memory(directory: str | Path, name: str) -> str:
+    """Copy a checkpoint directory into fsspec's in-memory filesystem; returns its memory:// URI."""
+    fs = fsspec.filesystem("memory")
+    target = f"/{name}"
+    if fs.exists(target):
+        fs.rm(target, recursive=True)
+    for path in sorted(Path(directory).iterdir()):
+        fs.pipe_file(f"{target}/{path.name}", path.read_bytes())
+    return f"memory://{target}"
+
+
+def prompts(vocab_size: int = COMMON["vocab_size"], lengths=(3, 9, 17), seed: int = 0) -> list[list[int]]:
+    """Seeded random prompts of different lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate for one prompt (the tokens after the prompt)."""
+    input_ids = torch.tensor([prompt])
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                         min_new_tokens=0, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
