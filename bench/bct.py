@@ -3,7 +3,7 @@
 in one process and one run.
 
     python bench/bct.py [--quick] [--json] [--seed 0] [--num-prompts 128] [--experts 16] [--top-k 2]
-                        [--sigma 0.8] [--kv-budget-mb MB]
+                        [--sigma 0.8] [--kv-budget-mb MB] [--profile]
 
 Workload "bench-moe": the bench-moe preset (Mixtral-style, random weights), prompts of random token ids
 with lengths uniform in [32, 256), output lengths lognormal(mu=3.5, sigma) + 1 capped at 512, fixed per
@@ -21,10 +21,13 @@ same run. With --json the last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import gc
+import io
 import json
 import os
+import pstats
 import random
 import statistics
 import time
@@ -32,10 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from roofline import MoEShape, measure_peaks, workload_bound
+
 from batchgen.connectors.checkpoint import load_model
 from batchgen.connectors.presets import build_preset
 from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
-from roofline import MoEShape, measure_peaks, workload_bound
 
 SYSTEMS = ("batchgen", "lockstep", "transformers")
 ENGINE_MODES = {"batchgen": "coroutine", "lockstep": "lockstep"}
@@ -117,9 +121,13 @@ def requests_for(workload: Workload) -> list[Request]:
             for i, (prompt, n) in enumerate(zip(workload.prompts, workload.max_tokens))]
 
 
+def engine_config(mode: str, device_bytes: int, host_bytes: int) -> EngineConfig:
+    return EngineConfig(mode=mode, page_size=PAGE_SIZE, kv_budget_bytes=device_bytes,
+                        host_kv_budget_bytes=host_bytes)
+
+
 def run_engine(loaded, mode: str, workload: Workload, device_bytes: int, host_bytes: int) -> SystemRun:
-    config = EngineConfig(mode=mode, page_size=PAGE_SIZE, kv_budget_bytes=device_bytes,
-                          host_kv_budget_bytes=host_bytes)
+    config = engine_config(mode, device_bytes, host_bytes)
     Engine(loaded, config).generate(requests_for(warmup_workload(workload)))
     gc.collect()
     engine = Engine(loaded, config)
@@ -135,6 +143,18 @@ def run_engine(loaded, mode: str, workload: Workload, device_bytes: int, host_by
     return SystemRun(tokens=[r.outputs[0].token_ids for r in results], bct_s=bct,
                      completion_times=[r.finished_at - start for r in results],
                      mean_expert_batch=metrics["mean_expert_batch"], engine_metrics=metrics)
+
+
+def profile_engine(loaded, mode: str, workload: Workload, device_bytes: int, host_bytes: int,
+                   top: int = 40) -> str:
+    """cProfile of one more run on a fresh engine (the timed run stays unprofiled): functions by
+    cumulative time, so the scheduler, KV copies, attention and MoE modules each show their share."""
+    engine = Engine(loaded, engine_config(mode, device_bytes, host_bytes))
+    profiler = cProfile.Profile()
+    profiler.runcall(engine.generate, requests_for(workload))
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
 
 
 class ExpertBatchCounter:
@@ -279,6 +299,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--experts", type=int, default=None, help="override the preset's expert count")
     parser.add_argument("--top-k", type=int, default=None, help="override the preset's experts per token")
     parser.add_argument("--sigma", type=float, default=0.8, help="sigma of the lognormal output lengths")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed runs, print a cProfile of one more BatchGen run per scenario")
     parser.add_argument("--kv-budget-mb", type=float, default=None,
                         help="device KV budget of the constrained scenario (default: 16 mean full contexts)")
     args = parser.parse_args(argv)
@@ -352,6 +374,9 @@ def run(args: argparse.Namespace, log) -> dict:
             log(f"{scenario:>13} {name:>12}: BCT {runs[name].bct_s:7.2f} s, "
                 f"{output_tokens / runs[name].bct_s:7.1f} tok/s, "
                 f"mean expert batch {runs[name].mean_expert_batch:.2f}")
+        if args.profile:
+            log(f"[{scenario}] BatchGen profile:\n"
+                + profile_engine(loaded, "coroutine", workload, device_bytes, host_bytes))
         summary = scenario_summary(runs, output_tokens, bound.seconds)
         scenarios[scenario] = {"kv_budget_bytes": device_bytes, **summary}
         log(describe(scenario, summary))

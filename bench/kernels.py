@@ -14,6 +14,7 @@ import statistics
 import time
 
 import torch
+
 from batchgen.kernels.moe_torch import fused_moe_torch
 
 TOP_K = 2

@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
+from triton.runtime.errors import OutOfResources
+
 from batchgen.kernels.moe_config import CONFIG_KEYS, config_dir, config_file_name, device_name
 from batchgen.kernels.moe_triton import fused_moe_triton
-from triton.runtime.errors import OutOfResources
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
 FULL_SPACE = dict(

@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from fsspec.implementations.local import LocalFileSystem
+from safetensors import safe_open
+from safetensors.torch import load as load_safetensors_bytes
+
 from batchgen.connectors.io import filesystem
 from batchgen.connectors.presets import resolve_preset
 from batchgen.engine.models.registry import ModelFamily, model_family
 from batchgen.engine.models.weight_names import WeightTarget, checkpoint_name, checkpoint_target
-from fsspec.implementations.local import LocalFileSystem
-from safetensors import safe_open
-from safetensors.torch import load as load_safetensors_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +72,7 @@ def load_model(
     fs, root = filesystem(uri, storage_options)
     files = _list_files(fs, root, uri)
     with _metadata_dir(fs, root, files) as meta_dir:
-        config = _read_config(meta_dir, uri)
-        family = model_family(config.model_type)
+        config, family = _read_config(meta_dir, uri)
         tokenizer = _load_tokenizer(meta_dir, files, uri)
         eos_token_ids = _eos_token_ids(meta_dir, files, config, tokenizer)
     shards = _shard_paths(fs, root, files, uri)
@@ -128,7 +128,8 @@ def _metadata_dir(fs, root: str, files: set[str]) -> Iterator[str]:
         yield tmp
 
 
-def _read_config(meta_dir: str, uri: str):
+def _read_config(meta_dir: str, uri: str) -> tuple[Any, ModelFamily]:
+    """The transformers config and our model family; an unsupported model_type fails first, naming it."""
     from transformers import AutoConfig
 
     path = Path(meta_dir) / CONFIG_FILE
@@ -136,9 +137,9 @@ def _read_config(meta_dir: str, uri: str):
         model_type = json.loads(path.read_text()).get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
         raise CheckpointError(f"{uri}/{CONFIG_FILE} is not a JSON object: {exc}") from exc
-    model_family(model_type)  # an unsupported type fails here, naming the type
+    family = model_family(model_type)
     try:
-        return AutoConfig.from_pretrained(meta_dir)
+        return AutoConfig.from_pretrained(meta_dir), family
     except (ValueError, TypeError, KeyError) as exc:
         raise CheckpointError(f"{uri}/{CONFIG_FILE} is not a valid {model_type} config: {exc}") from exc
 

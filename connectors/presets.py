@@ -20,6 +20,7 @@ from pathlib import Path
 from urllib.parse import parse_qsl
 
 import torch
+
 from batchgen.connectors.demo_data import WORDS
 
 CACHE_ENV = "BATCHGEN_CACHE"
@@ -170,7 +171,11 @@ def build_preset(name: str, cache_dir: str | os.PathLike | None = None, **overri
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
         _write(preset, config, staging)
-        staging.rename(final)
+        try:
+            staging.rename(final)
+        except OSError:
+            if not final.is_dir():
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return str(final)

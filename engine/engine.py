@@ -149,11 +149,11 @@ class Engine:
         state = _RequestState(request, pending=request.sampling.n)
         self._requests[request.request_id] = state
         num_tokens = prefilled.k.shape[1]
-        for index, (token, logprob) in enumerate(zip(prefilled.first_token_ids, prefilled.first_logprobs)):
+        for index, logprob in enumerate(prefilled.first_logprobs):
             seq = self._new_sequence(request, index, list(request.prompt_token_ids), prefilled.submitted_at)
             seq.first_scheduled_at = time.perf_counter()
             seq.logprobs = None if logprob is None else [logprob]
-            on_device = self.kv.fits(KVLocation.DEVICE, num_tokens + 1) or self.config.mode == "lockstep"
+            on_device = self.kv.fits(KVLocation.DEVICE, num_tokens + 1)
             self.kv.load(seq, KVLocation.DEVICE if on_device else KVLocation.HOST, prefilled.k, prefilled.v)
             state.samples.append(seq)
         for seq in list(state.samples):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from batchgen.kernels import ops
 
 

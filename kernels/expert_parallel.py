@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from batchgen.kernels.registry import BackendUnavailableError
 
 EP_BACKENDS = ("local", "all_to_all", "deep_ep")

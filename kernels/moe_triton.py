@@ -8,6 +8,7 @@ x through the aligned sorted ids, so no permuted copy of the activations is ever
 import torch
 import triton
 import triton.language as tl
+
 from batchgen.kernels.moe_align import ExpertBlocks, align_to_blocks
 from batchgen.kernels.moe_config import moe_config
 

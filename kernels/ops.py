@@ -2,6 +2,7 @@
 tensors' device and dtype (Triton / flash-attn on CUDA, torch on CPU; see kernels/registry.py)."""
 
 import torch
+
 from batchgen.kernels import registry
 from batchgen.kernels.checks import (
     check_decode_inputs,

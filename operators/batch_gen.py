@@ -23,9 +23,8 @@ import itertools
 import uuid
 from typing import Any
 
-import pyarrow as pa
 from batchgen.engine import Engine, Request, SamplingParams
-from batchgen.operators.batches import as_table, rows, with_columns
+from batchgen.operators.batches import Block, num_rows, rows, to_block, with_columns
 from batchgen.operators.columns import (
     PROMPT_COLUMNS,
     SAMPLING_PARAMS,
@@ -55,13 +54,13 @@ class BatchGen:
         self._crash = crash_injector(crash_after)
         self._ids = (f"{uuid.uuid4().hex[:12]}-{i}" for i in itertools.count())
 
-    async def __call__(self, batch: Any) -> pa.Table:
+    async def __call__(self, batch: Any) -> Block:
         if self._crash is not None:
             self._crash.on_batch()
-        table = as_table(batch)
-        outcomes = [RowOutcome() for _ in range(table.num_rows)]
+        block = to_block(batch)
+        outcomes = [RowOutcome() for _ in range(num_rows(block))]
         requests: list[tuple[int, Request]] = []
-        for i, row in enumerate(rows(table, (*PROMPT_COLUMNS, SAMPLING_PARAMS))):
+        for i, row in enumerate(rows(block, (*PROMPT_COLUMNS, SAMPLING_PARAMS))):
             parsed = self.parser.parse(row)
             if isinstance(parsed, str):
                 outcomes[i].error = parsed
@@ -76,4 +75,4 @@ class BatchGen:
         results = await self.loop.run([r.request_id for _, r in requests], admit)
         for (i, _), result in zip(requests, results):
             outcomes[i].result = result
-        return with_columns(table, output_columns(outcomes, self.list_outputs))
+        return with_columns(block, output_columns(outcomes, self.list_outputs))

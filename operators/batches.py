@@ -1,37 +1,69 @@
-"""Batch plumbing shared by the operators: any Ray batch format in, an Arrow table out."""
+"""Batch plumbing shared by the operators: read columns from, and add columns to, any Ray batch format.
+
+A batch becomes a block the way Ray itself would turn a UDF's return value into one: Arrow when
+its columns have one type each, pandas when some column mixes types (a `prompt` column holding a
+number in one row). Output columns are built as typed Arrow arrays either way, so every block of a
+job agrees on the output schema (an all-null `error` column is still a string column).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pandas as pd
 import pyarrow as pa
 from ray.data.block import BlockAccessor
 
+Block = pa.Table | pd.DataFrame
 
-def as_table(batch: Any) -> pa.Table:
-    """A batch in whatever format map_batches handed over (pyarrow, pandas, dict of numpy) as Arrow."""
-    if isinstance(batch, pa.Table):
+
+def to_block(batch: Any) -> Block:
+    if isinstance(batch, (pa.Table, pd.DataFrame)):
         return batch
-    return BlockAccessor.for_block(BlockAccessor.batch_to_block(batch)).to_arrow()
+    return BlockAccessor.batch_to_block(batch)
 
 
-def column_values(table: pa.Table, name: str) -> list:
-    """A column as Python values; all None when the table lacks it."""
-    return table.column(name).to_pylist() if name in table.column_names else [None] * table.num_rows
+def num_rows(block: Block) -> int:
+    return block.num_rows if isinstance(block, pa.Table) else len(block)
 
 
-def rows(table: pa.Table, names: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Each row's values of the columns in `names` that the table has."""
-    present = [n for n in names if n in table.column_names]
-    columns = [table.column(n).to_pylist() for n in present]
-    return [dict(zip(present, values)) for values in zip(*columns)] if present else [{}] * table.num_rows
+def names(block: Block) -> list[str]:
+    return block.column_names if isinstance(block, pa.Table) else [str(c) for c in block.columns]
 
 
-def with_columns(table: pa.Table, columns: dict[str, pa.Array]) -> pa.Table:
-    """`table` with each column replaced (same position) or appended."""
+def column_values(block: Block, name: str) -> list:
+    """A column as Python values (null -> None); all None when the block lacks it."""
+    if name not in names(block):
+        return [None] * num_rows(block)
+    if isinstance(block, pa.Table):
+        return block.column(name).to_pylist()
+    return [None if _is_null(v) else v for v in block[name].tolist()]
+
+
+def rows(block: Block, wanted: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Each row's values of the columns in `wanted` that the block has."""
+    present = [n for n in wanted if n in names(block)]
+    columns = [column_values(block, n) for n in present]
+    return [dict(zip(present, values)) for values in zip(*columns)] if present else [{}] * num_rows(block)
+
+
+def with_columns(block: Block, columns: dict[str, pa.Array]) -> Block:
+    """`block` with each column replaced (same position) or appended."""
+    if isinstance(block, pd.DataFrame):
+        return block.assign(**{n: pd.arrays.ArrowExtensionArray(a) for n, a in columns.items()})
     for name, values in columns.items():
-        if name in table.column_names:
-            table = table.set_column(table.column_names.index(name), name, values)
+        if name in block.column_names:
+            block = block.set_column(block.column_names.index(name), name, values)
         else:
-            table = table.append_column(name, values)
-    return table
+            block = block.append_column(name, values)
+    return block
+
+
+def without_columns(block: Block, dropped: tuple[str, ...]) -> Block:
+    present = [n for n in dropped if n in names(block)]
+    return block.drop_columns(present) if isinstance(block, pa.Table) else block.drop(columns=present)
+
+
+def _is_null(value: Any) -> bool:
+    """pandas turns nulls into None, NaN or NA depending on the column's dtype."""
+    return value is None or value is pd.NA or (isinstance(value, float) and value != value)

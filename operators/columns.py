@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
 from batchgen.engine import InvalidRequestError, Result, SamplingParams
 
 PROMPT, MESSAGES, PROMPT_TOKEN_IDS = "prompt", "messages", "prompt_token_ids"

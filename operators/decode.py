@@ -14,10 +14,11 @@ import asyncio
 from typing import Any
 
 import pyarrow as pa
+
 from batchgen.connectors.kv_store import KVStore
 from batchgen.engine import Engine, Request, Result
 from batchgen.operators import stage_columns as sc
-from batchgen.operators.batches import as_table, column_values, with_columns
+from batchgen.operators.batches import Block, column_values, num_rows, to_block, with_columns
 from batchgen.operators.columns import ERROR
 from batchgen.operators.engine_loop import EngineLoop
 from batchgen.operators.fault_injection import crash_injector
@@ -31,16 +32,16 @@ class Decode:
         self.loop = EngineLoop(self.engine)
         self._crash = crash_injector(crash_after)
 
-    async def __call__(self, batch: Any) -> pa.Table:
+    async def __call__(self, batch: Any) -> Block:
         if self._crash is not None:
             self._crash.on_batch()
-        table = as_table(batch)
-        errors = column_values(table, ERROR)
-        refs = column_values(table, sc.KV_REF)
+        block = to_block(batch)
+        errors = column_values(block, ERROR)
+        refs = column_values(block, sc.KV_REF)
         todo = [i for i, (ref, error) in enumerate(zip(refs, errors)) if error is None and ref is not None]
         # the store's calls block on Ray; keep them off the event loop other batches are awaiting on
         prefilled = await asyncio.to_thread(self.store.get_many, [refs[i] for i in todo])
-        ids, sampling = column_values(table, sc.PROMPT_IDS), column_values(table, sc.SAMPLING)
+        ids, sampling = column_values(block, sc.PROMPT_IDS), column_values(block, sc.SAMPLING)
         recompute = {i: Request(refs[i].rsplit("/", 1)[-1], ids[i],
                                 sampling=sc.sampling_from_json(sampling[i]))
                      for i, p in zip(todo, prefilled) if p is None}
@@ -57,7 +58,7 @@ class Decode:
         results = await self.loop.run(request_ids, admit)
         await asyncio.to_thread(self.store.delete_many, [refs[i] for i in todo])
         by_row: dict[int, Result] = dict(zip(todo, results))
-        generated, reasons, text_ends, seconds = ([None] * table.num_rows for _ in range(4))
+        generated, reasons, text_ends, seconds = ([None] * num_rows(block) for _ in range(4))
         for i, result in by_row.items():
             if result.error is not None:
                 errors[i] = result.error
@@ -68,7 +69,7 @@ class Decode:
             text_ends[i] = [len(c.text) if params.stop and c.finish_reason == "stop" else None
                             for c in result.outputs]
             seconds[i] = result.completion_time
-        return with_columns(table, {
+        return with_columns(block, {
             sc.GENERATED_IDS: sc.column(sc.GENERATED_IDS, generated),
             sc.FINISH_REASONS: sc.column(sc.FINISH_REASONS, reasons),
             sc.TEXT_ENDS: sc.column(sc.TEXT_ENDS, text_ends),

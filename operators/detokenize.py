@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import pyarrow as pa
 from batchgen.connectors.checkpoint import load_tokenizer
 from batchgen.engine import Completion, Result
 from batchgen.engine.stop_checker import detokenize
 from batchgen.operators import stage_columns as sc
-from batchgen.operators.batches import as_table, column_values, with_columns
+from batchgen.operators.batches import Block, column_values, to_block, with_columns, without_columns
 from batchgen.operators.columns import ERROR, RowOutcome, output_columns
 
 
@@ -24,9 +23,9 @@ class Detokenize:
         self.tokenizer = load_tokenizer(model, storage_options)
         self.list_outputs = list_outputs
 
-    def __call__(self, batch: Any) -> pa.Table:
-        table = as_table(batch)
-        values = {name: column_values(table, name) for name in
+    def __call__(self, batch: Any) -> Block:
+        block = to_block(batch)
+        values = {name: column_values(block, name) for name in
                   (sc.PROMPT_IDS, sc.GENERATED_IDS, sc.FINISH_REASONS, sc.TEXT_ENDS, sc.COMPLETION_S, ERROR)}
         outcomes = []
         for prompt, samples, reasons, ends, seconds, error in zip(*values.values()):
@@ -39,5 +38,5 @@ class Detokenize:
                            for i, (ids, text, reason) in enumerate(zip(samples, texts, reasons))]
             result = Result("", prompt, completions, submitted_at=0.0, finished_at=seconds)
             outcomes.append(RowOutcome(result))
-        table = table.drop_columns([c for c in sc.ALL if c in table.column_names])
-        return with_columns(table, output_columns(outcomes, self.list_outputs))
+        block = without_columns(block, (*sc.ALL, ERROR))  # `error` goes back in its contract place
+        return with_columns(block, output_columns(outcomes, self.list_outputs))

@@ -12,10 +12,11 @@ import uuid
 from typing import Any
 
 import pyarrow as pa
+
 from batchgen.connectors.kv_store import KVStore
 from batchgen.engine import Engine, PrefillOutput, Request
 from batchgen.operators import stage_columns as sc
-from batchgen.operators.batches import as_table, column_values, with_columns
+from batchgen.operators.batches import Block, column_values, num_rows, to_block, with_columns
 from batchgen.operators.columns import ERROR
 from batchgen.operators.fault_injection import crash_injector
 
@@ -27,23 +28,24 @@ class Prefill:
         self.store = kv_store
         self._crash = crash_injector(crash_after)
 
-    def __call__(self, batch: Any) -> pa.Table:
+    def __call__(self, batch: Any) -> Block:
         if self._crash is not None:
             self._crash.on_batch()
-        table = as_table(batch)
-        errors = column_values(table, ERROR)
+        block = to_block(batch)
+        errors = column_values(block, ERROR)
         todo = [(i, Request(uuid.uuid4().hex, ids, sampling=sc.sampling_from_json(sampling)))
-                for i, (ids, sampling, error) in enumerate(zip(column_values(table, sc.PROMPT_IDS),
-                                                               column_values(table, sc.SAMPLING), errors))
+                for i, (ids, sampling, error) in enumerate(zip(column_values(block, sc.PROMPT_IDS),
+                                                               column_values(block, sc.SAMPLING), errors))
                 if error is None]
-        refs: list[str | None] = [None] * table.num_rows
-        outputs = self.engine.prefill([r for _, r in todo])
-        done = [(i, out) for (i, _), out in zip(todo, outputs) if isinstance(out, PrefillOutput)]
-        for (i, _), out in zip(todo, outputs):
-            if not isinstance(out, PrefillOutput):
+        done: list[tuple[int, PrefillOutput]] = []
+        for (i, _), out in zip(todo, self.engine.prefill([r for _, r in todo])):
+            if isinstance(out, PrefillOutput):
+                done.append((i, out))
+            else:
                 errors[i] = out.error
-        stored = self.store.put_many([o.request.request_id for _, o in done], [o for _, o in done])
+        refs: list[str | None] = [None] * num_rows(block)
+        stored = self.store.put_many([out.request.request_id for _, out in done], [out for _, out in done])
         for (i, _), ref in zip(done, stored):
             refs[i] = ref
-        return with_columns(table, {sc.KV_REF: sc.column(sc.KV_REF, refs),
+        return with_columns(block, {sc.KV_REF: sc.column(sc.KV_REF, refs),
                                     ERROR: pa.array(errors, pa.string())})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
+
 from batchgen.engine import SamplingParams
 
 PROMPT_IDS = "__batchgen_prompt_ids"  # list<int64>: the prompt as the engine sees it

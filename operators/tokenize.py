@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 import pyarrow as pa
+
 from batchgen.connectors.checkpoint import load_tokenizer
 from batchgen.engine import SamplingParams
 from batchgen.operators import stage_columns as sc
-from batchgen.operators.batches import as_table, rows, with_columns
+from batchgen.operators.batches import Block, rows, to_block, with_columns
 from batchgen.operators.columns import ERROR, PROMPT_COLUMNS, SAMPLING_PARAMS, RowParser
 
 
@@ -22,15 +23,15 @@ class Tokenize:
         list_outputs = defaults.n > 1 if list_outputs is None else bool(list_outputs)
         self.parser = RowParser(load_tokenizer(model, storage_options), defaults, list_outputs)
 
-    def __call__(self, batch: Any) -> pa.Table:
-        table = as_table(batch)
+    def __call__(self, batch: Any) -> Block:
+        block = to_block(batch)
         ids, sampling, errors = [], [], []
-        for row in rows(table, (*PROMPT_COLUMNS, SAMPLING_PARAMS)):
+        for row in rows(block, (*PROMPT_COLUMNS, SAMPLING_PARAMS)):
             parsed = self.parser.parse(row)
             bad = isinstance(parsed, str)
             ids.append(None if bad else parsed.prompt_token_ids)
             sampling.append(None if bad else sc.sampling_to_json(parsed.sampling))
             errors.append(parsed if bad else None)
-        return with_columns(table, {sc.PROMPT_IDS: sc.column(sc.PROMPT_IDS, ids),
+        return with_columns(block, {sc.PROMPT_IDS: sc.column(sc.PROMPT_IDS, ids),
                                     sc.SAMPLING: sc.column(sc.SAMPLING, sampling),
                                     ERROR: pa.array(errors, type=pa.string())})

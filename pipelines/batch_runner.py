@@ -95,41 +95,42 @@ class BatchRunner:
     def validate(self, batch_id: str) -> None:
         """Check the input file; a valid batch goes in_progress and joins the queue, else it fails."""
         record = self.store.get_batch(batch_id)
-        try:
-            parsed = parse_batch_input(self.store.read_file(record.input_file_id), record.endpoint,
-                                       self.config.served_model, self.config.max_batch_requests)
-            errors = parsed.errors
-        except OSError as exc:
-            errors = [{"code": "input_file_unreadable", "message": f"cannot read input file: {exc}",
-                       "param": "input_file_id", "line": None}]
+        lines, errors = self._parse(record)
         if self.failure is not None:
             errors = [{"code": "engine_error", "message": self.failure, "param": None, "line": None}]
         if errors:
             if not self.store.set_status(batch_id, "failed", only_from=("validating",), errors=errors):
                 self.store.set_status(batch_id, "cancelled", only_from=("cancelling",))
             return
-        total = len(parsed.lines)
-        if not self.store.set_status(batch_id, "in_progress", only_from=("validating",), total=total):
+        if not self.store.set_status(batch_id, "in_progress", only_from=("validating",), total=len(lines)):
             self.store.set_status(batch_id, "cancelled", only_from=("cancelling",))
             return
-        record = self.store.get_batch(batch_id)
-        self._incoming.put(RunningBatch(record, parsed.lines, deque(range(len(parsed.lines)))))
+        self._incoming.put(RunningBatch(self.store.get_batch(batch_id), lines, deque(range(len(lines)))))
         self._wake.set()
 
     def _resume(self, record: BatchRecord) -> None:
         if record.status == "cancelling" and record.in_progress_at is None:  # cancelled before it started
             self.store.set_status(record.id, "cancelled")
             return
-        parsed = parse_batch_input(self.store.read_file(record.input_file_id), record.endpoint,
-                                   self.config.served_model, self.config.max_batch_requests)
-        if parsed.errors:
-            self.store.set_status(record.id, "failed", errors=parsed.errors)
+        lines, errors = self._parse(record)
+        if errors:
+            self.store.set_status(record.id, "failed", errors=errors)
             return
         done = self.store.done_indices(record.id)
         stop_code = "batch_cancelled" if record.status == "cancelling" else None
-        pending = deque(i for i in range(len(parsed.lines)) if i not in done and stop_code is None)
-        log.info("resuming batch %s: %d of %d requests left", record.id, len(pending), len(parsed.lines))
-        self._incoming.put(RunningBatch(record, parsed.lines, pending, stop_code=stop_code))
+        pending = deque(i for i in range(len(lines)) if i not in done and stop_code is None)
+        log.info("resuming batch %s: %d of %d requests left", record.id, len(pending), len(lines))
+        self._incoming.put(RunningBatch(record, lines, pending, stop_code=stop_code))
+
+    def _parse(self, record: BatchRecord) -> tuple[list[BatchLine], list[dict[str, Any]]]:
+        try:
+            data = self.store.read_file(record.input_file_id)
+        except OSError as exc:
+            return [], [{"code": "input_file_unreadable", "message": f"cannot read the input file: {exc}",
+                         "param": "input_file_id", "line": None}]
+        parsed = parse_batch_input(data, record.endpoint, self.config.served_model,
+                                   self.config.max_batch_requests)
+        return parsed.lines, parsed.errors
 
     # ---- the worker thread -------------------------------------------------------------------------
 

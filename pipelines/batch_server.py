@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 
 from batchgen.engine.sampling_params import InvalidRequestError
 from batchgen.pipelines.batch_runner import BatchRunner
-from batchgen.pipelines.batch_store import BatchStore, FileRecord
+from batchgen.pipelines.batch_store import BatchRecord, BatchStore, FileRecord
 from batchgen.pipelines.openai_format import ENDPOINTS, completion_window_seconds, error_object
 
 MULTIPART_SLACK = 64 * 1024  # room for the multipart framing around the file itself
@@ -191,7 +191,7 @@ def create_app(store: BatchStore, runner: BatchRunner, config: ServerConfig) -> 
 
     # ---- batches -----------------------------------------------------------------------------------
 
-    def find_batch(batch_id: str):
+    def find_batch(batch_id: str) -> BatchRecord:
         record = store.get_batch(batch_id)
         if record is None:
             raise APIError(404, f"No such Batch object: {batch_id}", "batch_id")

@@ -274,18 +274,16 @@ class BatchStore:
                  unfinished: int) -> None:
         """Write the output and error files, then in one transaction register them, count the unfinished
         requests as failed, move the batch to its final status and drop its result rows."""
-        record = self.get_batch(batch_id)
         files = [self._write_lines(f"{batch_id}_{kind}.jsonl", lines)
                  for kind, lines in (("output", output_lines), ("error", error_lines))]
-        now = int(time.time())
-        values = {"status": status, f"{status}_at": now, "output_file_id": files[0] and files[0].id,
-                  "error_file_id": files[1] and files[1].id, "failed": record.failed + unfinished}
+        values = {"status": status, f"{status}_at": int(time.time()), "output_file_id": files[0] and files[0].id,
+                  "error_file_id": files[1] and files[1].id}
         with self._lock, self._db:
             for f in files:
                 if f is not None:
                     self._insert_file(f)
-            self._db.execute(f"UPDATE batches SET {', '.join(f'{k} = ?' for k in values)} WHERE id = ?",
-                             [*values.values(), batch_id])
+            self._db.execute(f"UPDATE batches SET {', '.join(f'{k} = ?' for k in values)}, failed = failed + ? "
+                             "WHERE id = ?", [*values.values(), unfinished, batch_id])
             self._db.execute("DELETE FROM results WHERE batch_id = ?", (batch_id,))
 
     def _write_lines(self, filename: str, lines: Iterable[str]) -> FileRecord | None:

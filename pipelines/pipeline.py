@@ -27,6 +27,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import ray
+
 from batchgen.connectors.indexed_parquet import (
     IndexedParquetSource,
     OrderedParquetSink,

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
+from batchgen.connectors.io import parse_storage_options
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.sampling_params import InvalidRequestError, SamplingParams
-
-_ARG_TYPES = {"int": int, "float": float, "str": str}
+from batchgen.engine.sampling_params import SamplingParams
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -33,29 +30,29 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "(default: $BATCHGEN_API_KEY; unset = no auth)")
     p.add_argument("--state-dir", help="local directory for the SQLite metadata (default: the storage "
                                        "directory; required when --storage is remote)")
-    p.add_argument("--storage-options", type=json.loads, default=None,
+    p.add_argument("--storage-options", type=_json_object, default=None,
                    help='fsspec options for --storage and --model as JSON, e.g. {"endpoint_url": "http://..."}')
     p.add_argument("--max-upload-bytes", type=int, default=200 * 1024 * 1024, help="largest accepted upload")
     p.add_argument("--max-batch-requests", type=int, default=50_000, help="most requests in one batch file")
     p.add_argument("--max-in-flight", type=int, default=256,
                    help="requests handed to the engine at once; cancellation waits for these to finish")
-    p.add_argument("--default-sampling", type=json.loads, default={},
-                   help='batch-level defaults for request bodies as JSON, '
+    p.add_argument("--sampling-params", type=_json_object, default={},
+                   help='defaults for the sampling fields a request body leaves out, as JSON, '
                         'e.g. {"temperature": 0, "max_tokens": 256}')
+    p.add_argument("--engine", type=_json_object, default={},
+                   help='EngineConfig fields as JSON, e.g. {"max_num_seqs": 512}')
     p.add_argument("--chat-template", help="Jinja chat template (a file or the template itself) for models "
                                            "whose tokenizer has none")
     p.add_argument("--allow-custom-completion-window", action="store_true",
                    help="accept any completion_window '<n>s|m|h|d', not only '24h' (short windows for tests)")
-    engine = p.add_argument_group("engine", "EngineConfig fields; unset ones keep EngineConfig's defaults")
-    for f in dataclasses.fields(EngineConfig):
-        engine.add_argument(f"--{f.name.replace('_', '-')}", dest=f"engine_{f.name}", default=None,
-                            type=_ARG_TYPES[str(f.type).replace(" | None", "")], metavar=f.name.upper())
     return p
 
 
-def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {f.name: getattr(args, f"engine_{f.name}") for f in dataclasses.fields(EngineConfig)
-            if getattr(args, f"engine_{f.name}") is not None}
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        return parse_storage_options(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("storage options", "value")) from None
 
 
 def run_serve(args: argparse.Namespace) -> None:
@@ -68,19 +65,21 @@ def run_serve(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     try:
-        SamplingParams.from_dict(args.default_sampling)
-    except InvalidRequestError as exc:
-        raise SystemExit(f"--default-sampling: {exc}") from None
+        SamplingParams.from_dict(args.sampling_params)
+        EngineConfig.from_kwargs(**args.engine)
+    except (ValueError, TypeError) as exc:
+        raise SystemExit(f"batchgen serve: error: {exc}") from None
     served_model = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
     chat_template = args.chat_template
     if chat_template is not None and Path(chat_template).is_file():
         chat_template = Path(chat_template).read_text()
-    store = BatchStore(args.storage, args.state_dir, args.storage_options)
-    remote_model = "://" in args.model and not args.model.startswith("file://")
-    engine = Engine(args.model, storage_options=args.storage_options if remote_model else None,
-                    **_engine_overrides(args))
+    try:
+        store = BatchStore(args.storage, args.state_dir, args.storage_options)
+    except ValueError as exc:
+        raise SystemExit(f"batchgen serve: error: {exc}") from None
+    engine = Engine(args.model, storage_options=args.storage_options, **args.engine)
     runner = BatchRunner(engine, store, RunnerConfig(
-        served_model=served_model, default_sampling=args.default_sampling, chat_template=chat_template,
+        served_model=served_model, default_sampling=args.sampling_params, chat_template=chat_template,
         max_in_flight=args.max_in_flight, max_batch_requests=args.max_batch_requests))
     app = create_app(store, runner, ServerConfig(
         served_model=served_model, api_key=args.api_key, max_upload_bytes=args.max_upload_bytes,

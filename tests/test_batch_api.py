@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from batchgen.connectors.presets import build_preset
-from batchgen.engine import Engine, Request, SamplingParams
+from batchgen.engine import Completion, Engine, Request, SamplingParams
 
 CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}[assistant]{% endif %}")
@@ -25,7 +25,7 @@ PROMPTS = ["the quick brown fox", "once upon a time", "hello world", "batch infe
 SERVED = "tiny-served"
 API_KEY = "sk-test-0123456789"
 KV = {"kv_budget_bytes": 32 << 20, "host_kv_budget_bytes": 128 << 20}  # small: several engines run at once
-ENGINE_ARGS = [arg for key, value in KV.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
+ENGINE_ARGS = ["--engine", json.dumps(KV)]
 SERVE_CMD = [sys.executable, "-m", "batchgen.pipelines.cli", "serve"]
 
 
@@ -111,7 +111,7 @@ def server(model_dir, template_file, tmp_path_factory):
     srv = Server(work, ["--model", str(model_dir), "--storage", str(work / "storage"),
                         "--served-model-name", SERVED, "--chat-template", str(template_file),
                         "--allow-custom-completion-window", "--max-in-flight", "4",
-                        "--max-upload-bytes", "65536"]).start()
+                        "--max-upload-bytes", "65536", "--sampling-params", '{"max_tokens": 3}']).start()
     yield srv
     srv.stop()
 
@@ -160,13 +160,14 @@ def _counts(batch) -> tuple[int, int, int]:
     return batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed
 
 
-def _greedy(engine: Engine, prompts: list, max_tokens: int, ignore_eos: bool = False) -> list[str]:
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
-    requests = [Request(f"ref{i}", prompt=p, sampling=sampling) if isinstance(p, str) else
-                Request(f"ref{i}", prompt_token_ids=p, sampling=sampling) for i, p in enumerate(prompts)]
+def _greedy(engine: Engine, prompts: list, max_tokens: int, **sampling) -> list[Completion]:
+    """The engine's own greedy output for `prompts` (text or token ids), the reference for the server."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
+    requests = [Request(f"ref{i}", prompt=p, sampling=params) if isinstance(p, str) else
+                Request(f"ref{i}", prompt_token_ids=p, sampling=params) for i, p in enumerate(prompts)]
     results = engine.generate(requests)
     assert all(r.ok for r in results), [r.error for r in results]
-    return [r.outputs[0].text for r in results]
+    return [r.outputs[0] for r in results]
 
 
 def _chat_ids(engine: Engine, messages: list[dict]) -> list[int]:
@@ -191,28 +192,34 @@ def test_completions_batch_matches_engine(client, engine):
     lines = [_line(f"req-{i}", {"prompt": p, "max_tokens": 6, "temperature": 0})
              for i, p in enumerate(PROMPTS)]
     lines.append(_line("tokens", {"prompt": token_prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2}))
+    expected = _greedy(engine, [*PROMPTS, token_prompt], max_tokens=6)
+    stop_word = expected[0].text.split()[2]
+    lines.append(_line("stop", {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "stop": [stop_word]}))
     created = _submit(client, lines, metadata={"job": "nightly"})
     assert created.status == "validating" and created.metadata == {"job": "nightly"}
     assert created.expires_at - created.created_at == 24 * 3600
     batch = _wait(client, created.id)
 
     assert batch.status == "completed", batch.errors
-    assert batch.request_counts.total == 5 and batch.request_counts.completed == 5
+    assert batch.request_counts.total == 6 and batch.request_counts.completed == 6
     assert batch.request_counts.failed == 0 and batch.error_file_id is None
     assert batch.created_at <= batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
     assert batch.failed_at is batch.cancelled_at is batch.expired_at is None
     out = _read_lines(client, batch.output_file_id)
     assert [x["custom_id"] for x in out] == [x["custom_id"] for x in lines]  # input order
-    expected = _greedy(engine, [*PROMPTS, token_prompt], max_tokens=6)
-    for entry, text in zip(out, expected):
+    for entry, reference in zip(out, expected):
         assert entry["error"] is None and entry["response"]["status_code"] == 200
         body = entry["response"]["body"]
         assert body["object"] == "text_completion" and body["model"] == SERVED
-        assert body["choices"][0]["text"] == text
-        assert body["choices"][0]["finish_reason"] in ("stop", "length")
+        assert body["choices"][0]["text"] == reference.text
+        assert body["choices"][0]["finish_reason"] == reference.finish_reason
         usage = body["usage"]
-        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
-    tokens_body = out[-1]["response"]["body"]
+        assert usage["completion_tokens"] == len(reference.token_ids)
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    stopped = out[-1]["response"]["body"]["choices"][0]
+    assert stopped["finish_reason"] == "stop"
+    assert stopped["text"] == expected[0].text[:expected[0].text.index(stop_word)]
+    tokens_body = out[-2]["response"]["body"]
     assert tokens_body["usage"]["prompt_tokens"] == len(token_prompt)
     logprobs = tokens_body["choices"][0]["logprobs"]
     assert "".join(logprobs["tokens"]) == tokens_body["choices"][0]["text"]
@@ -228,27 +235,32 @@ def test_chat_batch(client, engine):
                           {"role": "user", "content": [{"type": "text", "text": "hi there"}]}])
     lines = [_line(f"chat-{i}", {"messages": m, "max_completion_tokens": 5, "temperature": 0},
                    url="/v1/chat/completions") for i, m in enumerate(conversations)]
-    lines.append(_line("sampled", {"messages": conversations[0], "max_tokens": 5, "n": 2, "seed": 7,
-                                   "temperature": 1.0, "logprobs": True, "top_logprobs": 3},
-                       url="/v1/chat/completions"))
+    for cid in ("sampled", "sampled-again"):  # seeded: the same samples twice
+        lines.append(_line(cid, {"messages": conversations[0], "max_tokens": 5, "n": 2, "seed": 7,
+                                 "temperature": 1.0, "logprobs": True, "top_logprobs": 3},
+                           url="/v1/chat/completions"))
     lines.append(_line("image", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, url="/v1/chat/completions"))
     batch = _wait(client, _submit(client, lines, endpoint="/v1/chat/completions").id)
 
     assert batch.status == "completed"
-    assert (batch.request_counts.completed, batch.request_counts.failed) == (4, 1)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (5, 1)
     out = _read_lines(client, batch.output_file_id)
-    assert [x["custom_id"] for x in out] == ["chat-0", "chat-1", "chat-2", "sampled"]
+    assert [x["custom_id"] for x in out] == ["chat-0", "chat-1", "chat-2", "sampled", "sampled-again"]
     prompts = [_chat_ids(engine, [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
                                    else m["content"][0]["text"]} for m in conv]) for conv in conversations]
     expected = _greedy(engine, prompts, max_tokens=5)
-    for entry, text, prompt in zip(out, expected, prompts):
+    for entry, reference, prompt in zip(out, expected, prompts):
         body = entry["response"]["body"]
         assert body["object"] == "chat.completion"
-        assert body["choices"][0]["message"] == {"role": "assistant", "content": text, "refusal": None}
+        assert body["choices"][0]["message"] == {"role": "assistant", "content": reference.text, "refusal": None}
         assert body["usage"]["prompt_tokens"] == len(prompt)
+        assert body["usage"]["completion_tokens"] == len(reference.token_ids)
     sampled = out[3]["response"]["body"]
     assert [c["index"] for c in sampled["choices"]] == [0, 1]
+    again = out[4]["response"]["body"]["choices"]
+    assert [c["message"] for c in sampled["choices"]] == [c["message"] for c in again]
+    assert sampled["choices"][0]["message"] != sampled["choices"][1]["message"]
     for choice in sampled["choices"]:
         content = choice["logprobs"]["content"]
         assert "".join(t["token"] for t in content) == choice["message"]["content"]
@@ -270,14 +282,16 @@ def test_per_request_errors_go_to_error_file(client, engine):
         "chat-field": ({"prompt": "x", "messages": []}, "messages"),
         "bad-max-tokens": ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     }
-    lines = [_line("ok-1", {"prompt": "hello", "max_tokens": 3})]
+    lines = [_line("ok-1", {"prompt": "hello", "ignore_eos": True})]  # max_tokens from --sampling-params
     lines += [_line(cid, body) for cid, (body, _) in bad.items()]
-    lines.append(_line("ok-2", {"prompt": "world", "max_tokens": 3}))
+    lines.append(_line("ok-2", {"prompt": "world", "max_tokens": 5, "ignore_eos": True}))
     batch = _wait(client, _submit(client, lines).id)
 
     assert batch.status == "completed"
     assert _counts(batch) == (9, 2, 7)
-    assert [x["custom_id"] for x in _read_lines(client, batch.output_file_id)] == ["ok-1", "ok-2"]
+    out = _read_lines(client, batch.output_file_id)
+    assert [x["custom_id"] for x in out] == ["ok-1", "ok-2"]
+    assert [x["response"]["body"]["usage"]["completion_tokens"] for x in out] == [3, 5]
     errors = _read_lines(client, batch.error_file_id)
     assert [e["custom_id"] for e in errors] == list(bad)
     for entry in errors:
@@ -498,7 +512,8 @@ def test_api_key_and_s3_storage(s3_server, model_dir):
 def test_restart_resumes_without_losing_or_repeating(s3_server, model_dir, engine):
     srv, model = s3_server, model_dir.name
     client = srv.client(API_KEY)
-    finished = _wait(client, _submit(client, [_line("early", {"prompt": "x", "max_tokens": 2}, model=model)]).id)
+    early = [_line("early", {"prompt": "x", "max_tokens": 2}, model=model)]
+    finished = _wait(client, _submit(client, early).id)
     finished_output = client.files.content(finished.output_file_id).content
     lines = [_line(f"r-{i}", {"prompt": f"{PROMPTS[i % 4]} {i}", "max_tokens": 8, "temperature": 0,
                               "ignore_eos": True}, model=model) for i in range(20)]
@@ -520,4 +535,4 @@ def test_restart_resumes_without_losing_or_repeating(s3_server, model_dir, engin
     assert int(resumed.group(1)) <= 20 - running.request_counts.completed  # finished requests not redone
     assert [x["custom_id"] for x in out] == [x["custom_id"] for x in lines]
     expected = _greedy(engine, [x["body"]["prompt"] for x in lines], max_tokens=8, ignore_eos=True)
-    assert [x["response"]["body"]["choices"][0]["text"] for x in out] == expected
+    assert [x["response"]["body"]["choices"][0]["text"] for x in out] == [c.text for c in expected]

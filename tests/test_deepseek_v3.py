@@ -6,14 +6,15 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
+from tiny_models import copy_to_memory, hf_greedy, prompts
+from transformers import AutoConfig, AutoModelForCausalLM
+
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine.models.context import KVSpec
 from batchgen.engine.models.deepseek_v3 import GroupLimitedSigmoidRouter, build_deepseek_v3, softmax_scale
 from batchgen.engine.models.registry import UnsupportedModelError
 from batchgen.engine.reference import ReferenceRunner
-from safetensors.torch import save_file
-from tiny_models import copy_to_memory, hf_greedy, prompts
-from transformers import AutoConfig, AutoModelForCausalLM
 
 VOCAB = 256
 BASE = dict(

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from batchgen.kernels import ops, registry
 from batchgen.kernels.attention_torch import (
     paged_decode_attention_torch,

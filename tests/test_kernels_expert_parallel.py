@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from batchgen.kernels.expert_parallel import AllToAllDispatcher, LocalDispatcher, make_dispatcher
 from batchgen.kernels.moe_torch import fused_moe_torch
 from batchgen.kernels.registry import BackendUnavailableError

@@ -4,6 +4,7 @@ import importlib.util
 
 import pytest
 import torch
+
 from batchgen.kernels import ops, registry
 from batchgen.kernels.attention_torch import paged_decode_attention_torch, prefill_attention_torch
 from batchgen.kernels.moe_torch import fused_moe_torch

@@ -3,6 +3,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+
 from batchgen.kernels import ops, registry
 from batchgen.kernels.moe_align import align_to_blocks
 from batchgen.kernels.moe_config import config_file_name, moe_config

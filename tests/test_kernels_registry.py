@@ -2,6 +2,7 @@ import importlib.util
 
 import pytest
 import torch
+
 from batchgen.kernels import ops, registry
 
 

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from batchgen.kernels.moe_config import moe_config
 
 ROOT = Path(__file__).resolve().parents[1]

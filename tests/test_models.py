@@ -4,19 +4,20 @@ import re
 
 import pytest
 import torch
-from batchgen.connectors.checkpoint import load_model
-from batchgen.engine.models.context import KVSpec
-from batchgen.engine.reference import ReferenceRunner
 from safetensors.torch import save_file
 from tiny_models import (
     ARCHITECTURES,
     MOE_ARCHITECTURES,
     copy_to_memory,
-    hf_greedy,
+    hf_greedy_batch,
     prompts,
     save_tiny_checkpoint,
     tiny_hf_model,
 )
+
+from batchgen.connectors.checkpoint import load_model
+from batchgen.engine.models.context import KVSpec
+from batchgen.engine.reference import ReferenceRunner
 
 NEW_TOKENS = 32
 
@@ -43,7 +44,7 @@ def test_matches_transformers_from_local_and_memory(checkpoint):
         torch.testing.assert_close(runner.prefill_logits(prompt), expected, atol=1e-4, rtol=0)
 
     ours = runner.generate(batch, NEW_TOKENS)
-    assert ours == [hf_greedy(hf, prompt, NEW_TOKENS) for prompt in batch]
+    assert ours == hf_greedy_batch(hf, batch, NEW_TOKENS)
     assert all(len(tokens) == NEW_TOKENS and len(set(tokens)) > 1 for tokens in ours)
 
 
@@ -138,7 +139,7 @@ def test_half_precision_load(arch, tmp_path):
 
 
 def test_generation_stops_at_eos(tmp_path):
-    save_tiny_checkpoint("qwen3_moe", tmp_path)
+    save_tiny_checkpoint("llama", tmp_path)
     runner = ReferenceRunner(load_model(tmp_path).model)
     batch = prompts()
     free = runner.generate(batch, NEW_TOKENS)

@@ -37,6 +37,23 @@ EXTRA = {
 }
 
 
+SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>")  # ids 0..3
+
+
+def tiny_tokenizer(vocab_size: int = COMMON["vocab_size"]):
+    """A word-level tokenizer of exactly `vocab_size` tokens: the specials, then "the", "cat", "w6", "w7", ..."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [*SPECIAL_TOKENS, "the", "cat"]
+    words += [f"w{i}" for i in range(len(words), vocab_size)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|unk|>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    pad, bos, eos, unk = SPECIAL_TOKENS
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, bos_token=bos, eos_token=eos,
+                                   unk_token=unk)
+
+
 def tiny_config(arch: str, **overrides):
     """A transformers config of `arch` (a model_type in ARCHITECTURES), with overrides applied."""
     return AutoConfig.for_model(arch, **{**COMMON, **EXTRA[arch], **overrides})
@@ -74,10 +91,17 @@ def prompts(vocab_size: int = COMMON["vocab_size"], lengths=(3, 9, 17), seed: in
     return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
-@torch.inference_mode()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own greedy generate for one prompt (the tokens after the prompt)."""
-    input_ids = torch.tensor([prompt])
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                         min_new_tokens=0, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return hf_greedy_batch(model, [prompt], max_new_tokens)[0]
+
+
+@torch.inference_mode()
+def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy generate over one left-padded batch; the tokens after each prompt."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=0)
+    return out[:, width:].tolist()

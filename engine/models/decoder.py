@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
 from batchgen.engine.models.context import AttentionContext, KVSpec
 from batchgen.engine.models.layers import (
     AttentionBlock,
@@ -22,7 +24,6 @@ from batchgen.engine.models.layers import (
     SoftmaxTopKRouter,
     SparseMoE,
 )
-from torch import nn
 
 
 @dataclass(frozen=True)
@@ -122,5 +123,5 @@ def _sparse_moe(hidden_size: int, moe: MoEConfig) -> SparseMoE:
                           moe.round_weights_to_model_dtype),
         FusedExperts(moe.num_experts, hidden_size, moe.intermediate_size),
         shared_expert=shared,
-        shared_expert_gate=nn.Linear(hidden_size, 1, bias=False) if moe.shared_expert_gated else None,
+        shared_expert_gate=nn.Linear(hidden_size, 1, bias=False) if shared and moe.shared_expert_gated else None,
     )

@@ -13,6 +13,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from batchgen.engine.models.context import AttentionContext, KVSpec
 from batchgen.engine.models.decoder import DecoderLM, embedding_and_head
 from batchgen.engine.models.layers import (
@@ -27,7 +29,6 @@ from batchgen.engine.models.layers import (
     apply_rotary,
 )
 from batchgen.engine.models.registry import ModelFamily, UnsupportedModelError
-from torch import nn
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps.
 LORA_NORM_EPS = 1e-6

@@ -12,10 +12,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from batchgen.engine.models.context import AttentionContext
-from batchgen.kernels import ops
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from batchgen.engine.models.context import AttentionContext
+from batchgen.kernels import ops
 
 # Rope types whose frequencies depend only on the config. "dynamic" and "longrope" re-derive them from
 # the longest sequence in the batch, which makes a token's output depend on its batch neighbours.
@@ -53,7 +54,8 @@ class RotaryEmbedding:
             )
         with torch.device("cpu"):
             if rope_type == "default":
-                exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+                rotated = int(dim * params.get("partial_rotary_factor", 1.0))
+                exponents = torch.arange(0, rotated, 2, dtype=torch.int64).float() / rotated
                 inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponents), 1.0
             else:
                 inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")

@@ -11,8 +11,9 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from batchgen.engine.models.decoder import DecoderConfig, MoEConfig, build_decoder
 from torch import nn
+
+from batchgen.engine.models.decoder import DecoderConfig, MoEConfig, build_decoder
 
 
 class UnsupportedModelError(ValueError):

@@ -1,0 +1,251 @@
+"""The `batchgen` command. Each subcommand is one entry of SUBCOMMANDS: (add its parser, run it).
+
+    batchgen run --model URI --input URI --output URI [--mode disaggregated|single]
+                 [--prefill-concurrency N --decode-concurrency M | --concurrency N] [--config job.yaml]
+    batchgen demo
+
+Exit status: 0 when the job completed, whatever its per-row errors; 1 when it failed or could not
+start (the message says why); 2 for a bad command line or config file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from batchgen.connectors.io import parse_storage_options
+from batchgen.pipelines.pipeline import JobConfig, JobError, JobSummary
+from batchgen.pipelines.progress import Progress
+from batchgen.pipelines.serve_cli import add_serve_parser, run_serve
+
+# command-line shortcuts for the most used sampling parameters (full set: --sampling-params JSON)
+_SAMPLING_FLAGS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "n": int, "seed": int}
+_JOB_FIELDS = {f.name for f in fields(JobConfig)}
+
+
+class UsageError(ValueError):
+    """A bad command line or config file (exit status 2)."""
+
+
+def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("run", help="generate for every row of a Parquet dataset on Ray",
+                              description="Read Parquet, generate, write Parquet in input order. Restarting "
+                                          "with the same --output resumes: written rows are not redone.")
+    p.add_argument("--config", help="YAML file with any of the options below (underscored names); "
+                                    "command-line values override it")
+    p.add_argument("--model", help="checkpoint directory, fsspec URI (s3://...) or preset name (tiny-moe)")
+    p.add_argument("--input", help="Parquet file or folder (local or fsspec URI)")
+    p.add_argument("--output", help="output folder (local or fsspec URI)")
+    _add_job_options(p)
+    return p
+
+
+def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("demo", help="run the built-in demo: tiny-moe over the demo prompts",
+                              description="Writes the demo prompts to OUT/demo_prompts.parquet, runs them "
+                                          "through the Ray pipeline with the tiny-moe preset and writes "
+                                          "OUT/results/ (replaced on every run).")
+    p.add_argument("--out", default="out", help="demo folder (default ./out)")
+    p.add_argument("--rows", type=int, default=64, help="number of demo prompts (default 64)")
+    _add_job_options(p)
+    p.set_defaults(max_tokens=32, temperature=0.0)
+    return p
+
+
+def _add_job_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=("disaggregated", "single"),
+                   help="separate prefill and decode stages (default) or one engine stage")
+    p.add_argument("--prefill-concurrency", type=int, help="prefill engine actors (disaggregated)")
+    p.add_argument("--decode-concurrency", type=int, help="decode engine actors (disaggregated)")
+    p.add_argument("--concurrency", type=int, help="engine actors (single)")
+    p.add_argument("--tokenize-concurrency", type=int)
+    p.add_argument("--detokenize-concurrency", type=int)
+    p.add_argument("--batch-size", type=int, help="rows per batch handed to each stage")
+    for name, kind in _SAMPLING_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=kind, help=f"sampling default '{name}'")
+    p.add_argument("--sampling-params", type=_json_object, help="sampling defaults as JSON (rows override)")
+    p.add_argument("--engine", type=_json_object, help='EngineConfig fields as JSON, e.g. {"max_num_seqs": 512}')
+    p.add_argument("--engine-num-cpus", type=float, help="CPUs per engine actor (default: a share of the cluster)")
+    p.add_argument("--engine-num-gpus", type=float, help="GPUs per engine actor (default 0)")
+    p.add_argument("--rows-per-block", type=int)
+    p.add_argument("--rows-per-file", type=int)
+    p.add_argument("--storage-options", type=_json_object,
+                   help='fsspec options for model, input and output as JSON, e.g. {"endpoint_url": "..."}')
+    p.add_argument("--ray-address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local one)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        return parse_storage_options(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("storage options", "value")) from None
+
+
+def job_config(args: argparse.Namespace) -> JobConfig:
+    """Defaults < the --config YAML file < the command line."""
+    values: dict[str, Any] = _read_yaml(args.config) if getattr(args, "config", None) else {}
+    values["sampling_params"] = dict(values.get("sampling_params") or {})
+    for name in _JOB_FIELDS:
+        given = getattr(args, name, None)
+        if given is not None:
+            values[name] = {**(values.get(name) or {}), **given} if isinstance(given, dict) else given
+    for name in _SAMPLING_FLAGS:
+        if getattr(args, name, None) is not None:
+            values["sampling_params"][name] = getattr(args, name)
+    missing = [f"--{name}" for name in ("model", "input", "output") if not values.get(name)]
+    if missing:
+        raise UsageError(f"missing {', '.join(missing)} (on the command line or in --config)")
+    values["storage_options"] = parse_storage_options(values.get("storage_options"))
+    return JobConfig(**values)
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise UsageError(f"cannot read config file {path!r}: {exc}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"config file {path!r} must hold a mapping of option: value")
+    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(data) - _JOB_FIELDS)
+    if unknown:
+        raise UsageError(f"config file {path!r}: unknown option(s) {unknown}; known: {sorted(_JOB_FIELDS)}")
+    return data
+
+
+def run_command(args: argparse.Namespace) -> int:
+    config = job_config(args)
+    summary = _run(config, args)
+    print(summary_text(summary))
+    return 0
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchgen.connectors.demo_data import demo_prompts
+
+    out = Path(args.out)
+    results = out / "results"
+    shutil.rmtree(results, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = out / "demo_prompts.parquet"
+    pq.write_table(pa.table({"prompt": demo_prompts(args.rows)}), prompts, row_group_size=16)
+    args.model, args.input, args.output = "tiny-moe", str(prompts), str(results)
+    # a demo-sized KV budget: the engine's default takes a share of free memory per actor
+    args.engine = {"kv_budget_bytes": 64 << 20, "host_kv_budget_bytes": 64 << 20, **(args.engine or {})}
+    config = job_config(args)
+    print(f"batchgen demo: {args.rows} prompts, model tiny-moe, {config.mode} pipeline -> {results}/")
+    summary = _run(config, args)
+    print(summary_text(summary))
+    first = _first_result(results)
+    if first is not None:
+        print(f"  first row    {first['prompt'][:60]!r}\n            -> {first['generated_text'][:60]!r}")
+    return 0
+
+
+def _run(config: JobConfig, args: argparse.Namespace) -> JobSummary:
+    import ray
+
+    from batchgen.pipelines.pipeline import run_job
+
+    if not ray.is_initialized():
+        address = args.ray_address or os.environ.get("RAY_ADDRESS")
+        ray.init(address=address, include_dashboard=False, configure_logging=True, logging_level=logging.WARNING)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    bar = None if args.no_progress else _ProgressBar()
+    try:
+        return run_job(config, on_progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+class _ProgressBar:
+    """rows written / rows to do, generated tokens/s and the ETA, on stderr."""
+
+    def __init__(self) -> None:
+        self._bar = None
+
+    def __call__(self, p: Progress) -> None:
+        from tqdm import tqdm
+
+        if self._bar is None:
+            self._bar = tqdm(total=p.total_rows - p.skipped_rows, unit="row", file=sys.stderr,
+                             desc="batchgen", dynamic_ncols=True)
+        self._bar.n = p.rows
+        eta = "?" if p.eta_s is None else f"{p.eta_s:.0f}s"
+        self._bar.set_postfix_str(f"{p.tokens_per_s:.1f} tok/s, ETA {eta}, {p.errors} errors", refresh=False)
+        self._bar.refresh()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def summary_text(s: JobSummary) -> str:
+    p = s.progress
+
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f} s"
+
+    return "\n".join([
+        "batchgen: job complete",
+        f"  output       {s.output} ({s.files} part files, input order)",
+        f"  rows         {p.total_rows} total: {p.rows} written by this run, {p.skipped_rows} already there",
+        f"  errors       {p.errors} rows with an error (see the 'error' column)",
+        f"  BCT          {p.elapsed_s:.1f} s (start to last row written)",
+        f"  throughput   {p.tokens_per_s:.1f} generated tokens/s ({p.generated_tokens} tokens)",
+        f"  per row      completion time p50 {seconds(s.completion_time_p50_s)}, "
+        f"p99 {seconds(s.completion_time_p99_s)}",
+    ])
+
+
+def _first_result(results: Path) -> dict[str, Any] | None:
+    import pyarrow.parquet as pq
+
+    parts = sorted(results.glob("part-*.parquet"))
+    if not parts:
+        return None
+    row = pq.read_table(parts[0], columns=["prompt", "generated_text", "error"]).slice(0, 1).to_pylist()[0]
+    return None if row["error"] is not None else row
+
+
+SUBCOMMANDS: dict[str, tuple[Callable[[Any], argparse.ArgumentParser], Callable[[argparse.Namespace], Any]]] = {
+    "run": (add_run_parser, run_command),
+    "demo": (add_demo_parser, demo_command),
+    "serve": (add_serve_parser, run_serve),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="batchgen", description="Batch inference for MoE models on Ray Data.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add, handler in SUBCOMMANDS.values():
+        add(subparsers).set_defaults(handler=handler)
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args) or 0
+    except UsageError as exc:
+        print(f"batchgen {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except JobError as exc:
+        print(f"batchgen {args.command}: job failed: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

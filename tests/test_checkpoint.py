@@ -1,0 +1,187 @@
+"""The checkpoint loader: sharded checkpoints, tokenizer / eos / context metadata, and every bad input
+failing at load time with an error naming the file, tensor or type."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import copy_to_memory, prompts, save_tiny_checkpoint, tiny_config, tiny_tokenizer
+
+from batchgen.connectors.checkpoint import CheckpointError, load_model, load_tokenizer
+from batchgen.engine.models.registry import UnsupportedModelError, supported_model_types
+from batchgen.engine.reference import ReferenceRunner
+
+SHARD = "model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    """A tiny Mixtral with eos id 2, a generation config and a tokenizer; shared read-only."""
+    directory = tmp_path_factory.mktemp("mixtral")
+    save_tiny_checkpoint("mixtral", directory, eos_token_id=2, bos_token_id=1)
+    tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def _copy(src, dst):
+    dst.mkdir(exist_ok=True)
+    for path in src.iterdir():
+        (dst / path.name).write_bytes(path.read_bytes())
+    return dst
+
+
+def _rewrite_shard(directory, edit) -> None:
+    tensors = load_file(str(directory / SHARD))
+    edit(tensors)
+    save_file(tensors, str(directory / SHARD))
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_metadata_and_tokenizer(mixtral_dir, where):
+    uri = mixtral_dir if where == "local" else copy_to_memory(mixtral_dir, "test-checkpoint-meta")
+    loaded = load_model(uri)
+    assert loaded.eos_token_ids == (2,)
+    assert loaded.max_model_len == 512
+    assert loaded.dtype == torch.float32
+    assert loaded.config.model_type == "mixtral"
+    ids = loaded.tokenizer.encode("the cat w9")
+    assert ids == [4, 5, 9]
+    assert loaded.tokenizer.decode(ids) == "the cat w9"
+    assert load_tokenizer(uri).encode("the cat w9") == ids
+
+
+def test_no_tokenizer_gives_none(tmp_path):
+    save_tiny_checkpoint("llama", tmp_path)
+    loaded = load_model(tmp_path)
+    assert loaded.tokenizer is None and loaded.eos_token_ids == ()
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_sharded_checkpoint_with_index(tmp_path, where):
+    hf = save_tiny_checkpoint("qwen2_moe", tmp_path / "one")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    uri = tmp_path / "sharded" if where == "local" else copy_to_memory(tmp_path / "sharded", "test-sharded")
+    sharded, single = load_model(uri).model, load_model(tmp_path / "one").model
+    for (name, a), (_, b) in zip(sharded.state_dict().items(), single.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(CheckpointError, match=r"checkpoint directory .*nowhere.* does not exist"):
+        load_model(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match=r"memory://absent-ckpt.* does not exist"):
+        load_model("memory://absent-ckpt")
+
+
+def test_missing_config(mixtral_dir, tmp_path):
+    (_copy(mixtral_dir, tmp_path / "ckpt") / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"has no config\.json"):
+        load_model(tmp_path / "ckpt")
+
+
+def test_corrupt_config(mixtral_dir, tmp_path):
+    (_copy(mixtral_dir, tmp_path / "ckpt") / "config.json").write_text('{"model_type": "mixtral", ')
+    with pytest.raises(CheckpointError, match=r"ckpt/config\.json is not a JSON object"):
+        load_model(tmp_path / "ckpt")
+
+
+def test_no_weights(mixtral_dir, tmp_path):
+    (_copy(mixtral_dir, tmp_path / "ckpt") / SHARD).unlink()
+    with pytest.raises(CheckpointError, match=r"has no \*\.safetensors weights"):
+        load_model(tmp_path / "ckpt")
+
+
+def test_shard_named_in_index_is_missing(tmp_path):
+    hf = save_tiny_checkpoint("llama", tmp_path / "one")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    shard = sorted((tmp_path / "sharded").glob("*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"shard '{shard.name}' named in .*model\.safetensors\.index\.json"):
+        load_model(tmp_path / "sharded")
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupt_safetensors(mixtral_dir, tmp_path, where, damage):
+    directory = _copy(mixtral_dir, tmp_path / "ckpt")
+    data = (directory / SHARD).read_bytes()
+    (directory / SHARD).write_bytes(data[: len(data) // 2] if damage == "truncated" else b"not a tensor file" * 9)
+    uri = directory if where == "local" else copy_to_memory(directory, f"test-corrupt-{damage}")
+    with pytest.raises(CheckpointError, match=r"cannot read safetensors file .*model\.safetensors"):
+        load_model(uri)
+
+
+def test_wrong_shape(mixtral_dir, tmp_path):
+    directory = _copy(mixtral_dir, tmp_path / "ckpt")
+    name = "model.layers.1.self_attn.k_proj.weight"
+    _rewrite_shard(directory, lambda t: t.__setitem__(name, torch.zeros(16, 64)))
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' in .*: expected shape \[32, 64\], got \[16, 64\]"):
+        load_model(directory)
+
+
+def test_wrong_expert_shape(mixtral_dir, tmp_path):
+    directory = _copy(mixtral_dir, tmp_path / "ckpt")
+    name = "model.layers.0.block_sparse_moe.experts.2.w3.weight"
+    _rewrite_shard(directory, lambda t: t.__setitem__(name, torch.zeros(96, 32)))
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' .*expected shape \[96, 64\], got \[96, 32\]"):
+        load_model(directory)
+
+
+def test_missing_tensor(mixtral_dir, tmp_path):
+    directory = _copy(mixtral_dir, tmp_path / "ckpt")
+    _rewrite_shard(directory, lambda t: t.pop("model.layers.0.post_attention_layernorm.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) model\.layers\.0\.post_attention_layernorm"):
+        load_model(directory)
+
+
+def test_missing_expert(mixtral_dir, tmp_path):
+    directory = _copy(mixtral_dir, tmp_path / "ckpt")
+    _rewrite_shard(directory, lambda t: t.pop("model.layers.1.block_sparse_moe.experts.3.w1.weight"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj \(experts \[3\]\)"):
+        load_model(directory)
+
+
+def test_expert_beyond_config(mixtral_dir, tmp_path):
+    directory = _copy(mixtral_dir, tmp_path / "ckpt")
+    name = "model.layers.0.block_sparse_moe.experts.4.w2.weight"
+    _rewrite_shard(directory, lambda t: t.__setitem__(name, torch.zeros(64, 96)))
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' .*expert 4 is out of range .*4 experts"):
+        load_model(directory)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "not_a_model"])
+def test_unsupported_model_type(mixtral_dir, tmp_path, model_type):
+    directory = _copy(mixtral_dir, tmp_path / "ckpt")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    with pytest.raises(UnsupportedModelError, match=rf"unsupported model_type '{model_type}'; supported: .*mixtral"):
+        load_model(directory)
+    assert {"llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"} <= set(
+        supported_model_types())
+
+
+def test_unsupported_config_feature(tmp_path):
+    config = tiny_config("qwen3", use_sliding_window=True, sliding_window=16, max_window_layers=0)
+    config.save_pretrained(tmp_path)
+    save_file({"x": torch.zeros(1)}, str(tmp_path / SHARD))
+    with pytest.raises(UnsupportedModelError, match=r"qwen3: sliding-window attention \(sliding_window=16\)"):
+        load_model(tmp_path)
+
+
+def test_bad_dtype(mixtral_dir):
+    with pytest.raises(ValueError, match=r"unsupported dtype 'int8'; use one of float32"):
+        load_model(mixtral_dir, dtype="int8")
+
+
+def test_checkpoint_in_bf16_loads_into_fp32(mixtral_dir, tmp_path):
+    directory = _copy(mixtral_dir, tmp_path / "ckpt")
+    _rewrite_shard(directory, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
+    from_bf16 = ReferenceRunner(load_model(directory).model).prefill_logits(prompts()[0])
+    rounded = ReferenceRunner(load_model(mixtral_dir, dtype="float32").model)
+    for param in rounded.model.parameters():
+        param.copy_(param.to(torch.bfloat16))
+    assert from_bf16.dtype == torch.float32
+    torch.testing.assert_close(from_bf16, rounded.prefill_logits(prompts()[0]), atol=1e-5, rtol=0)

@@ -1,0 +1,202 @@
+"""The operators called directly (no Ray Data): column contract, bad rows, n > 1, the split stages."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pandas as pd
+import pyarrow as pa
+import pytest
+import torch
+from pipeline_helpers import ENGINE, SAMPLING, engine_outputs, workload
+
+from batchgen.connectors.checkpoint import load_model, load_tokenizer
+from batchgen.connectors.kv_store import RayKVStore
+from batchgen.engine import Engine, PrefillOutput, Request, SamplingParams
+from batchgen.engine.reference import ReferenceRunner
+from batchgen.operators import BatchGen, Decode, Detokenize, Prefill, Tokenize
+from batchgen.operators.columns import OUTPUT_COLUMNS, output_schema
+from batchgen.operators.engine_loop import EngineLoop
+
+MAX_MODEL_LEN = 256
+
+
+def call(op, batch):
+    result = op(batch)
+    return asyncio.run(result) if asyncio.iscoroutine(result) else result
+
+
+@pytest.fixture(scope="module")
+def batchgen(tiny_moe_dir):
+    return BatchGen(tiny_moe_dir, SAMPLING, max_model_len=MAX_MODEL_LEN, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return workload(6)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_moe_dir, prompts):
+    return engine_outputs(tiny_moe_dir, prompts)
+
+
+def test_batchgen_matches_engine_and_reference_runner(tiny_moe_dir, batchgen, prompts, expected):
+    table = pa.table({"id": list(range(len(prompts))), "prompt": prompts})
+    out = call(batchgen, table)
+    assert out.column_names == ["id", "prompt", *OUTPUT_COLUMNS]
+    assert out.column("id").to_pylist() == list(range(len(prompts)))
+    assert out.schema.field("generated_token_ids").type == output_schema(False).field("generated_token_ids").type
+    assert out.column("generated_token_ids").to_pylist() == expected
+    assert out.column("error").to_pylist() == [None] * len(prompts)
+    assert out.column("num_generated_tokens").to_pylist() == [SAMPLING["max_tokens"]] * len(prompts)
+    assert out.column("finish_reason").to_pylist() == ["length"] * len(prompts)
+    assert all(t > 0 for t in out.column("completion_time_s").to_pylist())
+    tokenizer = load_tokenizer(tiny_moe_dir)
+    assert out.column("generated_text").to_pylist() == [tokenizer.decode(ids, skip_special_tokens=True)
+                                                         for ids in expected]
+    prompt_ids = [tokenizer.encode(p) for p in prompts]
+    assert out.column("num_prompt_tokens").to_pylist() == [len(p) for p in prompt_ids]
+    reference = ReferenceRunner(load_model(tiny_moe_dir).model).generate(prompt_ids, SAMPLING["max_tokens"])
+    assert reference == expected
+
+
+def test_messages_and_token_ids_are_the_same_prompt_as_text(tiny_moe_dir, batchgen):
+    tokenizer = load_tokenizer(tiny_moe_dir)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the sea."}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.encode(rendered, add_special_tokens=False)
+    out = call(batchgen, pa.table({"messages": [messages, None], "prompt_token_ids": [None, ids]}))
+    generated = out.column("generated_token_ids").to_pylist()
+    assert out.column("error").to_pylist() == [None, None]
+    assert out.column("num_prompt_tokens").to_pylist() == [len(ids), len(ids)]
+    assert generated[0] == generated[1]
+    # the default batch format (dict of numpy arrays) gives the same rows
+    numpy_batch = {"messages": pd.Series([messages], dtype=object).to_numpy()}
+    assert call(batchgen, numpy_batch).column("generated_token_ids").to_pylist() == generated[:1]
+
+
+def test_bad_rows_get_an_error_and_the_batch_carries_on(tiny_moe_dir, batchgen, prompts, expected):
+    sampling = pa.array([None, None, None, None, {"temperature": -1.0, "max_tokens": None},
+                         {"temperature": None, "max_tokens": 0}, None],
+                        pa.struct([("temperature", pa.float64()), ("max_tokens", pa.int64())]))
+    table = pa.table({
+        "prompt": pa.array([prompts[0].encode(), None, b"\xff\xfe caf\xc3", None, b"Tell me", b"Tell me",
+                            prompts[1].encode()], pa.binary()),
+        "prompt_token_ids": pa.array([None, None, None, [5] * (MAX_MODEL_LEN + 10), None, None, None],
+                                     pa.list_(pa.int64())),
+        "sampling_params": sampling,
+    })
+    out = call(batchgen, table).to_pylist()
+    errors = [row["error"] for row in out]
+    assert errors[0] is None and errors[6] is None
+    assert [out[0]["generated_token_ids"], out[6]["generated_token_ids"]] == expected[:2]
+    assert "missing prompt" in errors[1]
+    assert "prompt: undecodable text, not valid UTF-8" in errors[2]
+    assert "over the limit" in errors[3] and out[3]["num_prompt_tokens"] == MAX_MODEL_LEN + 10
+    assert "invalid sampling parameter 'temperature'" in errors[4]
+    assert "invalid sampling parameter 'max_tokens'" in errors[5]
+    for row in out[1:6]:
+        assert row["generated_text"] is None and row["generated_token_ids"] is None
+
+
+def test_wrong_types_are_row_errors(batchgen, prompts, expected):
+    # a column mixing types only exists outside Arrow: Ray hands such a batch over as pandas
+    mixed = pd.DataFrame({"prompt": [prompts[0], 42, ["a", "list"]],
+                          "sampling_params": [None, None, json.dumps({"temprature": 0})]})
+    out = call(batchgen, mixed)
+    assert isinstance(out, pd.DataFrame)
+    assert pd.isna(out["error"].iloc[0])
+    assert list(out["generated_token_ids"].iloc[0]) == expected[0]
+    assert "prompt: expected text, got int 42" in out["error"].iloc[1]
+    assert "unknown sampling parameter 'temprature'" in out["error"].iloc[2]
+    typed = pa.table({"prompt_token_ids": pa.array([["1", "2"]], pa.list_(pa.string())),
+                      "messages": pa.array([None], pa.list_(pa.struct([("role", pa.string())])))})
+    assert "prompt_token_ids: expected a list of integers" in call(batchgen, typed).column("error")[0].as_py()
+    no_content = pa.table({"messages": [[{"role": "user", "content": None}]]})
+    assert "messages[0].content: expected text" in call(batchgen, no_content).column("error")[0].as_py()
+
+
+def test_n_samples_come_back_as_one_list_per_sample(tiny_moe_dir, batchgen, prompts):
+    sampled = BatchGen(tiny_moe_dir, {"n": 2, "temperature": 0.9, "seed": 7, "max_tokens": 5, "ignore_eos": True},
+                       **ENGINE)
+    out = call(sampled, pa.table({"prompt": prompts[:2], "sampling_params": [None, {"n": 1}]}))
+    assert out.schema.equals(pa.schema([("prompt", pa.string()), ("sampling_params", pa.struct([("n", pa.int64())])),
+                                        *output_schema(True)]))
+    rows = out.to_pylist()
+    assert [len(r["generated_text"]) for r in rows] == [2, 1]
+    assert rows[0]["num_generated_tokens"] == [5, 5]
+    assert rows[0]["generated_token_ids"][0] != rows[0]["generated_token_ids"][1]
+    # a scalar-mode operator refuses n > 1 for the row instead of changing the schema
+    scalar = call(batchgen, pa.table({"prompt": prompts[:1], "sampling_params": [{"n": 3}]}))
+    assert "needs list outputs" in scalar.column("error")[0].as_py()
+
+
+@pytest.fixture(scope="module")
+def split_stages(ray_cluster, tiny_moe_dir):
+    store = RayKVStore.create()
+    options = {"max_model_len": MAX_MODEL_LEN, **ENGINE}
+    return (store, Tokenize(tiny_moe_dir, SAMPLING), Prefill(tiny_moe_dir, store, **options),
+            Decode(tiny_moe_dir, store, **options), Detokenize(tiny_moe_dir))
+
+
+def test_split_stages_give_what_batchgen_gives(batchgen, split_stages, prompts):
+    store, tokenize, prefill, decode, detokenize = split_stages
+    stop_word = call(batchgen, pa.table({"prompt": prompts[2:3]})).column("generated_text")[0].as_py().split()[2]
+    table = pa.table({
+        "prompt": [*prompts[:3], None, prompts[3]],
+        "prompt_token_ids": [None, None, None, None, [5] * (MAX_MODEL_LEN + 1)],
+        "sampling_params": [None, None, {"stop": [stop_word]}, None, None],
+    })
+    direct = call(batchgen, table)
+    out = call(detokenize, call(decode, call(prefill, call(tokenize, table))))
+    assert out.column_names == direct.column_names
+    assert "over the limit" in out.column("error")[4].as_py()
+    for name in ("generated_text", "generated_token_ids", "num_prompt_tokens", "num_generated_tokens",
+                 "finish_reason", "error"):
+        assert out.column(name).to_pylist() == direct.column(name).to_pylist(), name
+    assert out.column("finish_reason")[2].as_py() == "stop"
+    assert stop_word not in out.column("generated_text")[2].as_py()
+    assert sum(ray_size(o) for o in store.owners.values()) == 0  # decode released every KV
+
+
+def ray_size(owner) -> int:
+    import ray
+
+    return ray.get(owner.size.remote())
+
+
+def test_decode_recomputes_a_prefill_whose_kv_is_gone(split_stages, prompts, expected):
+    store, tokenize, prefill, decode, detokenize = split_stages
+    prefilled = call(prefill, call(tokenize, pa.table({"prompt": prompts[:2]})))
+    store.delete(prefilled.column("__batchgen_kv_ref")[0].as_py())
+    out = call(detokenize, call(decode, prefilled))
+    assert out.column("generated_token_ids").to_pylist() == expected[:2]
+
+
+def test_kv_store_round_trip_keeps_dtype_and_delete_frees(ray_cluster):
+    store = RayKVStore.create()
+    k = torch.randn(2, 5, 1, 4).to(torch.bfloat16)
+    value = PrefillOutput(Request("r", [1, 2, 3], sampling=SamplingParams()), k, k.float(), [7], [None], 0.0, 1.0)
+    ref = store.put("r", value)
+    back = store.get(ref)
+    assert back.k.dtype == torch.bfloat16 and torch.equal(back.k, k) and torch.equal(back.v, k.float())
+    assert back.request == value.request and back.first_token_ids == [7]
+    store.delete(ref)
+    assert store.get(ref) is None
+
+
+def test_engine_loop_fails_every_waiting_batch_when_the_engine_raises(tiny_moe_dir):
+    engine = Engine(tiny_moe_dir, **ENGINE)
+    loop = EngineLoop(engine)
+
+    def broken_step():
+        raise MemoryError("device out of memory")
+
+    engine.step = broken_step
+    request = Request("boom", [1, 2, 3], sampling=SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="the engine failed: MemoryError"):
+        asyncio.run(loop.run(["boom"], lambda engine: engine.add_request(request)))
+    with pytest.raises(RuntimeError, match="the engine failed"):
+        asyncio.run(loop.run(["next"], lambda engine: None))

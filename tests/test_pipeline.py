@@ -1,0 +1,115 @@
+"""End to end on a real local Ray runtime: map_batches(BatchGen), the split pipeline, crashes, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import ray
+from pipeline_helpers import ENGINE, SAMPLING, engine_outputs, read_output, workload, write_input
+
+from batchgen.connectors.checkpoint import load_model, load_tokenizer
+from batchgen.engine.reference import ReferenceRunner
+from batchgen.operators import BatchGen
+from batchgen.pipelines.pipeline import JobConfig, run_job
+
+ROWS = 20
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return workload(ROWS)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_moe_dir, prompts):
+    """The engine alone, checked once against the reference runner."""
+    outputs = engine_outputs(tiny_moe_dir, prompts)
+    ids = [load_tokenizer(tiny_moe_dir).encode(p) for p in prompts]
+    assert ReferenceRunner(load_model(tiny_moe_dir).model).generate(ids, SAMPLING["max_tokens"]) == outputs
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def input_dir(tmp_path_factory, prompts):
+    path = tmp_path_factory.mktemp("input")
+    write_input(str(path), prompts, files=3, row_group_size=2)
+    return str(path)
+
+
+def crash_once(tmp_path: Path, batches: int) -> dict:
+    return {"batches": batches, "marker": str(tmp_path / "crashed")}
+
+
+def test_map_batches_two_actors_order_and_outputs_survive_an_actor_crash(
+        ray_cluster, tiny_moe_dir, input_dir, expected, tmp_path):
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    ds = ray.data.read_parquet(input_dir, override_num_blocks=10)
+    ds = ds.map_batches(BatchGen, batch_size=2, batch_format="pyarrow", num_cpus=0.5,
+                        compute=ray.data.ActorPoolStrategy(size=2),
+                        fn_constructor_kwargs={"model": tiny_moe_dir, "sampling_params": SAMPLING,
+                                               "crash_after": crash_once(tmp_path, 2), **ENGINE})
+    rows = ds.take_all()
+    assert (tmp_path / "crashed").exists(), "the fault injection did not kill an actor"
+    assert [r["id"] for r in rows] == list(range(ROWS))  # every row once, in input order
+    assert [list(r["generated_token_ids"]) for r in rows] == expected
+    assert all(r["error"] is None for r in rows)
+
+
+def test_split_pipeline_writes_every_row_once_in_order_despite_an_engine_crash(
+        ray_cluster, tiny_moe_dir, input_dir, expected, tmp_path):
+    output = str(tmp_path / "out")
+    config = JobConfig(model=tiny_moe_dir, input=input_dir, output=output, mode="disaggregated",
+                       sampling_params=SAMPLING, engine=ENGINE, batch_size=2, rows_per_block=2,
+                       prefill_concurrency=1, decode_concurrency=2, fault_injection=crash_once(tmp_path, 3))
+    summary = run_job(config)
+    assert (tmp_path / "crashed").exists(), "the fault injection did not kill an engine actor"
+    table = read_output(output)
+    assert table.column("row_index").to_pylist() == list(range(ROWS))
+    assert table.column("id").to_pylist() == list(range(ROWS))
+    assert table.column("generated_token_ids").to_pylist() == expected
+    assert not any(name.startswith("__batchgen") for name in table.column_names)
+    assert summary.progress.rows == ROWS and summary.progress.errors == 0
+    assert summary.progress.generated_tokens == ROWS * SAMPLING["max_tokens"]
+
+
+def test_killed_driver_resumes_without_redoing_or_duplicating_rows(ray_cluster, tiny_moe_dir, tmp_path):
+    prompts = workload(60, seed=11)
+    input_dir, output = str(tmp_path / "in"), tmp_path / "out"
+    write_input(input_dir, prompts, files=2, row_group_size=2)
+    sampling = {**SAMPLING, "max_tokens": 12}
+    args = ["--model", tiny_moe_dir, "--input", input_dir, "--output", str(output), "--mode", "single",
+            "--concurrency", "1", "--batch-size", "2", "--rows-per-block", "2",
+            "--sampling-params", json.dumps(sampling), "--engine", json.dumps(ENGINE)]
+    driver = subprocess.Popen([sys.executable, "-m", "batchgen.pipelines.cli", "run", *args,
+                               "--ray-address", ray_cluster, "--no-progress"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while not list(output.glob("part-*.parquet")) and driver.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    time.sleep(2)  # Ray reaps the dead driver's workers
+    first_run = {p.name: (p.stat().st_mtime_ns, pq.read_table(p)) for p in output.glob("part-*.parquet")}
+    done = sum(t.num_rows for _, t in first_run.values())
+    assert 0 < done < len(prompts), f"the kill did not land mid-run ({done} rows written)"
+
+    config = JobConfig(model=tiny_moe_dir, input=input_dir, output=str(output), mode="single",
+                       sampling_params=sampling, engine=ENGINE, batch_size=4, rows_per_block=4)
+    summary = run_job(config)
+    assert summary.progress.skipped_rows == done
+    assert summary.progress.rows == len(prompts) - done  # nothing redone
+    for name, (mtime, table) in first_run.items():  # nothing rewritten
+        assert (output / name).stat().st_mtime_ns == mtime
+    table = read_output(str(output))
+    assert table.column("row_index").to_pylist() == list(range(len(prompts)))
+    assert table.column("generated_token_ids").to_pylist() == engine_outputs(tiny_moe_dir, prompts, sampling)
+    assert not any(name.startswith(".") for name in os.listdir(output))  # no leftover temporary files
+
