@@ -27,6 +27,7 @@ CACHE_ENV = "BATCHGEN_CACHE"
 SCHEME = "preset://"
 
 PAD, BOS, EOS, UNK = "<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # the first vocabulary ids, in this order
 ROLES = ("system", "user", "assistant")
 SPACE = "\u2581"  # marks a word start, as in SentencePiece vocabularies
 PUNCTUATION = tuple(".,!?;:'\"()-")
@@ -70,9 +71,9 @@ PRESETS: dict[str, Preset] = {
     for preset in (
         Preset(
             name="tiny-moe",
-            version=1,
+            version=2,
             seed=1234,
-            description="demo model: 4 layers, 8 experts top-2, hidden 128 (~5M params), runs fast on CPU",
+            description="demo model: 4 layers, 8 experts top-2, hidden 128 (~4M params), runs fast on CPU",
             config=dict(
                 vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
@@ -81,7 +82,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             name="bench-moe",
-            version=1,
+            version=2,
             seed=4321,
             description="benchmark workload: 6 layers, 16 experts top-2, hidden 512, fp32 (~159M params)",
             config=dict(
@@ -147,9 +148,9 @@ def preset_config(name: str, **overrides: int):
     if values["num_experts_per_tok"] > values["num_local_experts"]:
         top_k, experts = values["num_experts_per_tok"], values["num_local_experts"]
         raise PresetError(f"preset {name!r}: top_k={top_k} exceeds experts={experts}")
-    ids = {token: index for index, token in enumerate((PAD, BOS, EOS))}
     return MixtralConfig(
-        **values, pad_token_id=ids[PAD], bos_token_id=ids[BOS], eos_token_id=ids[EOS],
+        **values, pad_token_id=SPECIAL_TOKENS.index(PAD), bos_token_id=SPECIAL_TOKENS.index(BOS),
+        eos_token_id=SPECIAL_TOKENS.index(EOS),
         tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
 
@@ -171,6 +172,7 @@ def build_preset(name: str, cache_dir: str | os.PathLike | None = None, **overri
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
         _write(preset, config, staging)
+        staging.chmod(0o755)  # mkdtemp makes it private; the cache is shared
         try:
             staging.rename(final)
         except OSError:
@@ -215,7 +217,7 @@ def build_tokenizer(vocab_size: int, seed: int, max_length: int):
 
 
 def _vocabulary(size: int, seed: int) -> list[str]:
-    tokens = [PAD, BOS, EOS, UNK, *(_role_token(role) for role in ROLES), SPACE, *PUNCTUATION, *DIGITS]
+    tokens = [*SPECIAL_TOKENS, *(_role_token(role) for role in ROLES), SPACE, *PUNCTUATION, *DIGITS]
     tokens += [SPACE + word for word in WORDS] + [SPACE + word.capitalize() for word in WORDS]
     if len(tokens) > size:
         raise PresetError(f"vocab_size {size} is smaller than the {len(tokens)} built-in tokens")
@@ -238,9 +240,10 @@ def _write(preset: Preset, config, directory: Path) -> None:
     from transformers import MixtralForCausalLM
     from transformers.utils import logging as hf_logging
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(preset.seed)
-        model = MixtralForCausalLM(config).to(torch.float32).eval()
+    with torch.device("meta"):
+        model = MixtralForCausalLM(config)
+    model = model.to(torch.float32).to_empty(device="cpu")
+    _init_weights(model, preset.seed, config.initializer_range)
     tokenizer = build_tokenizer(config.vocab_size, preset.seed, config.max_position_embeddings)
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -250,6 +253,19 @@ def _write(preset: Preset, config, directory: Path) -> None:
         if bars:
             hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(directory)
+
+
+@torch.no_grad()
+def _init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
+    """Norm scales 1, every matrix N(0, std), drawn from a private generator in parameter order:
+    the weights depend on the seed and config alone (not on the global RNG, other threads, or
+    transformers' own init code)."""
+    generator = torch.Generator().manual_seed(seed)
+    for param in model.parameters():
+        if param.ndim == 1:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=generator)
 
 
 def _directory_name(preset: Preset, config) -> str:

@@ -163,17 +163,17 @@ class Engine:
 
     # ------------------------------------------------------------------ internals
     def _budget(self) -> KVBudget:
+        """Explicit budgets win; otherwise what `max_num_seqs` full contexts need, capped by free memory."""
         cfg = self.config
-        device_bytes = cfg.kv_budget_bytes
-        staging = int(device_bytes * cfg.staging_fraction) if device_bytes and cfg.mode == "coroutine" else 0
-        if device_bytes is None:
-            device_bytes = int(available_memory_bytes(self.device.type) * (0.5 if self.device.type == "cuda"
-                                                                            else 0.2))
-            if cfg.mode == "coroutine":
-                staging = int(device_bytes * 0.05)
-        host_bytes = cfg.host_kv_budget_bytes
-        if host_bytes is None:
-            host_bytes = int(available_memory_bytes("cpu") * 0.2)
+        spec = self.model.kv_spec()
+        token_bytes = spec.num_layers * spec.num_kv_heads * (spec.k_dim + spec.v_dim) * self.loaded.dtype.itemsize
+        wanted = token_bytes * cfg.max_num_seqs * self.max_model_len
+        share = 0.5 if self.device.type == "cuda" else 0.2
+        device_bytes = cfg.kv_budget_bytes or min(wanted, int(available_memory_bytes(self.device.type) * share))
+        host_bytes = cfg.host_kv_budget_bytes or min(wanted, int(available_memory_bytes("cpu") * 0.2))
+        staging = int(device_bytes * cfg.staging_fraction) if cfg.kv_budget_bytes and cfg.mode == "coroutine" else 0
+        if cfg.mode == "coroutine" and not staging:
+            staging = min(int(device_bytes * 0.05), token_bytes * self.max_model_len * cfg.b_attn)
         return KVBudget(device_bytes, host_bytes, staging)
 
     def _observe_routing(self) -> None:

@@ -1,7 +1,7 @@
 """Grouped MoE expert computation in plain torch: the CPU path and the reference for the Triton kernel.
 
 Tokens are sorted by expert so every active expert runs as one dense GEMM over all the rows routed to
-it (instead of one GEMV per token), then the weighted results are scattered back with index_add.
+it (instead of one GEMV per token), then the weighted results are scattered back.
 """
 
 import torch
@@ -44,6 +44,9 @@ def fused_moe_torch(
         gate_up = F.linear(xs[start:end], w_gate_up[expert])
         hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         y = F.linear(hidden, w_down[expert])
-        out.index_add_(0, token_rows[start:end], y.to(torch.float32) * weights[start:end])
+        # rows are unique within one expert (top-k never repeats an expert), so a plain indexed add
+        # is exact; index_add_ is an order of magnitude slower on CPU for these small row counts
+        rows = token_rows[start:end]
+        out[rows] += y.to(torch.float32) * weights[start:end]
         start = end
     return out.to(x.dtype)

@@ -89,8 +89,8 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return Path(build_preset("tiny-moe", cache_dir=tmp_path_factory.mktemp("models")))
+def model_dir() -> Path:
+    return Path(build_preset("tiny-moe"))  # the shared preset cache: built once, atomically
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +227,26 @@ def test_completions_batch_matches_engine(client, engine):
     assert all(1 <= len(top) <= 2 and lp <= 0 for top, lp in zip(logprobs["top_logprobs"],
                                                             logprobs["token_logprobs"]))
     assert batch.usage.input_tokens == sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in out)
+
+
+def test_greedy_output_equals_batchgen_run(client, model_dir, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": PROMPTS}), tmp_path / "prompts.parquet")
+    run = subprocess.run(
+        [sys.executable, "-m", "batchgen.pipelines.cli", "run", "--model", str(model_dir), "--input",
+         str(tmp_path / "prompts.parquet"), "--output", str(tmp_path / "out"), "--mode", "single",
+         "--max-tokens", "6", "--temperature", "0", "--no-progress", *ENGINE_ARGS],
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = pq.read_table(tmp_path / "out").sort_by("row_index").to_pylist()
+    lines = [_line(f"p{i}", {"prompt": p, "max_tokens": 6, "temperature": 0}) for i, p in enumerate(PROMPTS)]
+    out = _read_lines(client, _wait(client, _submit(client, lines).id).output_file_id)
+    assert [x["response"]["body"]["choices"][0]["text"] for x in out] == [r["generated_text"] for r in rows]
+    assert [x["response"]["body"]["usage"]["completion_tokens"] for x in out] == \
+        [r["num_generated_tokens"] for r in rows]
+    assert [x["response"]["body"]["choices"][0]["finish_reason"] for x in out] == [r["finish_reason"] for r in rows]
 
 
 def test_chat_batch(client, engine):

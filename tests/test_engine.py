@@ -6,25 +6,33 @@ from __future__ import annotations
 import random
 
 import pytest
-from tiny_models import ARCHITECTURES, prompts, save_tiny_checkpoint
+from tiny_models import ALL_ARCHITECTURES, prompts, save_tiny_checkpoint
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, Request, SamplingParams
 from batchgen.engine.reference import ReferenceRunner
 
-MAX_TOKENS = 20
-LENGTHS = (3, 9, 17, 5, 30, 12, 7, 41)
+MAX_TOKENS = 16
+LENGTHS = (3, 9, 17, 5, 30, 12)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
-def arch_case(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(request.param)
-    save_tiny_checkpoint(request.param, directory)
+def build_case(arch, directory):
+    save_tiny_checkpoint(arch, directory)
     loaded = load_model(str(directory))
     batch = prompts(vocab_size=loaded.model.vocab_size, lengths=LENGTHS)
     expected = ReferenceRunner(loaded.model).generate(batch, max_new_tokens=MAX_TOKENS)
     return loaded, batch, expected
+
+
+@pytest.fixture(scope="module", params=ALL_ARCHITECTURES)
+def arch_case(request, tmp_path_factory):
+    return build_case(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def moe_case(tmp_path_factory):
+    return build_case("mixtral", tmp_path_factory.mktemp("mixtral"))
 
 
 def kv_bytes_per_token(loaded) -> int:
@@ -32,9 +40,9 @@ def kv_bytes_per_token(loaded) -> int:
     return spec.num_layers * spec.num_kv_heads * (spec.k_dim + spec.v_dim) * 4
 
 
-def greedy_requests(batch, order=None):
+def greedy_requests(batch, order=None, params=GREEDY):
     order = order if order is not None else range(len(batch))
-    return [Request(f"r{i}", prompt_token_ids=batch[i], sampling=GREEDY) for i in order]
+    return [Request(f"r{i}", prompt_token_ids=batch[i], sampling=params) for i in order]
 
 
 def tokens_by_id(results):
@@ -42,52 +50,93 @@ def tokens_by_id(results):
     return {r.request_id: r.outputs[0].token_ids for r in results}
 
 
-@pytest.mark.parametrize("mode,b_attn,b_moe", [("coroutine", 256, 8192), ("coroutine", 3, 16),
-                                                ("coroutine", 1, 5), ("lockstep", 256, 8192)])
-def test_greedy_matches_reference_for_batch_shapes(arch_case, mode, b_attn, b_moe):
+def in_order(got, n):
+    return [got[f"r{i}"] for i in range(n)]
+
+
+def test_every_architecture_matches_reference_with_split_batches_and_evictions(arch_case):
     loaded, batch, expected = arch_case
-    engine = Engine(loaded, mode=mode, b_attn=b_attn, b_moe=b_moe, page_size=4)
-    got = tokens_by_id(engine.generate(greedy_requests(batch)))
-    assert [got[f"r{i}"] for i in range(len(batch))] == expected
     assert len(set(expected[0])) > 1  # the tiny model does not just repeat one token
+    order = list(range(len(batch)))
+    random.Random(7).shuffle(order)
+    budget = kv_bytes_per_token(loaded) * 4 * 24  # 24 pages of 4 tokens: far less than the batch needs
+    engine = Engine(loaded, page_size=4, kv_budget_bytes=budget, b_attn=2, b_moe=5)
+    assert in_order(tokens_by_id(engine.generate(greedy_requests(batch, order))), len(batch)) == expected
+    assert engine.metrics()["yields"] > 0
+
+
+@pytest.mark.parametrize("mode,b_attn,b_moe", [("coroutine", 256, 8192), ("coroutine", 1, 3),
+                                                ("lockstep", 256, 8192)])
+def test_batch_shapes_do_not_change_greedy_tokens(moe_case, mode, b_attn, b_moe):
+    loaded, batch, expected = moe_case
+    engine = Engine(loaded, mode=mode, b_attn=b_attn, b_moe=b_moe, page_size=4)
+    assert in_order(tokens_by_id(engine.generate(greedy_requests(batch))), len(batch)) == expected
+    if mode == "coroutine" and b_moe == 3:
+        assert engine.runner.ffn_batches and max(engine.runner.ffn_batches) <= 3
 
 
 @pytest.mark.parametrize("mode", ["coroutine", "lockstep"])
-def test_greedy_matches_reference_under_evictions_in_shuffled_order(arch_case, mode):
-    loaded, batch, expected = arch_case
-    order = list(range(len(batch)))
-    random.Random(7).shuffle(order)
-    budget = kv_bytes_per_token(loaded) * 4 * 32  # 32 pages of 4 tokens: far less than 8 sequences need
+def test_tight_kv_budget_evicts_and_restores_without_changing_tokens(moe_case, mode):
+    loaded, batch, expected = moe_case
+    budget = kv_bytes_per_token(loaded) * 4 * 32
     engine = Engine(loaded, mode=mode, page_size=4, kv_budget_bytes=budget, b_attn=3, b_moe=16)
-    got = tokens_by_id(engine.generate(greedy_requests(batch, order)))
-    assert [got[f"r{i}"] for i in range(len(batch))] == expected
+    assert in_order(tokens_by_id(engine.generate(greedy_requests(batch))), len(batch)) == expected
     metrics = engine.metrics()
-    assert metrics["yields"] > 0
+    assert metrics["yields"] > 0 and metrics["bytes_moved"] > 0
     if mode == "lockstep":
         assert metrics["restores"] > 0
-    assert metrics["bytes_moved"] > 0
 
 
-def test_n_samples_share_prefill_and_match_greedy(arch_case):
-    loaded, batch, expected = arch_case
+def test_n_samples_share_one_prefill(moe_case):
+    loaded, batch, expected = moe_case
     engine = Engine(loaded, page_size=4)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=3)
-    results = engine.generate([Request(f"r{i}", prompt_token_ids=p, sampling=params) for i, p in enumerate(batch)])
+    results = engine.generate(greedy_requests(batch, params=params))
     for result, want in zip(results, expected):
         assert [o.index for o in result.outputs] == [0, 1, 2]
         assert all(o.token_ids == want for o in result.outputs)
-    assert engine.metrics()["prefill_steps"] == 1  # samples were forked, not prefilled again
+    assert engine.metrics()["prefill_steps"] == 1
 
 
-def test_disaggregated_prefill_then_decode_matches_reference(arch_case):
-    loaded, batch, expected = arch_case
+def test_disaggregated_prefill_then_decode_matches_reference(moe_case):
+    loaded, batch, expected = moe_case
     prefill = Engine(loaded, page_size=4)
     decode = Engine(loaded, page_size=8, kv_budget_bytes=kv_bytes_per_token(loaded) * 8 * 16, b_attn=2)
     outputs = prefill.prefill(greedy_requests(batch))
-    assert all(o.k.shape[1] == len(p) for o, p in zip(outputs, batch))
+    assert [o.k.shape[1] for o in outputs] == [len(p) for p in batch]
     for prefilled in outputs:
         decode.add_prefilled(prefilled)
     got = {}
     while decode.has_unfinished():
         got.update(tokens_by_id(decode.step()))
-    assert [got[f"r{i}"] for i in range(len(batch))] == expected
+    assert in_order(got, len(batch)) == expected
+
+
+def test_seeded_sampling_is_independent_of_batch_composition(moe_case):
+    loaded, batch, _ = moe_case
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True)
+    alone = Engine(loaded, page_size=4).generate([Request("x", prompt_token_ids=batch[2], sampling=params)])
+    crowd = [Request(f"o{i}", prompt_token_ids=p, sampling=SamplingParams(temperature=1.0, max_tokens=7))
+             for i, p in enumerate(batch)]
+    mixed = Engine(loaded, page_size=4, b_attn=2, seed=99).generate(
+        crowd[:3] + [Request("x", prompt_token_ids=batch[2], sampling=params)] + crowd[3:])
+    together = {r.request_id: r for r in mixed}
+    assert together["x"].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    other_seed = Engine(loaded, page_size=4).generate(
+        [Request("x", prompt_token_ids=batch[2], sampling=SamplingParams(
+            temperature=0.9, top_p=0.9, top_k=50, seed=4321, max_tokens=MAX_TOKENS, ignore_eos=True))])
+    assert other_seed[0].outputs[0].token_ids != alone[0].outputs[0].token_ids
+
+
+def test_results_stream_as_sequences_finish(moe_case):
+    loaded, batch, _ = moe_case
+    engine = Engine(loaded, page_size=4)
+    requests = [Request(f"r{i}", prompt_token_ids=p,
+                        sampling=SamplingParams(temperature=0.0, max_tokens=2 + 3 * (len(batch) - i), ignore_eos=True))
+                for i, p in enumerate(batch)]
+    finished = [r.request_id for r in engine.stream(requests)]
+    assert finished == [f"r{i}" for i in reversed(range(len(batch)))]
+    metrics = engine.metrics()
+    assert metrics["generated_tokens"] == sum(2 + 3 * (len(batch) - i) for i in range(len(batch)))
+    assert metrics["completion_time_p50"] <= metrics["completion_time_p99"]
+    assert metrics["mean_expert_batch"] > 0 and sum(metrics["expert_histogram"]) > 0

@@ -60,6 +60,7 @@ def test_cache_dir_follows_env_and_names_the_version(cache_env):
     assert directory == str(cache_env / f"tiny-moe-v{PRESETS['tiny-moe'].version}")
     assert resolve_preset("preset://tiny-moe") == directory
     assert resolve_preset("tiny-moe?experts=8") == directory  # an override equal to the default: same build
+    assert Path(directory).stat().st_mode & 0o777 == 0o755  # readable by every user of a shared cache
     names = {p.name for p in Path(directory).iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
 
@@ -144,7 +145,7 @@ def test_chat_template(cache_env):
 
 def test_overrides_get_their_own_directory(cache_env):
     directory = resolve_preset("preset://tiny-moe?experts=4&top_k=1")
-    assert Path(directory).name == "tiny-moe-v1-experts4-top_k1"
+    assert Path(directory).name == f"tiny-moe-v{PRESETS['tiny-moe'].version}-experts4-top_k1"
     config = json.loads((Path(directory) / "config.json").read_text())
     assert (config["num_local_experts"], config["num_experts_per_tok"]) == (4, 1)
     assert load_model(directory).model.layers[0].ffn.mlp.num_experts == 4

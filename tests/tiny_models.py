@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+ALL_ARCHITECTURES = (*ARCHITECTURES, "deepseek_v3")  # DeepSeek-V3's own tests cover more of its variants
 
 COMMON = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -32,6 +33,10 @@ EXTRA = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1]),
+    "deepseek_v3": dict(moe_intermediate_size=32, num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8,
+                        num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=32,
+                        q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24, n_shared_experts=1,
+                        routed_scaling_factor=2.5, rope_interleave=True),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       head_dim=32),
 }
