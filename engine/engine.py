@@ -95,6 +95,7 @@ class Engine:
         state.pending = request.sampling.n
         self.scheduler.admit(parent)
 
+    @torch.inference_mode()
     def step(self) -> list[Result]:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
@@ -108,6 +109,19 @@ class Engine:
                                     len(self.scheduler.suspended), self.stats.finished_requests))
         done, self._ready = self._ready, []
         return done
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is (queued, decoding, suspended) and free its KV; no result follows."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        for seq in state.samples:
+            if seq.phase is not Phase.FINISHED:
+                self.scheduler.remove(seq)
+                seq.phase = Phase.FINISHED
+                seq.finish_reason = "abort"
+        self.stats.aborted_requests += 1
+        return True
 
     def has_unfinished(self) -> bool:
         return bool(self._ready) or self.scheduler.has_work()
@@ -127,6 +141,7 @@ class Engine:
         return self.stats.summary(self.kv.bytes_moved)
 
     # ------------------------------------------------- prefill / decode disaggregation
+    @torch.inference_mode()
     def prefill(self, requests: Iterable[Request]) -> list[PrefillOutput | Result]:
         """Prefill only: each prompt's KV and first token(s), for a separate decode stage."""
         requests = list(requests)
@@ -142,6 +157,7 @@ class Engine:
                 out[prefilled.request.request_id] = prefilled
         return [out[r.request_id] for r in requests]
 
+    @torch.inference_mode()
     def add_prefilled(self, prefilled: PrefillOutput) -> None:
         """Adopt a sequence prefilled elsewhere: place its KV, then decode it like any other."""
         self.stats.mark_start()
@@ -192,6 +208,8 @@ class Engine:
             if bad:
                 raise InvalidRequestError(f"prompt_token_ids: token {bad[0]!r} is outside the vocabulary [0, {vocab})")
         elif isinstance(request.prompt, str):
+            if not request.prompt:
+                raise InvalidRequestError("prompt is empty")
             if self.tokenizer is None:
                 raise InvalidRequestError("prompt: this model has no tokenizer; pass prompt_token_ids")
             ids = self.tokenizer.encode(request.prompt)

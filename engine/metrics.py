@@ -22,6 +22,7 @@ class EngineMetrics:
     prompt_tokens: int = 0
     finished_requests: int = 0
     failed_requests: int = 0
+    aborted_requests: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
     yields: int = 0
@@ -54,6 +55,7 @@ class EngineMetrics:
             "tokens_per_s": self.generated_tokens / bct if bct > 0 else 0.0,
             "finished_requests": self.finished_requests,
             "failed_requests": self.failed_requests,
+            "aborted_requests": self.aborted_requests,
             "prefill_steps": self.prefill_steps,
             "decode_steps": self.decode_steps,
             "yields": self.yields,

@@ -29,7 +29,6 @@ class ModelRunner:
         self.shape = shape
         self.ffn_batches: list[int] = []  # tokens per feed-forward call, for metrics
 
-    @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Prefill prompts whose pages are allocated; returns last-position logits [B, V]."""
         micro = []
@@ -42,7 +41,6 @@ class ModelRunner:
             s.kv_len = len(s.prompt_ids)
         return self.model.head(hidden[last])
 
-    @torch.inference_mode()
     def decode(self, resident: list[Sequence], staged_groups: list[list[Sequence]]) -> torch.Tensor:
         """One decode step: resident sequences read device pages, staged ones stream from host."""
         micro = []

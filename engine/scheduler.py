@@ -198,7 +198,9 @@ class Scheduler:
             self.suspended.append(seq)
 
     def remove(self, seq: Sequence) -> None:
-        if seq in self.running:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
             self.running.remove(seq)
         elif seq in self.suspended:
             self.suspended.remove(seq)

@@ -168,6 +168,11 @@ class BatchRunner:
                 batch.stop_code = "batch_cancelled"
             if batch.stop_code is not None:
                 batch.pending.clear()
+                for index in list(batch.in_flight):  # stop work now; finished requests stay in the output
+                    request_id = f"{batch.id}:{index}"
+                    self.engine.abort(request_id)
+                    self._owner.pop(request_id, None)
+                    batch.in_flight.discard(index)
 
     def _fill(self) -> None:
         rejected: dict[str, list[ResultRow]] = {}

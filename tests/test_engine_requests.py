@@ -1,0 +1,117 @@
+"""Per-request behaviour: bad input fails alone, sampling options do what they say."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchgen.connectors.checkpoint import load_model
+from batchgen.engine import Engine, InvalidRequestError, Request, SamplingParams
+from batchgen.engine.reference import ReferenceRunner
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load_model("tiny-moe")
+
+
+@pytest.fixture()
+def engine(demo):
+    return Engine(demo, page_size=16)
+
+
+def greedy(**overrides) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, **overrides})
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("max_tokens", 0, "max_tokens"), ("top_p", 0.0, "top_p"), ("top_p", 1.5, "top_p"),
+    ("temperature", -0.5, "temperature"), ("logprobs", 50, "logprobs"), ("n", 0, "'n'"),
+    ("min_tokens", 40, "min_tokens"), ("frequency_penalty", 0.5, "unknown sampling parameter 'frequency_penalty'"),
+])
+def test_invalid_sampling_fields_are_named(field, value, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams.from_dict({field: value})
+
+
+def test_bad_prompts_fail_alone_and_name_the_problem(engine, demo):
+    good = Request("good", prompt="the quick brown fox", sampling=greedy())
+    bad = [
+        Request("empty", prompt="", sampling=greedy()),
+        Request("too_long", prompt_token_ids=[5] * demo.max_model_len, sampling=greedy()),
+        Request("out_of_vocab", prompt_token_ids=[3, demo.model.vocab_size + 7], sampling=greedy()),
+        Request("not_text", prompt=123, sampling=greedy()),
+        Request("over_limit", prompt_token_ids=[5] * 20, sampling=greedy(max_prompt_tokens=10)),
+    ]
+    results = {r.request_id: r for r in engine.generate([bad[0], good, *bad[1:]])}
+    assert results["good"].error is None and len(results["good"].outputs[0].token_ids) == 12
+    assert "prompt is empty" in results["empty"].error
+    assert f"{demo.max_model_len} tokens" in results["too_long"].error
+    assert "outside the vocabulary" in results["out_of_vocab"].error
+    assert "expected text" in results["not_text"].error
+    assert "limit of 9" in results["over_limit"].error
+    assert engine.metrics()["failed_requests"] == 5
+
+
+def test_text_prompt_is_tokenized_and_detokenized(engine, demo):
+    [result] = engine.generate([Request("t", prompt="the quick brown fox", sampling=greedy())])
+    ids = demo.tokenizer.encode("the quick brown fox")
+    assert result.prompt_token_ids == ids
+    assert result.outputs[0].token_ids == ReferenceRunner(demo.model).generate([ids], max_new_tokens=12)[0]
+    assert result.outputs[0].text == demo.tokenizer.decode(result.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_stop_token_ids_stop_strings_and_eos(engine, demo):
+    [base] = engine.generate([Request("b", prompt="one two three", sampling=greedy(max_tokens=12))])
+    tokens = base.outputs[0].token_ids
+    stop_id = tokens[4]
+    first = tokens.index(stop_id)
+    [by_id] = engine.generate([Request("i", prompt="one two three", sampling=greedy(stop_token_ids=[stop_id]))])
+    assert by_id.outputs[0].token_ids == tokens[: first + 1] and by_id.outputs[0].finish_reason == "stop"
+    word = demo.tokenizer.decode([tokens[5]], skip_special_tokens=True).strip()
+    [by_text] = engine.generate([Request("s", prompt="one two three", sampling=greedy(stop=[word]))])
+    text = base.outputs[0].text
+    assert by_text.outputs[0].finish_reason == "stop"
+    assert by_text.outputs[0].text == text[: text.index(word)]
+    eos = demo.eos_token_ids[0]
+    [eos_stop] = engine.generate([Request("e", prompt_token_ids=base.prompt_token_ids,
+                                          sampling=greedy(ignore_eos=False, stop_token_ids=[], max_tokens=12))])
+    assert eos not in eos_stop.outputs[0].token_ids[:-1]
+
+
+def test_min_tokens_suppresses_stopping_and_max_tokens_sets_length(engine):
+    [base] = engine.generate([Request("b", prompt="one two three", sampling=greedy())])
+    stop_id = base.outputs[0].token_ids[1]
+    [held] = engine.generate([Request("m", prompt="one two three",
+                                      sampling=greedy(stop_token_ids=[stop_id], min_tokens=6, max_tokens=6))])
+    assert len(held.outputs[0].token_ids) == 6 and held.outputs[0].finish_reason == "length"
+    assert stop_id not in held.outputs[0].token_ids[:5]
+
+
+def test_logprobs_report_the_chosen_token_and_top_alternatives(engine):
+    [result] = engine.generate([Request("l", prompt="a b c", sampling=greedy(logprobs=3, max_tokens=5))])
+    entries = result.outputs[0].logprobs
+    assert len(entries) == 5
+    for token, entry in zip(result.outputs[0].token_ids, entries):
+        assert entry.token_id == token and len(entry.top) == 3
+        assert max(entry.top.values()) == pytest.approx(entry.logprob)  # greedy picks the most likely token
+        assert entry.logprob <= 0
+
+
+def test_top_k_one_equals_greedy_and_sampling_varies_without_seed(engine):
+    [base] = engine.generate([Request("g", prompt="a b c", sampling=greedy())])
+    [top1] = engine.generate([Request("k", prompt="a b c", sampling=greedy(temperature=1.0, top_k=1))])
+    assert top1.outputs[0].token_ids == base.outputs[0].token_ids
+    params = SamplingParams(temperature=1.5, max_tokens=12, ignore_eos=True, n=4, seed=None)
+    [sampled] = engine.generate([Request("n", prompt="a b c", sampling=params)])
+    assert len({tuple(o.token_ids) for o in sampled.outputs}) > 1
+
+
+def test_abort_drops_a_request_and_frees_its_kv(engine):
+    engine.add_request(Request("keep", prompt="a b", sampling=greedy()))
+    engine.add_request(Request("drop", prompt="c d", sampling=greedy(max_tokens=200)))
+    engine.step()
+    free_before = engine.kv.device.free_pages
+    assert engine.abort("drop") and not engine.abort("drop")
+    assert engine.kv.device.free_pages > free_before
+    finished = [r.request_id for r in engine.stream([])]
+    assert finished == ["keep"]

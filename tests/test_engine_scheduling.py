@@ -1,0 +1,124 @@
+"""The primitives and the scheduling policy on hand-built sequences (no model needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen.engine.coroutine import CoroutineBatch, combine, partition
+from batchgen.engine.kv_manager import KVBudget, KVManager
+from batchgen.engine.models.context import KVSpec
+from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.scheduler import DecodePlan, PromptTooLargeError, Scheduler, SchedulerConfig
+from batchgen.engine.sequence import KVLocation, Phase, ProgramPoint, Sequence
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=1, k_dim=4, v_dim=3)
+PAGE = 4
+PAGE_BYTES = SPEC.num_layers * PAGE * (SPEC.k_dim + SPEC.v_dim) * 4
+
+
+def manager(device_pages: int, host_pages: int = 64, stage_pages: int = 0, reserve: int = 0) -> KVManager:
+    budget = KVBudget(device_bytes=(device_pages * PAGE_BYTES + stage_pages * PAGE_BYTES // SPEC.num_layers),
+                      host_bytes=host_pages * PAGE_BYTES, staging_bytes=stage_pages * PAGE_BYTES // SPEC.num_layers)
+    return KVManager(SPEC, PAGE, torch.float32, budget, torch.device("cpu"), reserve_pages=reserve)
+
+
+def sequence(seq_id: int, prompt_len: int = 3, generated: int = 0) -> Sequence:
+    return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", sample_index=0, prompt_ids=[1] * prompt_len,
+                    sampling=SamplingParams(max_tokens=100), eos_token_ids=frozenset(), arrival=seq_id,
+                    generated=[5] * generated)
+
+
+def decoding(scheduler: Scheduler, kv: KVManager, seq: Sequence, location=KVLocation.DEVICE) -> Sequence:
+    kv.allocate(seq, location, seq.num_tokens)
+    seq.kv_len = seq.num_tokens
+    scheduler.place_decoding(seq)
+    return seq
+
+
+def test_migrate_round_trip_keeps_kv_bit_exact():
+    kv = manager(device_pages=4)
+    seq = sequence(0, prompt_len=6)
+    kv.allocate(seq, KVLocation.DEVICE, 6)
+    seq.kv_len = 6
+    k = torch.randn(SPEC.num_layers, 6, 1, SPEC.k_dim)
+    v = torch.randn(SPEC.num_layers, 6, 1, SPEC.v_dim)
+    kv.free(seq)
+    kv.load(seq, KVLocation.DEVICE, k, v)
+    moved = kv.migrate(seq, KVLocation.HOST)
+    assert seq.kv_location is KVLocation.HOST and seq.device_pages == [] and len(seq.host_pages) == 2
+    assert kv.device.free_pages == 4 and moved == 2 * PAGE_BYTES
+    kv.migrate(seq, KVLocation.DEVICE)
+    k2, v2 = kv.export(seq)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    assert kv.migrations == {"to_host": 1, "to_device": 1}
+
+
+def test_coroutine_mode_yields_the_most_progressed_sequence_first():
+    kv = manager(device_pages=3, stage_pages=8)
+    scheduler = Scheduler(SchedulerConfig(mode="coroutine"), kv)
+    few = decoding(scheduler, kv, sequence(0, prompt_len=2, generated=1))  # 3 tokens: 1 page
+    most = decoding(scheduler, kv, sequence(1, prompt_len=1, generated=3))  # 4 tokens: page full
+    middle = decoding(scheduler, kv, sequence(2, prompt_len=1, generated=2))
+    plan = scheduler.schedule()
+    assert isinstance(plan, DecodePlan)
+    assert most.phase is Phase.SUSPENDED and most.kv_location is KVLocation.HOST
+    assert plan.resident == [few, middle]
+    assert plan.staged_groups == [[most]]  # a yielded sequence keeps decoding from the host store
+    assert scheduler.yields == 1
+
+
+def test_lockstep_mode_preempts_the_newest_and_does_not_run_it():
+    kv = manager(device_pages=3)
+    scheduler = Scheduler(SchedulerConfig(mode="lockstep"), kv)
+    oldest = decoding(scheduler, kv, sequence(0, prompt_len=1, generated=3))
+    decoding(scheduler, kv, sequence(1, prompt_len=1, generated=1))
+    newest = decoding(scheduler, kv, sequence(2, prompt_len=1, generated=1))
+    plan = scheduler.schedule()
+    assert newest.phase is Phase.SUSPENDED and plan.staged_groups == []
+    assert newest not in plan.resident and oldest in plan.resident
+
+
+def test_suspended_sequences_refill_the_device_in_fifo_order():
+    kv = manager(device_pages=2)
+    scheduler = Scheduler(SchedulerConfig(mode="lockstep"), kv)
+    first, second, third = (decoding(scheduler, kv, sequence(i), KVLocation.HOST) for i in range(3))
+    assert list(scheduler.suspended) == [first, second, third]
+    plan = scheduler.schedule()
+    assert plan.resident == [first, second]  # two pages: the oldest two come back, in order
+    assert list(scheduler.suspended) == [third] and scheduler.restores == 2
+    scheduler.remove(first)
+    assert scheduler.schedule().resident == [second, third]
+
+
+def test_prefill_goes_to_host_when_the_device_is_full_and_refills_below_threshold():
+    kv = manager(device_pages=1, stage_pages=4)
+    scheduler = Scheduler(SchedulerConfig(mode="coroutine", max_num_seqs=4, refill_threshold=0.5), kv)
+    for i in range(6):
+        scheduler.admit(sequence(i, prompt_len=3))
+    plan = scheduler.schedule()
+    assert [s.seq_id for s in plan.seqs] == [0]  # the first prompt fits on the device alone
+    assert plan.location is KVLocation.DEVICE
+    for s in plan.seqs:
+        s.kv_len = 3
+        scheduler.place_decoding(s)
+    plan = scheduler.schedule()
+    assert plan.location is KVLocation.HOST and [s.seq_id for s in plan.seqs] == [1, 2, 3]  # up to max_num_seqs
+
+
+def test_a_sequence_larger_than_every_pool_is_rejected_up_front():
+    kv = manager(device_pages=2, stage_pages=1)
+    with pytest.raises(PromptTooLargeError, match="does not fit in the KV budget"):
+        Scheduler(SchedulerConfig(mode="coroutine"), kv).check_fits(40)
+
+
+def test_combine_requires_one_program_point_and_partition_restores_rows():
+    seqs = [sequence(i) for i in range(3)]
+    a = CoroutineBatch(seqs[:2], torch.arange(8.0).reshape(2, 4), ProgramPoint(1, "ffn"))
+    b = CoroutineBatch(seqs[2:], torch.arange(8.0, 12.0).reshape(1, 4), ProgramPoint(1, "ffn"))
+    merged = combine([a, b])
+    assert merged.seqs == seqs and merged.hidden.shape == (3, 4)
+    parts = partition(merged, [(seqs[:2], 2, None), (seqs[2:], 1, None)])
+    assert torch.equal(parts[0].hidden, a.hidden) and torch.equal(parts[1].hidden, b.hidden)
+    with pytest.raises(ValueError, match="different program points"):
+        combine([a, CoroutineBatch(seqs[2:], b.hidden, ProgramPoint(1, "attn"))])
