@@ -27,10 +27,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from batchgen.connectors.io import StorageError, filesystem, list_files
 from ray.data import Datasink
 from ray.data.block import Block, BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
+
+from batchgen.connectors.io import StorageError, filesystem, list_files
 
 ROW_INDEX = "row_index"
 _PART = re.compile(r"^part-(\d{12})-(\d{12})\.parquet$")
@@ -79,7 +80,8 @@ class _Fragment:
 
 
 class IndexedParquetSource(Datasource):
-    """Parquet files as a Ray dataset with a `row_index` column, skipping rows in `skip`."""
+    """Parquet files as a Ray dataset with a `row_index` column, skipping rows in `skip` (settable
+    until the dataset runs: a resumed job sets it from the output's part files)."""
 
     def __init__(self, uri: str, storage_options: dict[str, Any] | None = None, skip: RangeSet = RangeSet(),
                  rows_per_block: int = 256) -> None:
@@ -173,6 +175,7 @@ def scan_output(uri: str, storage_options: dict[str, Any] | None = None) -> list
     their name, and files overlapping one kept before them (their rows get redone).
     """
     fs, path = filesystem(uri, storage_options)
+    fs.invalidate_cache(path)  # object-store listings are cached per filesystem instance
     if not fs.exists(path):
         return []
     kept: list[PartFile] = []

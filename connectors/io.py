@@ -24,8 +24,9 @@ def filesystem(uri: str, storage_options: dict[str, Any] | None = None
     return url_to_fs(uri, **(storage_options or {}))
 
 
-def parse_storage_options(text: str | dict[str, Any] | None) -> dict[str, Any]:
-    """Storage options as given on a command line (a JSON object) or in a config file (a mapping)."""
+def parse_storage_options(text: str | dict[str, Any] | None, what: str = "storage options") -> dict[str, Any]:
+    """Storage options, or any option named by `what` that is a JSON object on a command line or a
+    mapping in a config file."""
     if text is None or text == "":
         return {}
     if isinstance(text, dict):
@@ -33,9 +34,9 @@ def parse_storage_options(text: str | dict[str, Any] | None) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"storage options must be a JSON object, got {text!r}: {exc}") from exc
+        raise ValueError(f"{what} must be a JSON object, got {text!r}: {exc}") from exc
     if not isinstance(value, dict):
-        raise ValueError(f"storage options must be a JSON object, got {type(value).__name__}")
+        raise ValueError(f"{what} must be a JSON object, got {type(value).__name__}")
     return value
 
 
@@ -43,6 +44,7 @@ def list_files(uri: str, suffix: str, storage_options: dict[str, Any] | None = N
         fsspec.AbstractFileSystem, list[str]]:
     """`uri` itself when it is a file, else every file under it ending in `suffix`, sorted by path."""
     fs, path = filesystem(uri, storage_options)
+    fs.invalidate_cache(path)  # object-store listings are cached per filesystem instance
     try:
         if fs.isfile(path):
             return fs, [path]

@@ -10,7 +10,8 @@ process that called `ray.put`, and dies with it; Ray Data kills a stage's actors
 stage has consumed its input, while the decode stage may still be working through a backlog of
 refs, and Ray 2.56 removed `ray.put(_owner=...)`. So prefill workers do not own the KV: they hand
 it to a `KVOwner` actor (zero CPUs, one per node, living as long as the store handle's creator)
-which `ray.put`s it and keeps the ObjectRef under its key. The bytes sit in that node's shared
+which `ray.put`s it and keeps the ObjectRef under its key (one extra copy of the KV, on the same
+node: the price of outliving the prefill actors). The bytes sit in that node's shared
 object store (spilled to disk under pressure, fetched across nodes by Ray); only keys travel in
 the dataset, so nothing depends on serialising ObjectRefs out of band (which would pin them for
 the owner's lifetime with no way to free them). A decode worker asks the owner for the refs, then
@@ -25,6 +26,7 @@ from abc import ABC, abstractmethod
 
 import ray
 import torch
+
 from batchgen.engine import PrefillOutput
 
 

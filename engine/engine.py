@@ -184,9 +184,10 @@ class Engine:
         spec = self.model.kv_spec()
         token_bytes = spec.num_layers * spec.num_kv_heads * (spec.k_dim + spec.v_dim) * self.loaded.dtype.itemsize
         wanted = token_bytes * cfg.max_num_seqs * self.max_model_len
-        share = 0.5 if self.device.type == "cuda" else 0.2
+        # several engine actors may share one node: take a modest share of what is free
+        share = 0.5 if self.device.type == "cuda" else 0.05
         device_bytes = cfg.kv_budget_bytes or min(wanted, int(available_memory_bytes(self.device.type) * share))
-        host_bytes = cfg.host_kv_budget_bytes or min(wanted, int(available_memory_bytes("cpu") * 0.2))
+        host_bytes = cfg.host_kv_budget_bytes or min(wanted, int(available_memory_bytes("cpu") * 0.05))
         staging = int(device_bytes * cfg.staging_fraction) if cfg.kv_budget_bytes and cfg.mode == "coroutine" else 0
         if cfg.mode == "coroutine" and not staging:
             staging = min(int(device_bytes * 0.05), token_bytes * self.max_model_len * cfg.b_attn)

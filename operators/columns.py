@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchgen.engine import InvalidRequestError, Result, SamplingParams
+from batchgen.engine.chat import render_chat
 
 PROMPT, MESSAGES, PROMPT_TOKEN_IDS = "prompt", "messages", "prompt_token_ids"
 SAMPLING_PARAMS = "sampling_params"
@@ -131,14 +132,7 @@ class RowParser:
                 raise InvalidRequestError(f"messages[{i}]: expected a struct with a string 'role'")
             content = _text(message.get("content"), f"messages[{i}].content")
             turns.append({"role": message["role"], "content": content})
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError("messages: the model's tokenizer has no chat template; "
-                                      "give 'prompt' text instead")
-        try:
-            text = self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # templates raise on roles or layouts they reject
-            raise InvalidRequestError(f"messages: the chat template rejected them: {exc}") from None
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return render_chat(self.tokenizer, turns)
 
 
 def _token_ids(value: Any) -> list[int]:

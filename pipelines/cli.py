@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.connectors.io import parse_storage_options
-from batchgen.pipelines.pipeline import JobConfig, JobError, JobSummary
+from batchgen.pipelines.cli_args import json_object
+from batchgen.pipelines.pipeline import JobConfig, JobError, JobSummary, execute_job, plan_job
 from batchgen.pipelines.progress import Progress
 from batchgen.pipelines.serve_cli import add_serve_parser, run_serve
 
@@ -65,34 +66,31 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-concurrency", type=int, help="prefill engine actors (disaggregated)")
     p.add_argument("--decode-concurrency", type=int, help="decode engine actors (disaggregated)")
     p.add_argument("--concurrency", type=int, help="engine actors (single)")
-    p.add_argument("--tokenize-concurrency", type=int)
-    p.add_argument("--detokenize-concurrency", type=int)
+    p.add_argument("--tokenize-concurrency", type=int, help="tokenizer actors, CPU only (disaggregated)")
+    p.add_argument("--detokenize-concurrency", type=int, help="detokenizer actors, CPU only (disaggregated)")
     p.add_argument("--batch-size", type=int, help="rows per batch handed to each stage")
     for name, kind in _SAMPLING_FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), type=kind, help=f"sampling default '{name}'")
-    p.add_argument("--sampling-params", type=_json_object, help="sampling defaults as JSON (rows override)")
-    p.add_argument("--engine", type=_json_object, help='EngineConfig fields as JSON, e.g. {"max_num_seqs": 512}')
+    p.add_argument("--sampling-params", type=json_object, help="sampling defaults as JSON (rows override)")
+    p.add_argument("--engine", type=json_object, help='EngineConfig fields as JSON, e.g. {"max_num_seqs": 512}')
     p.add_argument("--engine-num-cpus", type=float, help="CPUs per engine actor (default: a share of the cluster)")
     p.add_argument("--engine-num-gpus", type=float, help="GPUs per engine actor (default 0)")
-    p.add_argument("--rows-per-block", type=int)
-    p.add_argument("--rows-per-file", type=int)
-    p.add_argument("--storage-options", type=_json_object,
+    p.add_argument("--rows-per-block", type=int, help="rows per block read from the input (default 256)")
+    p.add_argument("--rows-per-file", type=int, help="rows gathered per output write (default: Ray's choice)")
+    p.add_argument("--storage-options", type=json_object,
                    help='fsspec options for model, input and output as JSON, e.g. {"endpoint_url": "..."}')
     p.add_argument("--ray-address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local one)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        return parse_storage_options(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).replace("storage options", "value")) from None
-
-
 def job_config(args: argparse.Namespace) -> JobConfig:
     """Defaults < the --config YAML file < the command line."""
     values: dict[str, Any] = _read_yaml(args.config) if getattr(args, "config", None) else {}
-    values["sampling_params"] = dict(values.get("sampling_params") or {})
+    values["sampling_params"] = {**(values.get("sampling_params") or {}),
+                                 **{k: values.pop(k) for k in _SAMPLING_FLAGS if k in values}}
+    if getattr(args, "ray_address", None) is None:
+        args.ray_address = values.get("ray_address")
+    values.pop("ray_address", None)
     for name in _JOB_FIELDS:
         given = getattr(args, name, None)
         if given is not None:
@@ -103,11 +101,15 @@ def job_config(args: argparse.Namespace) -> JobConfig:
     missing = [f"--{name}" for name in ("model", "input", "output") if not values.get(name)]
     if missing:
         raise UsageError(f"missing {', '.join(missing)} (on the command line or in --config)")
-    values["storage_options"] = parse_storage_options(values.get("storage_options"))
+    try:
+        values["storage_options"] = parse_storage_options(values.get("storage_options"))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     return JobConfig(**values)
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
+    """Any command-line option, underscored (batch_size, max_tokens, engine: {...}, ...)."""
     import yaml
 
     try:
@@ -117,9 +119,10 @@ def _read_yaml(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UsageError(f"config file {path!r} must hold a mapping of option: value")
     data = {str(k).replace("-", "_"): v for k, v in data.items()}
-    unknown = sorted(set(data) - _JOB_FIELDS)
+    known = _JOB_FIELDS | set(_SAMPLING_FLAGS) | {"ray_address"}
+    unknown = sorted(set(data) - known)
     if unknown:
-        raise UsageError(f"config file {path!r}: unknown option(s) {unknown}; known: {sorted(_JOB_FIELDS)}")
+        raise UsageError(f"config file {path!r}: unknown option(s) {unknown}; known: {sorted(known)}")
     return data
 
 
@@ -158,17 +161,15 @@ def demo_command(args: argparse.Namespace) -> int:
 def _run(config: JobConfig, args: argparse.Namespace) -> JobSummary:
     import ray
 
-    from batchgen.pipelines.pipeline import run_job
-
+    plan = plan_job(config)  # fails fast, before Ray starts
     if not ray.is_initialized():
         address = args.ray_address or os.environ.get("RAY_ADDRESS")
-        ray.init(address=address, include_dashboard=False, configure_logging=True, logging_level=logging.WARNING)
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    ray.data.DataContext.get_current().enable_progress_bars = False
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     bar = None if args.no_progress else _ProgressBar()
     try:
-        return run_job(config, on_progress=bar)
+        return execute_job(plan, on_progress=bar)
     finally:
         if bar is not None:
             bar.close()
@@ -207,7 +208,7 @@ def summary_text(s: JobSummary) -> str:
         f"  output       {s.output} ({s.files} part files, input order)",
         f"  rows         {p.total_rows} total: {p.rows} written by this run, {p.skipped_rows} already there",
         f"  errors       {p.errors} rows with an error (see the 'error' column)",
-        f"  BCT          {p.elapsed_s:.1f} s (start to last row written)",
+        f"  BCT          {s.bct_s:.1f} s (start to last row written)",
         f"  throughput   {p.tokens_per_s:.1f} generated tokens/s ({p.generated_tokens} tokens)",
         f"  per row      completion time p50 {seconds(s.completion_time_p50_s)}, "
         f"p99 {seconds(s.completion_time_p99_s)}",
@@ -231,12 +232,16 @@ SUBCOMMANDS: dict[str, tuple[Callable[[Any], argparse.ArgumentParser], Callable[
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchgen", description="Batch inference for MoE models on Ray Data.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add, handler in SUBCOMMANDS.values():
         add(subparsers).set_defaults(handler=handler)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.handler(args) or 0
     except UsageError as exc:

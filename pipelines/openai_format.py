@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from batchgen.engine.chat import render_chat
 from batchgen.engine.request import Completion, Request, Result, TokenLogprob
 from batchgen.engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -167,17 +168,10 @@ class RequestBuilder:
         return Request(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
 
     def _chat_prompt(self, messages: Any) -> list[int]:
-        conversation = _chat_messages(messages)
-        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
-        if not template:
+        if not (self.chat_template or getattr(self.tokenizer, "chat_template", None)):
             raise InvalidRequestError("the served model has no chat template; use /v1/completions or start "
                                       "the server with --chat-template")
-        try:
-            text = self.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
-                                                      add_generation_prompt=True)
-        except Exception as exc:  # a template's raise_exception() names what it rejects
-            raise InvalidRequestError(f"invalid 'messages': the chat template rejected them: {exc}") from exc
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return render_chat(self.tokenizer, _chat_messages(messages), self.chat_template)
 
 
 def _check_fields(body: dict[str, Any], chat: bool) -> None:

@@ -7,8 +7,9 @@ Two shapes, one job:
 
 Every row is numbered by its input position on read (`row_index`) and written into part files
 named by their row range (connectors/indexed_parquet.py), so a restarted job with the same output
-skips the rows already written and writes none twice. Order does not depend on the user setting
-`preserve_order`: the pipeline sets it, and the file names carry it anyway.
+skips the rows already written and writes none twice. Order needs no `preserve_order`: the sink
+sorts each write's rows and the file names carry the order, so the pipeline leaves it off and a
+slow batch never holds back the ones after it (head-of-line blocking would stretch the BCT).
 
 Checks that fail the job before any inference: the model's files and tokenizer (no weights read),
 the input's files, footers and prompt column, the output's writability, and that an existing
@@ -67,7 +68,7 @@ class JobConfig:
     engine_num_cpus: float | None = None  # per engine actor; None: a share of the cluster's CPUs
     engine_num_gpus: float = 0.0
     rows_per_block: int = 256
-    rows_per_file: int | None = None  # None: one file per written block
+    rows_per_file: int | None = None  # rows gathered per write task; None: Ray's choice
     list_outputs: bool | None = None
     fault_injection: dict | None = None  # crash_after for the engine actors (tests)
 
@@ -80,10 +81,19 @@ class JobConfig:
             if not isinstance(value, int) or value < 1:
                 raise JobError(f"{name} must be an integer >= 1, got {value!r}")
         try:
-            SamplingParams.from_dict(self.sampling_params)
+            defaults = SamplingParams.from_dict(self.sampling_params)
             EngineConfig.from_kwargs(**self.engine)
         except (ValueError, TypeError) as exc:
             raise JobError(str(exc)) from None
+        if defaults.n > 1 and self.list_outputs is False:
+            raise JobError(f"sampling n={defaults.n} needs list outputs; drop list_outputs=False")
+
+    @property
+    def samples_as_lists(self) -> bool:
+        """The output schema's mode (operators/columns.py): lists when asked, or when n > 1."""
+        if self.list_outputs is not None:
+            return self.list_outputs
+        return SamplingParams.from_dict(self.sampling_params).n > 1
 
 
 @dataclass
@@ -96,24 +106,44 @@ class JobSummary:
 
     @property
     def bct_s(self) -> float:
+        """Batch completion time: the run's start to its last row written."""
         return self.progress.elapsed_s
+
+
+@dataclass
+class JobPlan:
+    """A job that passed every check, ready to run: its input (rows already written skipped)."""
+
+    config: JobConfig
+    source: IndexedParquetSource
 
 
 def run_job(config: JobConfig, on_progress: Callable[[Progress], None] | None = None,
             poll_s: float = 0.5) -> JobSummary:
     """Run (or resume) a job to completion; raises JobError when it cannot run or did not finish."""
+    return execute_job(plan_job(config), on_progress, poll_s)
+
+
+def plan_job(config: JobConfig) -> JobPlan:
+    """Every check that can fail a job up front, with no Ray and no inference: options, model files and
+    tokenizer, output writability, input files and columns, output ownership; then the resume scan."""
     config.validate()
     _check_model(config)
     _check_output(config)
-    done = RangeSet.of((p.first, p.last) for p in scan_output(config.output, config.storage_options))
     try:
-        source = IndexedParquetSource(config.input, config.storage_options, skip=done,
-                                      rows_per_block=config.rows_per_block)
+        source = IndexedParquetSource(config.input, config.storage_options, rows_per_block=config.rows_per_block)
         check_input_columns(source.columns, f"input {config.input!r}")
     except (StorageError, ValueError) as exc:
         raise JobError(str(exc)) from exc
     _claim_output(config, source.num_rows)
-    progress = Progress(total_rows=source.num_rows, skipped_rows=done.count)
+    source.skip = RangeSet.of((p.first, p.last) for p in scan_output(config.output, config.storage_options))
+    return JobPlan(config, source)
+
+
+def execute_job(plan: JobPlan, on_progress: Callable[[Progress], None] | None = None,
+                poll_s: float = 0.5) -> JobSummary:
+    config, source = plan.config, plan.source
+    progress = Progress(total_rows=source.num_rows, skipped_rows=source.skip.count)
     tracker = ProgressTracker.remote()
     started = time.perf_counter()
     if progress.skipped_rows < progress.total_rows:
@@ -132,8 +162,6 @@ _CPU_STAGE_CPUS = 0.25  # read, tokenize, detokenize, write: light, and must nev
 
 def build_dataset(config: JobConfig, source: IndexedParquetSource) -> ray.data.Dataset:
     """The lazy dataset of the job's pipeline, from read to the last operator (no write)."""
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True
     common = {"storage_options": config.storage_options}
     engine_kwargs = {**common, **config.engine, "crash_after": config.fault_injection}
     engine_res = {"num_cpus": _engine_cpus(config), "num_gpus": config.engine_num_gpus}
@@ -141,26 +169,27 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource) -> ray.data.D
     ds = ray.data.read_datasource(source, num_cpus=_CPU_STAGE_CPUS)
     if config.mode == "single":
         return ds.map_batches(BatchGen, batch_size=config.batch_size, batch_format="pyarrow",
-                              concurrency=config.concurrency, **engine_res, fn_constructor_kwargs={
+                              compute=_pool(config.concurrency), **engine_res, fn_constructor_kwargs={
                                   "model": config.model, "sampling_params": config.sampling_params,
-                                  "list_outputs": config.list_outputs, **engine_kwargs})
+                                  "list_outputs": config.samples_as_lists, **engine_kwargs})
     store = RayKVStore.create()
     ds = ds.map_batches(Tokenize, batch_size=config.batch_size, batch_format="pyarrow",
-                        concurrency=config.tokenize_concurrency, **cpu_res, fn_constructor_kwargs={
+                        compute=_pool(config.tokenize_concurrency), **cpu_res, fn_constructor_kwargs={
                             "model": config.model, "sampling_params": config.sampling_params,
-                            "list_outputs": config.list_outputs, **common})
+                            "list_outputs": config.samples_as_lists, **common})
     ds = ds.map_batches(Prefill, batch_size=config.batch_size, batch_format="pyarrow",
-                        concurrency=config.prefill_concurrency, **engine_res,
+                        compute=_pool(config.prefill_concurrency), **engine_res,
                         fn_constructor_kwargs={"model": config.model, "kv_store": store, **engine_kwargs})
     ds = ds.map_batches(Decode, batch_size=config.batch_size, batch_format="pyarrow",
-                        concurrency=config.decode_concurrency, **engine_res,
+                        compute=_pool(config.decode_concurrency), **engine_res,
                         fn_constructor_kwargs={"model": config.model, "kv_store": store, **engine_kwargs})
-    list_outputs = config.list_outputs
-    if list_outputs is None:
-        list_outputs = SamplingParams.from_dict(config.sampling_params).n > 1
     return ds.map_batches(Detokenize, batch_size=config.batch_size, batch_format="pyarrow",
-                          concurrency=config.detokenize_concurrency, **cpu_res, fn_constructor_kwargs={
-                              "model": config.model, "list_outputs": list_outputs, **common})
+                          compute=_pool(config.detokenize_concurrency), **cpu_res, fn_constructor_kwargs={
+                              "model": config.model, "list_outputs": config.samples_as_lists, **common})
+
+
+def _pool(size: int) -> ray.data.ActorPoolStrategy:
+    return ray.data.ActorPoolStrategy(size=size)
 
 
 def _engine_cpus(config: JobConfig) -> float:
@@ -168,8 +197,10 @@ def _engine_cpus(config: JobConfig) -> float:
     none for reading and writing on a small machine, and the job would wait forever."""
     if config.engine_num_cpus is not None:
         return config.engine_num_cpus
-    actors = config.concurrency if config.mode == "single" else config.prefill_concurrency + \
-        config.decode_concurrency
+    if config.mode == "single":
+        actors = config.concurrency
+    else:
+        actors = config.prefill_concurrency + config.decode_concurrency
     return min(1.0, ray.cluster_resources().get("CPU", 1.0) * 0.5 / actors)
 
 
@@ -215,9 +246,9 @@ def _claim_output(config: JobConfig, total_rows: int) -> None:
     """Record which job the output belongs to; refuse to mix a different job's rows into it."""
     fs, path = filesystem(config.output, config.storage_options)
     manifest = posixpath.join(path, MANIFEST)
-    mine = {"input": config.input, "model": config.model, "mode": config.mode, "total_rows": total_rows,
+    mine = {"input": config.input, "model": config.model, "total_rows": total_rows,
             "sampling_params": SamplingParams.from_dict(config.sampling_params).to_dict(),
-            "list_outputs": config.list_outputs}
+            "list_outputs": config.samples_as_lists}
     fs.invalidate_cache(path)
     if fs.exists(manifest):
         theirs = json.loads(fs.cat_file(manifest))

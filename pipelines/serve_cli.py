@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from batchgen.connectors.io import parse_storage_options
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sampling_params import SamplingParams
+from batchgen.pipelines.cli_args import json_object
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -30,29 +30,22 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "(default: $BATCHGEN_API_KEY; unset = no auth)")
     p.add_argument("--state-dir", help="local directory for the SQLite metadata (default: the storage "
                                        "directory; required when --storage is remote)")
-    p.add_argument("--storage-options", type=_json_object, default=None,
+    p.add_argument("--storage-options", type=json_object, default=None,
                    help='fsspec options for --storage and --model as JSON, e.g. {"endpoint_url": "http://..."}')
     p.add_argument("--max-upload-bytes", type=int, default=200 * 1024 * 1024, help="largest accepted upload")
     p.add_argument("--max-batch-requests", type=int, default=50_000, help="most requests in one batch file")
     p.add_argument("--max-in-flight", type=int, default=256,
                    help="requests handed to the engine at once; cancellation waits for these to finish")
-    p.add_argument("--sampling-params", type=_json_object, default={},
+    p.add_argument("--sampling-params", type=json_object, default={},
                    help='defaults for the sampling fields a request body leaves out, as JSON, '
                         'e.g. {"temperature": 0, "max_tokens": 256}')
-    p.add_argument("--engine", type=_json_object, default={},
+    p.add_argument("--engine", type=json_object, default={},
                    help='EngineConfig fields as JSON, e.g. {"max_num_seqs": 512}')
     p.add_argument("--chat-template", help="Jinja chat template (a file or the template itself) for models "
                                            "whose tokenizer has none")
     p.add_argument("--allow-custom-completion-window", action="store_true",
                    help="accept any completion_window '<n>s|m|h|d', not only '24h' (short windows for tests)")
     return p
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        return parse_storage_options(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).replace("storage options", "value")) from None
 
 
 def run_serve(args: argparse.Namespace) -> None:

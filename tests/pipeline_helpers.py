@@ -37,6 +37,7 @@ def write_input(uri: str, prompts: list[str], files: int = 3, row_group_size: in
 def read_output(uri: str, storage_options: dict | None = None) -> pa.Table:
     """A job's output: its part files in name order, which must be input order."""
     fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    fs.invalidate_cache(root)
     parts = sorted(p for p in fs.ls(root, detail=False) if Path(p).name.startswith("part-"))
     tables = []
     for path in parts:

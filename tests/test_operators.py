@@ -200,3 +200,15 @@ def test_engine_loop_fails_every_waiting_batch_when_the_engine_raises(tiny_moe_d
         asyncio.run(loop.run(["boom"], lambda engine: engine.add_request(request)))
     with pytest.raises(RuntimeError, match="the engine failed"):
         asyncio.run(loop.run(["next"], lambda engine: None))
+
+
+def test_concurrent_batches_share_one_engine(tiny_moe_dir, prompts, expected):
+    op = BatchGen(tiny_moe_dir, SAMPLING, **ENGINE)
+    tables = [pa.table({"prompt": prompts[i:i + 2]}) for i in (0, 2, 4)]
+
+    async def in_flight():
+        return await asyncio.gather(*(op(t) for t in tables))
+
+    outs = asyncio.run(in_flight())
+    assert [ids for out in outs for ids in out.column("generated_token_ids").to_pylist()] == expected
+    assert op.engine.metrics()["peak_active"] > 2, "the batches ran one after another, not in one engine"

@@ -1,0 +1,114 @@
+"""`batchgen run` and `batchgen demo`: config precedence, fail-fast checks, exit codes, progress, summary."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from pipeline_helpers import ENGINE, SAMPLING, read_output, workload, write_input
+
+from batchgen.connectors.demo_data import demo_prompts
+from batchgen.pipelines.cli import build_parser, job_config, main
+
+
+def test_config_file_holds_the_options_and_the_command_line_overrides_it(tmp_path):
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": "tiny-moe", "input": "s3://bucket/in", "output": "s3://bucket/out", "mode": "single",
+        "batch-size": 16, "concurrency": 3, "max_tokens": 64, "sampling_params": {"top_p": 0.5, "temperature": 1.0},
+        "engine": {"max_num_seqs": 32, "page_size": 16}, "storage_options": {"endpoint_url": "http://x"},
+    }))
+    args = build_parser().parse_args(["run", "--config", str(config), "--batch-size", "8", "--temperature", "0",
+                                      "--engine", '{"page_size": 32}'])
+    job = job_config(args)
+    assert (job.model, job.input, job.output, job.mode) == ("tiny-moe", "s3://bucket/in", "s3://bucket/out", "single")
+    assert (job.batch_size, job.concurrency) == (8, 3)
+    assert job.sampling_params == {"top_p": 0.5, "temperature": 0.0, "max_tokens": 64}
+    assert job.engine == {"max_num_seqs": 32, "page_size": 32}
+    assert job.storage_options == {"endpoint_url": "http://x"}
+
+
+def write_prompts(path: Path, column: str = "prompt") -> str:
+    pq.write_table(pa.table({column: workload(2)}), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["no prompt column", "unreadable model", "unwritable output", "missing input",
+                                  "unknown config option", "bad sampling default"])
+def test_run_fails_fast_with_a_clear_message(tmp_path, tiny_moe_dir, capsys, case):
+    good_input = write_prompts(tmp_path / "in.parquet")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    argv = {"model": tiny_moe_dir, "input": good_input, "output": str(tmp_path / "out")}
+    extra: list[str] = []
+    expected_code, message = 1, ""
+    if case == "no prompt column":
+        argv["input"] = write_prompts(tmp_path / "text.parquet", column="text")
+        message = "has no prompt column: expected one of ['prompt_token_ids', 'messages', 'prompt'], found " \
+                  "columns ['text']"
+    elif case == "unreadable model":
+        argv["model"] = str(tmp_path / "no-model")
+        message = "is not readable"
+    elif case == "unwritable output":
+        argv["output"] = str(blocker / "out")
+        message = "is not writable"
+    elif case == "missing input":
+        argv["input"] = str(tmp_path / "nothing-here")
+        message = "does not exist"
+    elif case == "unknown config option":
+        (tmp_path / "c.yaml").write_text("batchsize: 4\n")
+        extra, expected_code, message = ["--config", str(tmp_path / "c.yaml")], 2, "unknown option(s) ['batchsize']"
+    else:
+        extra, message = ["--temperature", "-1"], "invalid sampling parameter 'temperature'"
+    started = time.monotonic()
+    code = main(["run", *[x for k, v in argv.items() for x in (f"--{k}", v)], *extra, "--no-progress"])
+    assert code == expected_code
+    assert message in capsys.readouterr().err
+    assert time.monotonic() - started < 15  # no Ray, no engine: checks only
+    assert not list((tmp_path / "out").glob("part-*"))
+
+
+def test_console_script_exit_status(tmp_path, tiny_moe_dir):
+    bad_input = write_prompts(tmp_path / "text.parquet", column="text")
+    script = Path(sys.executable).with_name("batchgen")
+    done = subprocess.run([str(script), "run", "--model", tiny_moe_dir, "--input", bad_input, "--output",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "job failed" in done.stderr and "no prompt column" in done.stderr
+
+
+def test_run_with_bad_rows_exits_zero_and_reports_them(ray_cluster, tiny_moe_dir, tmp_path, capsys):
+    input_dir = tmp_path / "in"
+    write_input(str(input_dir), workload(4), files=1)
+    bad = pa.table({"id": [4], "prompt": [None]}, schema=pq.read_schema(next(input_dir.glob("*.parquet"))))
+    pq.write_table(bad, input_dir / "part-9.parquet")
+    code = main(["run", "--model", tiny_moe_dir, "--input", str(input_dir), "--output", str(tmp_path / "out"),
+                 "--mode", "single", "--batch-size", "2", "--sampling-params", json.dumps(SAMPLING),
+                 "--engine", json.dumps(ENGINE)])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "rows         5 total: 5 written by this run, 0 already there" in captured.out
+    assert "errors       1 rows with an error" in captured.out
+    assert "row" in captured.err and "tok/s" in captured.err and "ETA" in captured.err  # the progress bar
+    table = read_output(str(tmp_path / "out"))
+    assert table.column("id").to_pylist() == [0, 1, 2, 3, 4]
+    assert "missing prompt" in table.column("error")[4].as_py()
+
+
+def test_demo_writes_its_prompts_runs_them_and_prints_a_summary(ray_cluster, tmp_path, capsys):
+    code = main(["demo", "--out", str(tmp_path / "demo"), "--rows", "6", "--max-tokens", "4", "--mode", "single",
+                 "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "rows         6 total: 6 written by this run" in out and "tokens/s" in out and "BCT" in out
+    table = read_output(str(tmp_path / "demo" / "results"))
+    assert table.column("prompt").to_pylist() == demo_prompts(6)
+    assert table.column("error").to_pylist() == [None] * 6
+    assert all(1 <= n <= 4 for n in table.column("num_generated_tokens").to_pylist())

@@ -1,0 +1,55 @@
+"""Row-indexed Parquet in and out: numbering, skipping written rows, part files, crash leftovers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.connectors.indexed_parquet import (
+    ROW_INDEX,
+    IndexedParquetSource,
+    OrderedParquetSink,
+    RangeSet,
+    part_name,
+    scan_output,
+)
+
+
+def test_range_set_merges_and_masks():
+    done = RangeSet.of([(10, 19), (0, 4), (5, 6), (30, 30)])
+    assert (done.starts, done.ends, done.count) == ((0, 10, 30), (6, 19, 30), 18)
+    assert done.covers(11, 19) and not done.covers(6, 10)
+    assert done.mask(np.array([0, 6, 7, 9, 10, 29, 30, 31])).tolist() == [1, 1, 0, 0, 1, 0, 1, 0]
+
+
+def test_source_numbers_rows_across_files_and_skips_written_ones(tmp_path):
+    for f, rows in enumerate((5, 4)):
+        start = 0 if f == 0 else 5
+        pq.write_table(pa.table({"v": list(range(start, start + rows))}), tmp_path / f"f{f}.parquet",
+                       row_group_size=2)
+    (tmp_path / "_SUCCESS").write_text("")
+    source = IndexedParquetSource(str(tmp_path), rows_per_block=3)
+    assert source.num_rows == 9 and source.columns == ["v"]
+    source.skip = RangeSet.of([(0, 1), (3, 6)])  # row group [0, 1] is skipped whole, others in part
+    tasks = source.get_read_tasks(parallelism=2)
+    blocks = [block for task in tasks for block in task()]
+    table = pa.concat_tables(blocks)
+    assert table.column(ROW_INDEX).to_pylist() == [2, 7, 8]
+    assert table.column("v").to_pylist() == [2, 7, 8]
+    assert all(b.num_rows <= 3 for b in blocks)
+
+
+def test_sink_writes_contiguous_runs_and_scan_drops_crash_leftovers(tmp_path):
+    sink = OrderedParquetSink(str(tmp_path))
+    block = pa.table({ROW_INDEX: [7, 3, 4, 8, 5], "x": ["h", "d", "e", "i", "f"]})
+    written = sink.write([block], None)
+    assert [p.rsplit("/", 1)[-1] for p in written] == [part_name(3, 5), part_name(7, 8)]
+    assert pq.read_table(tmp_path / part_name(3, 5)).column("x").to_pylist() == ["d", "e", "f"]
+    (tmp_path / f".{part_name(9, 9)}.abc.tmp").write_bytes(b"half")  # a write cut short
+    (tmp_path / part_name(10, 11)).write_bytes(b"PAR1 truncated")  # unreadable footer
+    pq.write_table(pa.table({ROW_INDEX: [4, 5]}), tmp_path / part_name(4, 5))  # overlaps 3-5: a race
+    pq.write_table(pa.table({ROW_INDEX: [12]}), tmp_path / part_name(12, 13))  # row count != name
+    parts = scan_output(str(tmp_path))
+    assert [(p.first, p.last) for p in parts] == [(3, 5), (7, 8)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [part_name(3, 5), part_name(7, 8)]
