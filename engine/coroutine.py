@@ -19,7 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.engine.models.context import AttentionContext
-from batchgen.engine.sequence import ProgramPoint, Sequence
+from batchgen.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class ProgramPoint:
+    """Where in the module program a coroutine stands; only equal points COMBINE."""
+
+    layer: int = 0
+    module: str = "attn"  # attn -> ffn -> (next layer's attn) ... -> head
 
 
 @dataclass

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.engine.attention_context import DecodeContext, PrefillContext, StagedDecodeContext
-from batchgen.engine.coroutine import CoroutineBatch, run_layers
+from batchgen.engine.coroutine import CoroutineBatch, ProgramPoint, run_layers
 from batchgen.engine.kv_manager import KVManager
-from batchgen.engine.sequence import ProgramPoint, Sequence
+from batchgen.engine.sequence import Sequence
 
 
 @dataclass

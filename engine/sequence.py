@@ -1,12 +1,16 @@
-"""The state of one sequence coroutine: everything needed to resume it anywhere."""
+"""The state of one sequence coroutine: everything needed to resume it anywhere.
+
+Between decode steps a coroutine's program point is "next token" and its checkpoint is its last
+token id plus its KV (wherever `kv_location` says). Inside a forward pass the program point and
+the hidden-state checkpoint live in the coroutine's row of a `CoroutineBatch` (engine/coroutine.py),
+so thousands of suspended coroutines cost one tensor, not thousands of objects.
+"""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from batchgen.engine.request import TokenLogprob
 from batchgen.engine.sampling_params import SamplingParams
@@ -27,14 +31,6 @@ class KVLocation(enum.Enum):
 
 
 @dataclass
-class ProgramPoint:
-    """Where in the module program a coroutine stands; the scheduler COMBINEs equal points."""
-
-    layer: int = 0
-    module: str = "embed"  # embed -> attn -> ffn -> (next layer) ... -> head
-
-
-@dataclass
 class Sequence:
     """One sample of one request. n > 1 requests fork into several sequences after prefill."""
 
@@ -48,8 +44,6 @@ class Sequence:
     phase: Phase = Phase.WAITING
     generated: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
-    point: ProgramPoint = field(default_factory=ProgramPoint)
-    hidden: torch.Tensor | None = None  # checkpoint of the last module's output at `point`
     kv_location: KVLocation = KVLocation.NONE
     device_pages: list[int] = field(default_factory=list)
     host_pages: list[int] = field(default_factory=list)

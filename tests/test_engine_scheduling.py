@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen.engine.coroutine import CoroutineBatch, combine, partition
+from batchgen.engine.coroutine import CoroutineBatch, ProgramPoint, combine, partition
 from batchgen.engine.kv_manager import KVBudget, KVManager
 from batchgen.engine.models.context import KVSpec
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.scheduler import DecodePlan, PromptTooLargeError, Scheduler, SchedulerConfig
-from batchgen.engine.sequence import KVLocation, Phase, ProgramPoint, Sequence
+from batchgen.engine.sequence import KVLocation, Phase, Sequence
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, k_dim=4, v_dim=3)
 PAGE = 4
