@@ -40,6 +40,7 @@ from roofline import MoEShape, measure_peaks, workload_bound
 from batchgen.connectors.checkpoint import load_model
 from batchgen.connectors.presets import build_preset
 from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
+from batchgen.engine.metrics import percentile
 
 SYSTEMS = ("batchgen", "lockstep", "transformers")
 ENGINE_MODES = {"batchgen": "coroutine", "lockstep": "lockstep"}
@@ -256,11 +257,6 @@ def compare(reference: list[list[int]], other: list[list[int]]) -> MatchReport:
     exact = sum(a == b for a, b in zip(reference, other))
     return MatchReport(exact=exact, total=len(reference), mean_prefix=statistics.mean(p for p, _ in prefixes),
                        mean_prefix_share=statistics.mean(p / n for p, n in prefixes), first_mismatch=first)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def scenario_summary(runs: dict[str, SystemRun], output_tokens: int, bound_s: float) -> dict:

@@ -3,8 +3,9 @@
 No engine can run a decode step faster than max(FLOPs / peak FLOP/s, bytes read / memory bandwidth).
 The bound schedules the workload as well as any engine could: every prompt prefilled in one pass, then
 every unfinished sequence decoded in one batch per step (so weights are read once per step for the
-whole population), over as many steps as the longest output needs. Peaks are measured here, in the same
-process as the benchmark: a large fp32 GEMM and a large tensor reduction.
+whole population), over as many steps as the longest output needs. A decode step reads the weights of
+the experts its tokens hit, taken as the expected count under uniform routing. Peaks are measured here, in
+the same process as the benchmark: a large fp32 GEMM and a large tensor reduction.
 """
 
 from __future__ import annotations
@@ -113,8 +114,8 @@ def _experts_touched(shape: MoEShape, tokens: int) -> float:
 
 def _step_cost(shape: MoEShape, tokens: int, attended: int, kv_tokens_read: int, experts_hit: float
                ) -> tuple[float, float]:
-    """(FLOPs, bytes read) of one forward: `tokens` new tokens (one logits row each at most), `attended`
-    (query, key) pairs, `kv_tokens_read` cached tokens read back, `experts_hit` experts per layer."""
+    """(FLOPs, bytes read) of one forward without logits: `tokens` new tokens, `attended` (query, key)
+    pairs, `kv_tokens_read` cached tokens read back, `experts_hit` experts' weights read per layer."""
     per_token = shape.layers * (shape.dense_params_per_layer + shape.top_k * shape.expert_params)
     flops = 2 * tokens * per_token + shape.layers * 4 * shape.heads * shape.head_dim * attended
     weights = shape.layers * (shape.dense_params_per_layer + experts_hit * shape.expert_params)

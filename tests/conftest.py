@@ -1,7 +1,11 @@
 import os
 
-import pytest
-import torch
+# Tests run the engine beside Ray actors and server processes on two cores: OpenMP threads that
+# busy-wait for work lose their core at every small op. Set before torch starts its thread pool.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Triton kernels run on CPU tensors through the interpreter; it must be set before triton is imported.
 if not torch.cuda.is_available():
