@@ -281,7 +281,9 @@ class Engine:
 
     def _run_decode(self, plan: DecodePlan) -> None:
         seqs = plan.resident + [s for group in plan.staged_groups for s in group]
+        self.stats.decoding = True
         logits = self._timed(self.runner.decode, plan.resident, plan.staged_groups)
+        self.stats.decoding = False
         self.stats.decode_steps += 1
         tokens = sample_next_tokens(logits, seqs, self.generator)
         for seq, token in zip(seqs, tokens):

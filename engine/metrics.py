@@ -31,6 +31,9 @@ class EngineMetrics:
     step_seconds: float = 0.0
     moe_calls: int = 0
     expert_tokens_sum: float = 0.0  # sum over MoE calls of tokens per expert (T * k / E)
+    decoding: bool = False  # set by the engine around each forward, to tell decode MoE calls apart
+    decode_moe_calls: int = 0
+    decode_expert_tokens_sum: float = 0.0
     expert_histogram: torch.Tensor | None = None  # tokens routed to each expert, all calls summed
     completion_times: list[float] = field(default_factory=list)
     timeline: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, active, suspended, done)
@@ -42,8 +45,12 @@ class EngineMetrics:
     def record_route(self, topk_ids: torch.Tensor, num_experts: int) -> None:
         counts = torch.bincount(topk_ids.reshape(-1).cpu(), minlength=num_experts)
         self.expert_histogram = counts if self.expert_histogram is None else self.expert_histogram + counts
+        per_expert = topk_ids.numel() / num_experts
         self.moe_calls += 1
-        self.expert_tokens_sum += topk_ids.numel() / num_experts
+        self.expert_tokens_sum += per_expert
+        if self.decoding:
+            self.decode_moe_calls += 1
+            self.decode_expert_tokens_sum += per_expert
 
     def summary(self, bytes_moved: int) -> dict:
         end = self.last_finished_at or time.perf_counter()
@@ -63,6 +70,8 @@ class EngineMetrics:
             "bytes_moved": bytes_moved,
             "moe_calls": self.moe_calls,
             "mean_expert_batch": self.expert_tokens_sum / self.moe_calls if self.moe_calls else 0.0,
+            "mean_decode_expert_batch": (self.decode_expert_tokens_sum / self.decode_moe_calls
+                                         if self.decode_moe_calls else 0.0),
             "expert_histogram": [] if self.expert_histogram is None else self.expert_histogram.tolist(),
             "scheduler_share": 1 - self.model_seconds / self.step_seconds if self.step_seconds else 0.0,
             "completion_time_p50": percentile(self.completion_times, 50),
