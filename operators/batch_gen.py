@@ -48,9 +48,9 @@ class BatchGen:
         """
         defaults = SamplingParams.from_dict(sampling_params)
         self.list_outputs = defaults.n > 1 if list_outputs is None else bool(list_outputs)
-        self.engine = Engine(model, storage_options=storage_options, **engine_options)
+        self.loop = EngineLoop(lambda: Engine(model, storage_options=storage_options, **engine_options))
+        self.engine = self.loop.engine
         self.parser = RowParser(self.engine.tokenizer, defaults, self.list_outputs)
-        self.loop = EngineLoop(self.engine)
         self._crash = crash_injector(crash_after)
         self._ids = (f"{uuid.uuid4().hex[:12]}-{i}" for i in itertools.count())
 

@@ -27,9 +27,9 @@ from batchgen.operators.fault_injection import crash_injector
 class Decode:
     def __init__(self, model: str, kv_store: KVStore, *, storage_options: dict[str, Any] | None = None,
                  crash_after: dict | None = None, **engine_options: Any) -> None:
-        self.engine = Engine(model, storage_options=storage_options, **engine_options)
+        self.loop = EngineLoop(lambda: Engine(model, storage_options=storage_options, **engine_options))
+        self.engine = self.loop.engine
         self.store = kv_store
-        self.loop = EngineLoop(self.engine)
         self._crash = crash_injector(crash_after)
 
     async def __call__(self, batch: Any) -> Block:

@@ -22,13 +22,18 @@ _Submission = tuple[Callable[[Engine], None], dict[str, Future]]
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, make_engine: Callable[[], Engine]) -> None:
+        """Build the engine on the loop's own thread: loading the model there keeps the model's
+        OpenMP team on the thread that runs every step (a second team makes each small op pay a
+        wake-up). A construction error is raised here, in the caller."""
         self._inbox: queue.SimpleQueue[_Submission] = queue.SimpleQueue()
         self._pending: dict[str, Future] = {}
         self._failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="batchgen-engine", daemon=True)
+        ready: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(make_engine, ready), name="batchgen-engine",
+                                        daemon=True)
         self._thread.start()
+        self.engine: Engine = ready.result()
 
     async def run(self, request_ids: list[str], admit: Callable[[Engine], None]) -> list[Result]:
         """Call `admit(engine)` on the engine thread (it adds the requests), then await their Results."""
@@ -38,7 +43,13 @@ class EngineLoop:
         self._inbox.put((admit, futures))
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures.values())))
 
-    def _run(self) -> None:
+    def _run(self, make_engine: Callable[[], Engine], ready: Future) -> None:
+        try:
+            self.engine = make_engine()
+        except BaseException as exc:
+            ready.set_exception(exc)
+            return
+        ready.set_result(self.engine)
         while True:
             failed = self._failure is not None
             self._admit(block=failed or not self.engine.has_unfinished())

@@ -189,7 +189,7 @@ def test_kv_store_round_trip_keeps_dtype_and_delete_frees(ray_cluster):
 
 def test_engine_loop_fails_every_waiting_batch_when_the_engine_raises(tiny_moe_dir):
     engine = Engine(tiny_moe_dir, **ENGINE)
-    loop = EngineLoop(engine)
+    loop = EngineLoop(lambda: engine)
 
     def broken_step():
         raise MemoryError("device out of memory")
