@@ -16,7 +16,6 @@ import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from safetensors.torch import load as load_safetensors_bytes
 
 from batchgen.connectors.io import filesystem
 from batchgen.connectors.presets import resolve_preset
+from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.models.registry import ModelFamily, model_family
 from batchgen.engine.models.weight_names import WeightTarget, checkpoint_name, checkpoint_target
 
@@ -47,17 +47,6 @@ DTYPES = {
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file or tensor at fault."""
-
-
-@dataclass
-class LoadedModel:
-    model: torch.nn.Module
-    config: Any  # the transformers PretrainedConfig
-    tokenizer: Any | None  # transformers tokenizer, None when the checkpoint ships none
-    eos_token_ids: tuple[int, ...]
-    max_model_len: int
-    dtype: torch.dtype
-    uri: str
 
 
 def load_model(

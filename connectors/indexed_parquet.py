@@ -168,8 +168,8 @@ def part_name(first: int, last: int) -> str:
     return f"part-{first:012d}-{last:012d}.parquet"
 
 
-def scan_output(uri: str, storage_options: dict[str, Any] | None = None) -> list[PartFile]:
-    """The complete part files under `uri`, sorted, with leftovers of a crash removed.
+def recover_output_parts(uri: str, storage_options: dict[str, Any] | None = None) -> list[PartFile]:
+    """The complete part files under `uri`, sorted, after DELETING the leftovers of a crashed run.
 
     Removed: temporary files, files whose footer does not read or whose row count disagrees with
     their name, and files overlapping one kept before them (their rows get redone).

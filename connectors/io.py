@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import posixpath
 import uuid
 from typing import Any
@@ -22,22 +21,6 @@ def filesystem(uri: str, storage_options: dict[str, Any] | None = None
     S3 storage options use s3fs names (`key`, `secret`, `endpoint_url`, `client_kwargs`, ...).
     """
     return url_to_fs(uri, **(storage_options or {}))
-
-
-def parse_storage_options(text: str | dict[str, Any] | None, what: str = "storage options") -> dict[str, Any]:
-    """Storage options, or any option named by `what` that is a JSON object on a command line or a
-    mapping in a config file."""
-    if text is None or text == "":
-        return {}
-    if isinstance(text, dict):
-        return dict(text)
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{what} must be a JSON object, got {text!r}: {exc}") from exc
-    if not isinstance(value, dict):
-        raise ValueError(f"{what} must be a JSON object, got {type(value).__name__}")
-    return value
 
 
 def list_files(uri: str, suffix: str, storage_options: dict[str, Any] | None = None) -> tuple[

@@ -67,7 +67,3 @@ class StagedDecodeContext:
         host_device = self.host.device
         ops.write_kv(k.to(host_device), v.to(host_device), self.host.k[layer], self.host.v[layer], self.host_slots)
         return out
-
-    @property
-    def bytes_staged_per_layer(self) -> int:
-        return self.stage.nbytes(len(self.stage_pages))

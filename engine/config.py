@@ -1,21 +1,29 @@
-"""Engine configuration: one dataclass, every knob with a default that runs on a laptop CPU."""
+"""Engine configuration: one dataclass, every knob with a default that runs on a laptop CPU.
+
+Values are checked when the config is built, so a bad option fails where the job is planned (the
+driver, the CLI), not later inside a Ray actor.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 
-@dataclass
+MODES = ("coroutine", "lockstep")
+DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     mode: str = "coroutine"  # "coroutine" (BatchGen) or "lockstep" (continuous-batching baseline)
-    dtype: str = "float32"
+    dtype: str = "float32"  # weights and KV, when the engine is built from a checkpoint URI
     device: str = "auto"  # "auto" picks cuda when present
     page_size: int = 64
-    kv_budget_bytes: int | None = None  # device KV budget; None = a share of free device memory
-    host_kv_budget_bytes: int | None = None  # host KV store; None = a share of free host memory
+    kv_budget_bytes: int | None = None  # device page pool; None = a share of free device memory
+    host_kv_budget_bytes: int | None = None  # host page pool; None = a share of free host memory
     staging_fraction: float = 0.25  # coroutine mode: share of a set KV budget kept for streaming
     b_attn: int = 256  # max sequences per attention micro-batch
     b_moe: int = 8192  # max tokens per MoE (feed-forward) batch
@@ -24,6 +32,31 @@ class EngineConfig:
     refill_threshold: float = 0.5  # refill prompts when decoding sequences fall under this share
     max_model_len: int | None = None  # None = the checkpoint's context length
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"engine mode must be one of {MODES}, got {self.mode!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"engine dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not (self.device in ("auto", "cpu", "cuda")
+                                                     or self.device.startswith("cuda:")):
+            raise ValueError(f"engine device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        for name in ("page_size", "b_attn", "b_moe", "max_num_seqs", "max_prefill_tokens"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("kv_budget_bytes", "host_kv_budget_bytes", "max_model_len"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=1)
+        _check_int("seed", self.seed, minimum=0)
+        for name in ("staging_fraction", "refill_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ValueError(f"engine option {name} must be a number in [0, 1], got {value!r}")
+
+    def torch_device(self) -> torch.device:
+        """The device to load onto: "auto" is cuda when present, else cpu."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
 
     @classmethod
     def from_kwargs(cls, base: EngineConfig | None = None, **overrides: Any) -> EngineConfig:
@@ -34,10 +67,6 @@ class EngineConfig:
         return dataclasses.replace(base or cls(), **overrides)
 
 
-def available_memory_bytes(device_type: str) -> int:
-    if device_type == "cuda":
-        import torch
-
-        free, _ = torch.cuda.mem_get_info()
-        return free
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"engine option {name} must be an integer >= {minimum}, got {value!r}")

@@ -4,11 +4,10 @@ A coroutine is a sequence's walk through the module program embed -> (attn, ffn)
 It yields at every module exit; its resumable state is its program point plus the hidden state
 of the last module (and its KV, owned by the KV manager). Thousands of coroutines are not
 thousands of Python generators: suspended coroutines at the same program point are held
-together as rows of one `CoroutineBatch`, so YIELD is returning the batch, COMBINE is a
-concatenation and resuming is one module call on the combined rows.
-
-PARTITION and cross-worker MIGRATE act on the same state: a batch's rows can be re-split into
-any groups (`partition`) and its KV moved by `KVManager.migrate`.
+together as rows of one `CoroutineGroup`, so YIELD is returning the group, COMBINE is a
+concatenation and resuming is one module call on the combined rows. `partition` re-splits a
+group's rows, which is how attention micro-batches come apart again after a COMBINE-d MoE call.
+(PARTITION across devices and MIGRATE across engine actors are not implemented yet.)
 """
 
 from __future__ import annotations
@@ -31,7 +30,10 @@ class ProgramPoint:
 
 
 @dataclass
-class CoroutineBatch:
+class CoroutineGroup:
+    """Suspended coroutines at one program point: row i of `hidden` is the checkpoint of `seqs`' i-th
+    token (one row per sequence in decode, one per prompt token in prefill)."""
+
     seqs: list[Sequence]
     hidden: torch.Tensor  # [T, D]: the checkpoint every row yielded with
     point: ProgramPoint
@@ -50,7 +52,7 @@ def next_point(point: ProgramPoint, num_layers: int) -> ProgramPoint:
     return ProgramPoint(num_layers, "head")
 
 
-def resume(model: torch.nn.Module, batch: CoroutineBatch) -> CoroutineBatch:
+def resume(model: torch.nn.Module, batch: CoroutineGroup) -> CoroutineGroup:
     """Run the module at the batch's program point, then YIELD at its exit."""
     layer = model.layers[batch.point.layer]
     if batch.point.module == "attn":
@@ -59,44 +61,46 @@ def resume(model: torch.nn.Module, batch: CoroutineBatch) -> CoroutineBatch:
         hidden = layer.attn(batch.hidden, batch.ctx)
     else:
         hidden = layer.ffn(batch.hidden)
-    return CoroutineBatch(batch.seqs, hidden, next_point(batch.point, len(model.layers)), batch.ctx)
+    return CoroutineGroup(batch.seqs, hidden, next_point(batch.point, len(model.layers)), batch.ctx)
 
 
-def combine(batches: list[CoroutineBatch]) -> CoroutineBatch:
+def combine(batches: list[CoroutineGroup]) -> CoroutineGroup:
     """COMBINE suspended coroutines that stand at the same program point into one batch."""
     point = batches[0].point
     if any(b.point != point for b in batches):
         raise ValueError(f"cannot combine coroutines at different program points: {[b.point for b in batches]}")
     if len(batches) == 1:
-        return CoroutineBatch(batches[0].seqs, batches[0].hidden, point)
+        return CoroutineGroup(batches[0].seqs, batches[0].hidden, point)
     seqs = [s for b in batches for s in b.seqs]
-    return CoroutineBatch(seqs, torch.cat([b.hidden for b in batches]), point)
+    return CoroutineGroup(seqs, torch.cat([b.hidden for b in batches]), point)
 
 
-def partition(batch: CoroutineBatch, groups: list[tuple[list[Sequence], int, AttentionContext | None]]
-              ) -> list[CoroutineBatch]:
+def partition(batch: CoroutineGroup, groups: list[tuple[list[Sequence], int, AttentionContext | None]]
+              ) -> list[CoroutineGroup]:
     """Split a batch's rows into groups of (sequences, token count, context), in row order."""
     sizes = [n for _, n, _ in groups]
     if sum(sizes) != batch.num_tokens:
         raise ValueError(f"partition sizes {sizes} do not cover {batch.num_tokens} rows")
     parts = torch.split(batch.hidden, sizes)
-    return [CoroutineBatch(seqs, h, batch.point, ctx) for (seqs, _, ctx), h in zip(groups, parts)]
+    return [CoroutineGroup(seqs, h, batch.point, ctx) for (seqs, _, ctx), h in zip(groups, parts)]
 
 
-def run_layers(model: torch.nn.Module, micro_batches: list[CoroutineBatch], max_moe_tokens: int,
-               on_ffn: Callable[[int], None] | None = None) -> torch.Tensor:
-    """Drive micro-batches through every layer: attention per micro-batch, then COMBINE them into
-    feed-forward batches of at most `max_moe_tokens` tokens. Returns the final hidden rows."""
+def run_layers(model: torch.nn.Module, micro_batches: list[CoroutineGroup], max_moe_tokens: int,
+               on_ffn: Callable[[int], None]) -> torch.Tensor:
+    """All micro-batches walk the layers together. In each layer every micro-batch runs its own
+    attention (its own KV context, at most b_attn sequences), then all of them are COMBINE-d into
+    feed-forward/MoE calls of at most `max_moe_tokens` tokens, so the experts see the whole step's
+    tokens at once; the rows are PARTITIONed back into the micro-batches for the next layer's
+    attention. Returns the hidden rows after the last layer, in micro-batch order."""
     groups = [(b.seqs, b.num_tokens, b.ctx) for b in micro_batches]
     for _ in range(len(model.layers)):
         micro_batches = [resume(model, b) for b in micro_batches]
         merged = combine(micro_batches)
         outputs = []
         for rows in torch.split(merged.hidden, max_moe_tokens):
-            if on_ffn is not None:
-                on_ffn(rows.shape[0])
-            outputs.append(resume(model, CoroutineBatch(merged.seqs, rows, merged.point)).hidden)
+            on_ffn(rows.shape[0])
+            outputs.append(resume(model, CoroutineGroup(merged.seqs, rows, merged.point)).hidden)
         point = next_point(merged.point, len(model.layers))
-        merged = CoroutineBatch(merged.seqs, torch.cat(outputs) if len(outputs) > 1 else outputs[0], point)
+        merged = CoroutineGroup(merged.seqs, torch.cat(outputs) if len(outputs) > 1 else outputs[0], point)
         micro_batches = partition(merged, groups)
     return torch.cat([b.hidden for b in micro_batches]) if len(micro_batches) > 1 else micro_batches[0].hidden

@@ -25,6 +25,7 @@ class EngineMetrics:
     aborted_requests: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
+    staged_decode_batches: int = 0  # decode micro-batches whose KV streamed from host pages (offloaded COMBINE)
     yields: int = 0
     restores: int = 0
     model_seconds: float = 0.0
@@ -35,8 +36,10 @@ class EngineMetrics:
     decode_moe_calls: int = 0
     decode_expert_tokens_sum: float = 0.0
     expert_histogram: torch.Tensor | None = None  # tokens routed to each expert, all calls summed
-    completion_times: list[float] = field(default_factory=list)
-    timeline: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, active, suspended, done)
+    max_ffn_tokens: int = 0  # largest feed-forward (MoE) batch of any step
+    peak_active: int = 0  # most sequences decoding from device pages at once
+    peak_suspended: int = 0  # most sequences whose KV sat in host pages at once
+    completion_times: list[float] = field(default_factory=list)  # one per finished request
 
     def mark_start(self) -> None:
         if self.started_at is None:
@@ -52,6 +55,19 @@ class EngineMetrics:
             self.decode_moe_calls += 1
             self.decode_expert_tokens_sum += per_expert
 
+    def record_ffn_batch(self, num_tokens: int) -> None:
+        self.max_ffn_tokens = max(self.max_ffn_tokens, num_tokens)
+
+    def record_step(self, scheduler) -> None:
+        self.yields, self.restores = scheduler.yields, scheduler.restores
+        self.peak_active = max(self.peak_active, len(scheduler.running))
+        self.peak_suspended = max(self.peak_suspended, len(scheduler.suspended))
+
+    def record_finished(self, finished_at: float, completion_time: float) -> None:
+        self.finished_requests += 1
+        self.last_finished_at = finished_at
+        self.completion_times.append(completion_time)
+
     def summary(self, bytes_moved: int) -> dict:
         end = self.last_finished_at or time.perf_counter()
         bct = (end - self.started_at) if self.started_at is not None else 0.0
@@ -65,6 +81,7 @@ class EngineMetrics:
             "aborted_requests": self.aborted_requests,
             "prefill_steps": self.prefill_steps,
             "decode_steps": self.decode_steps,
+            "staged_decode_batches": self.staged_decode_batches,
             "yields": self.yields,
             "restores": self.restores,
             "bytes_moved": bytes_moved,
@@ -77,6 +94,7 @@ class EngineMetrics:
             "completion_time_p50": percentile(self.completion_times, 50),
             "completion_time_p95": percentile(self.completion_times, 95),
             "completion_time_p99": percentile(self.completion_times, 99),
-            "peak_active": max((a for _, a, _, _ in self.timeline), default=0),
-            "peak_suspended": max((s for _, _, s, _ in self.timeline), default=0),
+            "max_ffn_tokens": self.max_ffn_tokens,
+            "peak_active": self.peak_active,
+            "peak_suspended": self.peak_suspended,
         }

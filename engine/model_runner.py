@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from batchgen.engine.attention_context import DecodeContext, PrefillContext, StagedDecodeContext
-from batchgen.engine.coroutine import CoroutineBatch, ProgramPoint, run_layers
+from batchgen.engine.coroutine import CoroutineGroup, ProgramPoint, run_layers
 from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.sequence import Sequence
 
 
-@dataclass
-class BatchShape:
+@dataclass(frozen=True)
+class MicroBatchLimits:
     """How one forward is cut: attention micro-batches of at most `b_attn` sequences,
     feed-forward (MoE) batches of at most `b_moe` tokens."""
 
@@ -22,20 +23,21 @@ class BatchShape:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVManager, device: torch.device, shape: BatchShape):
+    def __init__(self, model: torch.nn.Module, kv: KVManager, device: torch.device, limits: MicroBatchLimits,
+                 on_ffn_batch: Callable[[int], None]):
         self.model = model
         self.kv = kv
         self.device = device
-        self.shape = shape
-        self.ffn_batches: list[int] = []  # tokens per feed-forward call, for metrics
+        self.limits = limits
+        self.on_ffn_batch = on_ffn_batch  # told the token count of every feed-forward call
 
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Prefill prompts whose pages are allocated; returns last-position logits [B, V]."""
         micro = []
-        for start in range(0, len(seqs), self.shape.b_attn):
-            group = seqs[start : start + self.shape.b_attn]
+        for start in range(0, len(seqs), self.limits.b_attn):
+            group = seqs[start : start + self.limits.b_attn]
             micro.append(self._prefill_micro_batch(group))
-        hidden = run_layers(self.model, micro, self.shape.b_moe, self.ffn_batches.append)
+        hidden = run_layers(self.model, micro, self.limits.b_moe, self.on_ffn_batch)
         last = torch.tensor(_cumsum([len(s.prompt_ids) for s in seqs]), device=self.device) - 1
         for s in seqs:
             s.kv_len = len(s.prompt_ids)
@@ -44,10 +46,10 @@ class ModelRunner:
     def decode(self, resident: list[Sequence], staged_groups: list[list[Sequence]]) -> torch.Tensor:
         """One decode step: resident sequences read device pages, staged ones stream from host."""
         micro = []
-        for start in range(0, len(resident), self.shape.b_attn):
-            micro.append(self._decode_micro_batch(resident[start : start + self.shape.b_attn]))
+        for start in range(0, len(resident), self.limits.b_attn):
+            micro.append(self._decode_micro_batch(resident[start : start + self.limits.b_attn]))
         micro.extend(self._staged_micro_batch(group) for group in staged_groups)
-        hidden = run_layers(self.model, micro, self.shape.b_moe, self.ffn_batches.append)
+        hidden = run_layers(self.model, micro, self.limits.b_moe, self.on_ffn_batch)
         for b in micro:
             for s in b.seqs:
                 s.kv_len += 1
@@ -56,7 +58,7 @@ class ModelRunner:
     def _embed(self, token_ids: list[int]) -> torch.Tensor:
         return self.model.embed(torch.tensor(token_ids, dtype=torch.long, device=self.device))
 
-    def _prefill_micro_batch(self, seqs: list[Sequence]) -> CoroutineBatch:
+    def _prefill_micro_batch(self, seqs: list[Sequence]) -> CoroutineGroup:
         pool = self.kv.pool(seqs[0].kv_location)
         lengths = [len(s.prompt_ids) for s in seqs]
         tokens = [t for s in seqs for t in s.prompt_ids]
@@ -67,9 +69,9 @@ class ModelRunner:
             slots=torch.tensor(slots, dtype=torch.long, device=pool.device),
             pool=pool,
         )
-        return CoroutineBatch(seqs, self._embed(tokens), ProgramPoint(0, "attn"), ctx)
+        return CoroutineGroup(seqs, self._embed(tokens), ProgramPoint(0, "attn"), ctx)
 
-    def _decode_micro_batch(self, seqs: list[Sequence]) -> CoroutineBatch:
+    def _decode_micro_batch(self, seqs: list[Sequence]) -> CoroutineGroup:
         ctx = DecodeContext(
             positions=torch.tensor([s.kv_len for s in seqs], device=self.device),
             slots=self._new_token_slots(seqs, self.device),
@@ -77,9 +79,9 @@ class ModelRunner:
             seq_lens=torch.tensor([s.kv_len + 1 for s in seqs], dtype=torch.int32, device=self.device),
             pool=self.kv.device,
         )
-        return CoroutineBatch(seqs, self._embed([s.last_token for s in seqs]), ProgramPoint(0, "attn"), ctx)
+        return CoroutineGroup(seqs, self._embed([s.last_token for s in seqs]), ProgramPoint(0, "attn"), ctx)
 
-    def _staged_micro_batch(self, seqs: list[Sequence]) -> CoroutineBatch:
+    def _staged_micro_batch(self, seqs: list[Sequence]) -> CoroutineGroup:
         page_size = self.kv.page_size
         counts = [self.kv.pages_needed(s.kv_len + 1) for s in seqs]
         stage_pages = list(range(sum(counts)))
@@ -99,7 +101,7 @@ class ModelRunner:
             page_table=_page_table(tables, self.device),
             seq_lens=torch.tensor([s.kv_len + 1 for s in seqs], dtype=torch.int32, device=self.device),
         )
-        return CoroutineBatch(seqs, self._embed([s.last_token for s in seqs]), ProgramPoint(0, "attn"), ctx)
+        return CoroutineGroup(seqs, self._embed([s.last_token for s in seqs]), ProgramPoint(0, "attn"), ctx)
 
     def _new_token_slots(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
         return torch.tensor([self.kv.slots(s, s.kv_len, 1)[0] for s in seqs], dtype=torch.long, device=device)

@@ -9,12 +9,13 @@ from batchgen.engine.sampling_params import SamplingParams
 
 @dataclass
 class Request:
-    """One prompt. Text prompts are tokenized by the engine; pre-tokenized ones skip that."""
+    """One prompt, as token ids, chat turns or text (the first given wins; see RequestNormalizer)."""
 
     request_id: str
     prompt_token_ids: list[int] | None = None
     prompt: str | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    messages: list[dict] | None = None
 
 
 @dataclass

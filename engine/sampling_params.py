@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -28,13 +29,12 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     max_prompt_tokens: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self.validate()
 
     @property
@@ -50,7 +50,7 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise bad("temperature", f"must be a number >= 0, got {self.temperature!r}")
+            raise bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
@@ -59,6 +59,8 @@ class SamplingParams:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a string or a list of non-empty strings")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of non-negative integers")
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.seed is not None and not _is_int(self.seed):
@@ -72,18 +74,15 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None, defaults: SamplingParams | None = None) -> SamplingParams:
-        """Build from a user dict (a Parquet struct, a JSON body); unknown keys are an error."""
+        """Build from a user dict (a Parquet struct, a JSON body) over `defaults`; None values are unset,
+        unknown keys are an error."""
         base = dataclasses.asdict(defaults) if defaults is not None else {}
-        base.pop("extra", None)
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {f.name for f in dataclasses.fields(cls)}
         for key, value in (values or {}).items():
             if key not in known:
                 raise InvalidRequestError(f"unknown sampling parameter '{key}'")
-            if value is not None or key in ("seed", "logprobs", "max_prompt_tokens"):
+            if value is not None:
                 base[key] = value
-        for key in ("stop", "stop_token_ids"):
-            if base.get(key) is None:
-                base.pop(key, None)
         try:
             return cls(**base)
         except TypeError as exc:
@@ -91,7 +90,6 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out.pop("extra")
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
         return out
@@ -102,4 +100,5 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float: NaN would sample token 0 forever, inf uniformly."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

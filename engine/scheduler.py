@@ -14,25 +14,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_manager import KVManager
+from batchgen.engine.sampling_params import InvalidRequestError
 from batchgen.engine.sequence import KVLocation, Phase, Sequence
-
-
-class PromptTooLargeError(ValueError):
-    pass
-
-
-@dataclass
-class SchedulerConfig:
-    mode: str = "coroutine"  # or "lockstep"
-    max_num_seqs: int = 256
-    max_prefill_tokens: int = 4096
-    refill_threshold: float = 0.5
-    b_attn: int = 256
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("coroutine", "lockstep"):
-            raise ValueError(f"unknown engine mode {self.mode!r}: use 'coroutine' or 'lockstep'")
 
 
 @dataclass
@@ -48,12 +33,18 @@ class DecodePlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVManager):
+    """Owns the three queues and every decision about where a sequence's KV lives.
+
+    `running` and `suspended` are insertion-ordered dicts keyed by seq_id: FIFO like a deque, and a
+    finished sequence leaves in O(1) whatever its position.
+    """
+
+    def __init__(self, config: EngineConfig, kv: KVManager):
         self.config = config
         self.kv = kv
         self.waiting: deque[Sequence] = deque()  # prompts, FIFO
-        self.running: list[Sequence] = []  # KV in device pages
-        self.suspended: deque[Sequence] = deque()  # KV in the host store, FIFO
+        self.running: dict[int, Sequence] = {}  # KV in device pages
+        self.suspended: dict[int, Sequence] = {}  # KV in host pages, FIFO
         self._refilling = True
         self.yields = 0
         self.restores = 0
@@ -74,7 +65,7 @@ class Scheduler:
         device_ok = need <= self.kv.device.num_pages
         streamed_ok = self.coroutine and need <= min(self.kv.stage.num_pages, self.kv.host.num_pages)
         if not (device_ok or streamed_ok):
-            raise PromptTooLargeError(
+            raise InvalidRequestError(
                 f"a sequence of up to {total_tokens} tokens (prompt + max_tokens) does not fit in the KV "
                 f"budget ({self.kv.device.num_pages} device pages of {self.kv.page_size} tokens)")
 
@@ -137,39 +128,42 @@ class Scheduler:
 
     def _restore(self) -> None:
         """Refill the device from the suspended pool in FIFO order (COMBINE restores KV)."""
-        while self.suspended and self.kv.fits(KVLocation.DEVICE, self.suspended[0].kv_len + 1,
-                                              reserve=bool(self.running)):
-            seq = self.suspended.popleft()
+        while self.suspended:
+            seq = next(iter(self.suspended.values()))
+            if not self.kv.fits(KVLocation.DEVICE, seq.kv_len + 1, reserve=bool(self.running)):
+                return
+            del self.suspended[seq.seq_id]
             self.kv.migrate(seq, KVLocation.DEVICE)
             seq.phase = Phase.DECODE
-            self.running.append(seq)
+            self.running[seq.seq_id] = seq
             self.restores += 1
 
     def _plan_decode(self) -> DecodePlan:
-        for seq in list(self.running):
-            while seq in self.running and not self.kv.grow(seq, seq.kv_len + 1):
+        for seq in list(self.running.values()):
+            while seq.seq_id in self.running and not self.kv.grow(seq, seq.kv_len + 1):
                 self._yield(self._victim())
         staged: list[list[Sequence]] = []
         if self.coroutine:
-            for seq in self.suspended:
+            for seq in self.suspended.values():
                 if not self.kv.grow(seq, seq.kv_len + 1):
-                    raise RuntimeError("host KV store is full: raise host_kv_budget_bytes")
-            # a sequence larger than the staging pool waits in the host store for a device restore
-            streamable = [s for s in self.suspended if self.kv.pages_needed(s.kv_len + 1) <= self.kv.stage.num_pages]
+                    raise RuntimeError("host page pool is full: raise host_kv_budget_bytes")
+            # a sequence larger than the staging pool waits in host pages for a device restore
+            streamable = [s for s in self.suspended.values()
+                          if self.kv.pages_needed(s.kv_len + 1) <= self.kv.stage.num_pages]
             staged = self._staging_groups(streamable)
-        return DecodePlan(list(self.running), staged)
+        return DecodePlan(list(self.running.values()), staged)
 
     def _victim(self) -> Sequence:
         if self.coroutine:  # most progressed first: the most KV already written, the closest to done
-            return max(self.running, key=lambda s: (len(s.generated), -s.arrival))
-        return max(self.running, key=lambda s: s.arrival)  # vLLM: preempt the newest
+            return max(self.running.values(), key=lambda s: (len(s.generated), -s.arrival))
+        return max(self.running.values(), key=lambda s: s.arrival)  # vLLM: preempt the newest
 
     def _yield(self, seq: Sequence) -> None:
-        """YIELD a sequence off the device: checkpoint its KV to the host store."""
-        self.running.remove(seq)
+        """YIELD a sequence off the device: checkpoint its KV to host pages."""
+        del self.running[seq.seq_id]
         self.kv.migrate(seq, KVLocation.HOST)
         seq.phase = Phase.SUSPENDED
-        self.suspended.append(seq)
+        self.suspended[seq.seq_id] = seq
         self.yields += 1
 
     def _staging_groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
@@ -188,20 +182,31 @@ class Scheduler:
         seq.phase = Phase.WAITING
         self.waiting.append(seq)
 
+    def fork_location(self, parent: Sequence, planned: KVLocation) -> KVLocation:
+        """Where an n > 1 sample's copy of its parent's prompt KV goes: beside the parent when it fits."""
+        return planned if self.kv.fits(planned, parent.kv_len + 1) else KVLocation.HOST
+
+    def import_location(self, num_tokens: int) -> KVLocation:
+        """Where KV prefilled elsewhere lands: device pages when they have room, else host pages."""
+        return KVLocation.DEVICE if self.kv.fits(KVLocation.DEVICE, num_tokens + 1) else KVLocation.HOST
+
     def place_decoding(self, seq: Sequence) -> None:
         """A sequence whose KV was just written (prefill, fork, import) joins the decode pool."""
         if seq.kv_location is KVLocation.DEVICE:
             seq.phase = Phase.DECODE
-            self.running.append(seq)
+            self.running[seq.seq_id] = seq
         else:
             seq.phase = Phase.SUSPENDED
-            self.suspended.append(seq)
+            self.suspended[seq.seq_id] = seq
 
     def remove(self, seq: Sequence) -> None:
-        if seq in self.waiting:
+        """A finished or aborted sequence leaves whichever queue holds it (O(1) unless still waiting) and
+        frees its KV."""
+        if seq.phase is Phase.WAITING:
             self.waiting.remove(seq)
-        elif seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.suspended:
-            self.suspended.remove(seq)
+        elif seq.phase is Phase.DECODE:
+            del self.running[seq.seq_id]
+        elif seq.phase is Phase.SUSPENDED:
+            del self.suspended[seq.seq_id]
         self.kv.free(seq)
+        seq.phase = Phase.FINISHED

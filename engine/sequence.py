@@ -2,7 +2,7 @@
 
 Between decode steps a coroutine's program point is "next token" and its checkpoint is its last
 token id plus its KV (wherever `kv_location` says). Inside a forward pass the program point and
-the hidden-state checkpoint live in the coroutine's row of a `CoroutineBatch` (engine/coroutine.py),
+the hidden-state checkpoint live in the coroutine's row of a `CoroutineGroup` (engine/coroutine.py),
 so thousands of suspended coroutines cost one tensor, not thousands of objects.
 """
 
@@ -30,9 +30,10 @@ class KVLocation(enum.Enum):
     HOST = "host"
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """One sample of one request. n > 1 requests fork into several sequences after prefill."""
+    """One sample of one request. n > 1 requests fork into several sequences after prefill.
+    Compared by identity: the scheduler's queues look sequences up, never compare their fields."""
 
     seq_id: int
     request_id: str

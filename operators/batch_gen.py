@@ -23,8 +23,8 @@ import itertools
 import uuid
 from typing import Any
 
-from batchgen.engine import Engine, Request, SamplingParams
-from batchgen.operators.batches import Block, num_rows, rows, to_block, with_columns
+from batchgen.engine import Engine, EngineLoop, Request, SamplingParams
+from batchgen.operators.blocks import Block, num_rows, rows, to_block, with_columns
 from batchgen.operators.columns import (
     PROMPT_COLUMNS,
     SAMPLING_PARAMS,
@@ -32,31 +32,26 @@ from batchgen.operators.columns import (
     RowParser,
     output_columns,
 )
-from batchgen.operators.engine_loop import EngineLoop
-from batchgen.operators.fault_injection import crash_injector
+from batchgen.operators.engine_factory import load_engine
 
 
 class BatchGen:
     def __init__(self, model: str, sampling_params: dict[str, Any] | None = None, *,
                  storage_options: dict[str, Any] | None = None, list_outputs: bool | None = None,
-                 crash_after: dict | None = None, **engine_options: Any) -> None:
+                 **engine_options: Any) -> None:
         """
         model: a local checkpoint directory, an fsspec URI (s3://...) or a preset name ("tiny-moe").
         sampling_params: defaults for every row (SamplingParams fields); a row's own override them.
         list_outputs: one list entry per sample in the output columns (default: when n > 1).
-        crash_after: {"batches": K, "marker": PATH}, fault-injection for tests (see CrashAfter).
         """
         defaults = SamplingParams.from_dict(sampling_params)
         self.list_outputs = defaults.n > 1 if list_outputs is None else bool(list_outputs)
-        self.loop = EngineLoop(lambda: Engine(model, storage_options=storage_options, **engine_options))
+        self.loop = EngineLoop(lambda: load_engine(model, storage_options, **engine_options))
         self.engine = self.loop.engine
-        self.parser = RowParser(self.engine.tokenizer, defaults, self.list_outputs)
-        self._crash = crash_injector(crash_after)
+        self.parser = RowParser(self.engine.normalizer, defaults, self.list_outputs)
         self._ids = (f"{uuid.uuid4().hex[:12]}-{i}" for i in itertools.count())
 
     async def __call__(self, batch: Any) -> Block:
-        if self._crash is not None:
-            self._crash.on_batch()
         block = to_block(batch)
         outcomes = [RowOutcome() for _ in range(num_rows(block))]
         requests: list[tuple[int, Request]] = []

@@ -20,16 +20,14 @@ own `n`. In scalar mode a row asking for n > 1 gets an error instead of a differ
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
-from batchgen.engine import InvalidRequestError, Result, SamplingParams
-from batchgen.engine.chat import render_chat
+from batchgen.engine import InvalidRequestError, RequestNormalizer, Result, SamplingParams
+from batchgen.engine.request_normalizer import sampling_params
 
 PROMPT, MESSAGES, PROMPT_TOKEN_IDS = "prompt", "messages", "prompt_token_ids"
 SAMPLING_PARAMS = "sampling_params"
@@ -39,18 +37,19 @@ OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_prompt_tokens", 
                   "finish_reason", "completion_time_s", ERROR)
 
 
-class MissingColumnError(ValueError):
-    """The dataset has none of the prompt columns; raised before any inference."""
+class InputColumnsError(ValueError):
+    """The dataset has no prompt column, or has a column an output would overwrite; raised before any
+    inference."""
 
 
 def check_input_columns(names: Sequence[str], where: str = "the input") -> None:
     """Fail fast when no row could ever hold a prompt, or when outputs would overwrite inputs."""
     if not any(c in names for c in PROMPT_COLUMNS):
-        raise MissingColumnError(f"{where} has no prompt column: expected one of {list(PROMPT_COLUMNS)}, "
+        raise InputColumnsError(f"{where} has no prompt column: expected one of {list(PROMPT_COLUMNS)}, "
                                  f"found columns {list(names)}")
     clash = [c for c in OUTPUT_COLUMNS if c in names]
     if clash:
-        raise MissingColumnError(f"{where} already has output column(s) {clash}; rename or drop them")
+        raise InputColumnsError(f"{where} already has output column(s) {clash}; rename or drop them")
 
 
 def output_schema(list_outputs: bool) -> pa.Schema:
@@ -75,111 +74,28 @@ class ParsedRow:
 
 
 class RowParser:
-    """Turns one input row into prompt token ids and sampling params, or an error string."""
+    """One input row -> prompt token ids and sampling params, or the error text for that row.
 
-    def __init__(self, tokenizer: Any, defaults: SamplingParams, list_outputs: bool) -> None:
-        self.tokenizer = tokenizer
+    The checks are the engine's own (RequestNormalizer); this class only knows the column names and
+    the output-schema rule that n > 1 needs list outputs.
+    """
+
+    def __init__(self, normalizer: RequestNormalizer, defaults: SamplingParams, list_outputs: bool) -> None:
+        self.normalizer = normalizer
         self.defaults = defaults
         self.list_outputs = list_outputs
 
     def parse(self, row: dict[str, Any]) -> ParsedRow | str:
         try:
-            sampling = self._sampling(row.get(SAMPLING_PARAMS))
-            return ParsedRow(self._prompt_ids(row), sampling)
+            sampling = sampling_params(row.get(SAMPLING_PARAMS), self.defaults)
+            if sampling.n > 1 and not self.list_outputs:
+                raise InvalidRequestError(f"sampling_params: n={sampling.n} needs list outputs; build the operator "
+                                          "with list_outputs=True or a default n > 1")
+            ids = self.normalizer.prompt_ids(prompt_token_ids=row.get(PROMPT_TOKEN_IDS), messages=row.get(MESSAGES),
+                                             prompt=row.get(PROMPT))
+            return ParsedRow(ids, sampling)  # the engine checks the length, and the row keeps its token count
         except InvalidRequestError as exc:
             return str(exc)
-
-    def _sampling(self, value: Any) -> SamplingParams:
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequestError(f"sampling_params: not a JSON object: {exc}") from None
-        if value is not None and not isinstance(value, dict):
-            raise InvalidRequestError(f"sampling_params: expected a struct or JSON object, "
-                                      f"got {type(value).__name__}")
-        values = {k: _plain(v) for k, v in (value or {}).items() if v is not None}
-        params = SamplingParams.from_dict(values, self.defaults)
-        if params.n > 1 and not self.list_outputs:
-            raise InvalidRequestError(f"sampling_params: n={params.n} needs list outputs; build the operator "
-                                      "with list_outputs=True or a default n > 1")
-        return params
-
-    def _prompt_ids(self, row: dict[str, Any]) -> list[int]:
-        ids, messages, text = (row.get(c) for c in PROMPT_COLUMNS)
-        if ids is not None:
-            return _token_ids(ids)
-        if messages is not None:
-            return self._render_chat(messages)
-        if text is not None:
-            return self._encode(_text(text, PROMPT))
-        present = [c for c in PROMPT_COLUMNS if c in row]
-        raise InvalidRequestError(f"missing prompt: the row has no value in {present}")
-
-    def _encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise InvalidRequestError("prompt: this model has no tokenizer; give prompt_token_ids")
-        return list(self.tokenizer.encode(text))
-
-    def _render_chat(self, messages: Any) -> list[int]:
-        messages = _plain(messages)
-        if not isinstance(messages, list) or not messages:
-            raise InvalidRequestError(f"messages: expected a non-empty list of {{role, content}}, "
-                                      f"got {type(messages).__name__}")
-        turns = []
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise InvalidRequestError(f"messages[{i}]: expected a struct with a string 'role'")
-            content = _text(message.get("content"), f"messages[{i}].content")
-            turns.append({"role": message["role"], "content": content})
-        return render_chat(self.tokenizer, turns)
-
-
-def _token_ids(value: Any) -> list[int]:
-    value = _plain(value)
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise InvalidRequestError(f"prompt_token_ids: expected a list of integers, got {_describe(value)}")
-    if not value:
-        raise InvalidRequestError("prompt_token_ids: empty")
-    negative = [t for t in value if t < 0]
-    if negative:
-        raise InvalidRequestError(f"prompt_token_ids: token {negative[0]} is negative")
-    return value
-
-
-def _text(value: Any, field: str) -> str:
-    if isinstance(value, (bytes, bytearray)):
-        try:
-            return bytes(value).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise InvalidRequestError(f"{field}: undecodable text, not valid UTF-8 ({exc.reason} at byte "
-                                      f"{exc.start})") from None
-    if not isinstance(value, str):
-        raise InvalidRequestError(f"{field}: expected text, got {_describe(value)}")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidRequestError(f"{field}: undecodable text ({exc.reason} at character "
-                                  f"{exc.start})") from None
-    return value
-
-
-def _plain(value: Any) -> Any:
-    """numpy values (what Ray's default batch format hands over) as plain Python ones."""
-    if isinstance(value, np.ndarray):
-        return [_plain(v) for v in value.tolist()] if value.dtype == object else value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _describe(value: Any) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Decode stage: KV refs -> generated token ids, one engine per actor kept over-subscribed.
 
-Fetches each row's PrefillOutput from the KVStore and adopts it into the engine
+Fetches each row's PrefillOutput from the hand-off store and adopts it into the engine
 (`add_prefilled`), with every in-flight batch feeding the same engine loop as in BatchGen. A ref
 whose KV is gone (its owner died, or this task is a retry after the KV was already released) is
 not an error: the row's prompt ids travel with it, so the engine prefills it again here. The KV
@@ -15,32 +15,29 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.connectors.kv_store import KVStore
-from batchgen.engine import Engine, Request, Result
+from batchgen.connectors.handoff_store import HandoffStore
+from batchgen.engine import Engine, EngineLoop, PrefillOutput, Request, Result
 from batchgen.operators import stage_columns as sc
-from batchgen.operators.batches import Block, column_values, num_rows, to_block, with_columns
+from batchgen.operators.blocks import Block, column_values, num_rows, to_block, with_columns
 from batchgen.operators.columns import ERROR
-from batchgen.operators.engine_loop import EngineLoop
-from batchgen.operators.fault_injection import crash_injector
+from batchgen.operators.engine_factory import load_engine
 
 
 class Decode:
-    def __init__(self, model: str, kv_store: KVStore, *, storage_options: dict[str, Any] | None = None,
-                 crash_after: dict | None = None, **engine_options: Any) -> None:
-        self.loop = EngineLoop(lambda: Engine(model, storage_options=storage_options, **engine_options))
+    def __init__(self, model: str, handoff_store: HandoffStore, *, storage_options: dict[str, Any] | None = None,
+                 **engine_options: Any) -> None:
+        self.loop = EngineLoop(lambda: load_engine(model, storage_options, **engine_options))
         self.engine = self.loop.engine
-        self.store = kv_store
-        self._crash = crash_injector(crash_after)
+        self.store = handoff_store
 
     async def __call__(self, batch: Any) -> Block:
-        if self._crash is not None:
-            self._crash.on_batch()
         block = to_block(batch)
         errors = column_values(block, ERROR)
         refs = column_values(block, sc.KV_REF)
         todo = [i for i, (ref, error) in enumerate(zip(refs, errors)) if error is None and ref is not None]
         # the store's calls block on Ray; keep them off the event loop other batches are awaiting on
-        prefilled = await asyncio.to_thread(self.store.get_many, [refs[i] for i in todo])
+        payloads = await asyncio.to_thread(self.store.get_many, [refs[i] for i in todo])
+        prefilled = [None if p is None else PrefillOutput(**p) for p in payloads]
         ids, sampling = column_values(block, sc.PROMPT_IDS), column_values(block, sc.SAMPLING)
         recompute = {i: Request(refs[i].rsplit("/", 1)[-1], ids[i],
                                 sampling=sc.sampling_from_json(sampling[i]))

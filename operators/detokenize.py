@@ -13,7 +13,7 @@ from batchgen.connectors.checkpoint import load_tokenizer
 from batchgen.engine import Completion, Result
 from batchgen.engine.stop_checker import detokenize
 from batchgen.operators import stage_columns as sc
-from batchgen.operators.batches import Block, column_values, to_block, with_columns, without_columns
+from batchgen.operators.blocks import Block, column_values, to_block, with_columns, without_columns
 from batchgen.operators.columns import ERROR, RowOutcome, output_columns
 
 

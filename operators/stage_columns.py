@@ -14,7 +14,7 @@ from batchgen.engine import SamplingParams
 
 PROMPT_IDS = "__batchgen_prompt_ids"  # list<int64>: the prompt as the engine sees it
 SAMPLING = "__batchgen_sampling"  # string: the row's resolved SamplingParams as JSON
-KV_REF = "__batchgen_kv_ref"  # string: where prefill put the row's KV (a KVStore ref)
+KV_REF = "__batchgen_kv_ref"  # string: where prefill put the row's KV (a hand-off store ref)
 GENERATED_IDS = "__batchgen_generated_ids"  # list<list<int64>>: one list per sample
 FINISH_REASONS = "__batchgen_finish_reasons"  # list<string>
 TEXT_ENDS = "__batchgen_text_ends"  # list<int64>: where a stop string cut each sample's text (null: no cut)

@@ -10,9 +10,9 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.connectors.checkpoint import load_tokenizer
-from batchgen.engine import SamplingParams
+from batchgen.engine import RequestNormalizer, SamplingParams
 from batchgen.operators import stage_columns as sc
-from batchgen.operators.batches import Block, rows, to_block, with_columns
+from batchgen.operators.blocks import Block, rows, to_block, with_columns
 from batchgen.operators.columns import ERROR, PROMPT_COLUMNS, SAMPLING_PARAMS, RowParser
 
 
@@ -21,7 +21,8 @@ class Tokenize:
                  storage_options: dict[str, Any] | None = None, list_outputs: bool | None = None) -> None:
         defaults = SamplingParams.from_dict(sampling_params)
         list_outputs = defaults.n > 1 if list_outputs is None else bool(list_outputs)
-        self.parser = RowParser(load_tokenizer(model, storage_options), defaults, list_outputs)
+        # no weights here, so no vocabulary or context checks: the prefill engine runs those
+        self.parser = RowParser(RequestNormalizer(load_tokenizer(model, storage_options)), defaults, list_outputs)
 
     def __call__(self, batch: Any) -> Block:
         block = to_block(batch)

@@ -20,8 +20,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from batchgen.connectors.io import parse_storage_options
-from batchgen.pipelines.cli_args import json_object
+from batchgen.pipelines.cli_args import json_object, parse_json_object
 from batchgen.pipelines.pipeline import JobConfig, JobError, JobSummary, execute_job, plan_job
 from batchgen.pipelines.progress import Progress
 from batchgen.pipelines.serve_cli import add_serve_parser, run_serve
@@ -102,7 +101,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
     if missing:
         raise UsageError(f"missing {', '.join(missing)} (on the command line or in --config)")
     try:
-        values["storage_options"] = parse_storage_options(values.get("storage_options"))
+        values["storage_options"] = parse_json_object(values.get("storage_options"), "storage options")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return JobConfig(**values)

@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
-from batchgen.connectors.io import parse_storage_options
+
+def parse_json_object(value: str | dict[str, Any] | None, what: str) -> dict[str, Any]:
+    """An option that is a JSON object on a command line or a mapping in a config file; None is {}."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} must be a JSON object, got {value!r}: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(parsed).__name__}")
+    return parsed
 
 
 def json_object(text: str) -> dict[str, Any]:
-    """A JSON object on the command line (sampling defaults, engine options, storage options)."""
+    """argparse type: a JSON object on the command line (sampling defaults, engine options, storage options)."""
     try:
-        return parse_storage_options(text, "the value")
+        return parse_json_object(text, "the value")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None

@@ -1,7 +1,7 @@
 """Ready pipelines: Parquet in, generation, Parquet out in input order, resumable.
 
 Two shapes, one job:
-  "disaggregated": read -> tokenize -> prefill -> [host KV store] -> decode -> detokenize -> write,
+  "disaggregated": read -> tokenize -> prefill -> [KV hand-off store] -> decode -> detokenize -> write,
                    prefill and decode each their own actor pool with its own concurrency;
   "single":        read -> BatchGen -> write, one engine pool doing both phases.
 
@@ -29,14 +29,14 @@ from typing import Any
 import pyarrow.parquet as pq
 import ray
 
+from batchgen.connectors.handoff_store import RayHandoffStore
 from batchgen.connectors.indexed_parquet import (
     IndexedParquetSource,
     OrderedParquetSink,
     RangeSet,
-    scan_output,
+    recover_output_parts,
 )
 from batchgen.connectors.io import StorageError, check_writable, filesystem
-from batchgen.connectors.kv_store import RayKVStore
 from batchgen.engine import EngineConfig, SamplingParams
 from batchgen.operators import BatchGen, Decode, Detokenize, Prefill, Tokenize
 from batchgen.operators.columns import ERROR, check_input_columns
@@ -70,7 +70,6 @@ class JobConfig:
     rows_per_block: int = 256
     rows_per_file: int | None = None  # rows gathered per write task; None: Ray's choice
     list_outputs: bool | None = None
-    fault_injection: dict | None = None  # crash_after for the engine actors (tests)
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -136,7 +135,7 @@ def plan_job(config: JobConfig) -> JobPlan:
     except (StorageError, ValueError) as exc:
         raise JobError(str(exc)) from exc
     _claim_output(config, source.num_rows)
-    source.skip = RangeSet.of((p.first, p.last) for p in scan_output(config.output, config.storage_options))
+    source.skip = RangeSet.of((p.first, p.last) for p in recover_output_parts(config.output, config.storage_options))
     return JobPlan(config, source)
 
 
@@ -163,7 +162,7 @@ _CPU_STAGE_CPUS = 0.25  # read, tokenize, detokenize, write: light, and must nev
 def build_dataset(config: JobConfig, source: IndexedParquetSource) -> ray.data.Dataset:
     """The lazy dataset of the job's pipeline, from read to the last operator (no write)."""
     common = {"storage_options": config.storage_options}
-    engine_kwargs = {**common, **config.engine, "crash_after": config.fault_injection}
+    engine_kwargs = {**common, **config.engine}
     engine_res = {"num_cpus": _engine_cpus(config), "num_gpus": config.engine_num_gpus}
     cpu_res = {"num_cpus": _CPU_STAGE_CPUS}
     ds = ray.data.read_datasource(source, num_cpus=_CPU_STAGE_CPUS)
@@ -172,17 +171,17 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource) -> ray.data.D
                               compute=_pool(config.concurrency), **engine_res, fn_constructor_kwargs={
                                   "model": config.model, "sampling_params": config.sampling_params,
                                   "list_outputs": config.samples_as_lists, **engine_kwargs})
-    store = RayKVStore.create()
+    store = RayHandoffStore.create()
     ds = ds.map_batches(Tokenize, batch_size=config.batch_size, batch_format="pyarrow",
                         compute=_pool(config.tokenize_concurrency), **cpu_res, fn_constructor_kwargs={
                             "model": config.model, "sampling_params": config.sampling_params,
                             "list_outputs": config.samples_as_lists, **common})
     ds = ds.map_batches(Prefill, batch_size=config.batch_size, batch_format="pyarrow",
                         compute=_pool(config.prefill_concurrency), **engine_res,
-                        fn_constructor_kwargs={"model": config.model, "kv_store": store, **engine_kwargs})
+                        fn_constructor_kwargs={"model": config.model, "handoff_store": store, **engine_kwargs})
     ds = ds.map_batches(Decode, batch_size=config.batch_size, batch_format="pyarrow",
                         compute=_pool(config.decode_concurrency), **engine_res,
-                        fn_constructor_kwargs={"model": config.model, "kv_store": store, **engine_kwargs})
+                        fn_constructor_kwargs={"model": config.model, "handoff_store": store, **engine_kwargs})
     return ds.map_batches(Detokenize, batch_size=config.batch_size, batch_format="pyarrow",
                           compute=_pool(config.detokenize_concurrency), **cpu_res, fn_constructor_kwargs={
                               "model": config.model, "list_outputs": config.samples_as_lists, **common})
@@ -262,7 +261,7 @@ def _claim_output(config: JobConfig, total_rows: int) -> None:
 
 
 def _summarise(config: JobConfig, progress: Progress) -> JobSummary:
-    parts = scan_output(config.output, config.storage_options)
+    parts = recover_output_parts(config.output, config.storage_options)
     written = RangeSet.of((p.first, p.last) for p in parts)
     if written.count != progress.total_rows:
         raise JobError(f"the job ended with {written.count} of {progress.total_rows} rows in "

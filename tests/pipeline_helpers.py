@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.connectors.demo_data import demo_prompts
-from batchgen.engine import Engine, Request, SamplingParams
+from batchgen.engine import Request, SamplingParams
+from batchgen.operators.engine_factory import load_engine
 
 # greedy and a fixed length: comparable token for token with the engine alone and the reference runner
 SAMPLING = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
@@ -48,7 +49,7 @@ def read_output(uri: str, storage_options: dict | None = None) -> pa.Table:
 
 def engine_outputs(model: str, prompts: list[str], sampling: dict = SAMPLING) -> list[list[int]]:
     """What the engine alone generates for `prompts` (the ground truth of the Ray runs)."""
-    engine = Engine(model, **ENGINE)
+    engine = load_engine(model, **ENGINE)
     params = SamplingParams.from_dict(sampling)
     results = engine.generate([Request(str(i), prompt=p, sampling=params) for i, p in enumerate(prompts)])
     assert all(r.error is None for r in results)

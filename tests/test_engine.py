@@ -9,7 +9,7 @@ import pytest
 from tiny_models import ALL_ARCHITECTURES, prompts, save_tiny_checkpoint
 
 from batchgen.connectors.checkpoint import load_model
-from batchgen.engine import Engine, Request, SamplingParams
+from batchgen.engine import Engine, PrefillExporter, Request, SamplingParams
 from batchgen.engine.reference import ReferenceRunner
 
 MAX_TOKENS = 16
@@ -72,7 +72,7 @@ def test_batch_shapes_do_not_change_greedy_tokens(moe_case, mode, b_attn, b_moe)
     engine = Engine(loaded, mode=mode, b_attn=b_attn, b_moe=b_moe, page_size=4)
     assert in_order(tokens_by_id(engine.generate(greedy_requests(batch))), len(batch)) == expected
     if mode == "coroutine" and b_moe == 3:
-        assert engine.runner.ffn_batches and max(engine.runner.ffn_batches) <= 3
+        assert 0 < engine.metrics()["max_ffn_tokens"] <= 3
 
 
 @pytest.mark.parametrize("mode", ["coroutine", "lockstep"])
@@ -102,7 +102,7 @@ def test_disaggregated_prefill_then_decode_matches_reference(moe_case):
     loaded, batch, expected = moe_case
     prefill = Engine(loaded, page_size=4)
     decode = Engine(loaded, page_size=8, kv_budget_bytes=kv_bytes_per_token(loaded) * 8 * 16, b_attn=2)
-    outputs = prefill.prefill(greedy_requests(batch))
+    outputs = PrefillExporter(prefill).prefill(greedy_requests(batch))
     assert [o.k.shape[1] for o in outputs] == [len(p) for p in batch]
     for prefilled in outputs:
         decode.add_prefilled(prefilled)

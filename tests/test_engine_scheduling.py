@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen.engine.coroutine import CoroutineBatch, ProgramPoint, combine, partition
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.coroutine import CoroutineGroup, ProgramPoint, combine, partition
 from batchgen.engine.kv_manager import KVBudget, KVManager
 from batchgen.engine.models.context import KVSpec
-from batchgen.engine.sampling_params import SamplingParams
-from batchgen.engine.scheduler import DecodePlan, PromptTooLargeError, Scheduler, SchedulerConfig
+from batchgen.engine.sampling_params import InvalidRequestError, SamplingParams
+from batchgen.engine.scheduler import DecodePlan, Scheduler
 from batchgen.engine.sequence import KVLocation, Phase, Sequence
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, k_dim=4, v_dim=3)
@@ -56,7 +57,7 @@ def test_migrate_round_trip_keeps_kv_bit_exact():
 
 def test_coroutine_mode_yields_the_most_progressed_sequence_first():
     kv = manager(device_pages=3, stage_pages=8)
-    scheduler = Scheduler(SchedulerConfig(mode="coroutine"), kv)
+    scheduler = Scheduler(EngineConfig(mode="coroutine"), kv)
     few = decoding(scheduler, kv, sequence(0, prompt_len=2, generated=1))  # 3 tokens: 1 page
     most = decoding(scheduler, kv, sequence(1, prompt_len=1, generated=3))  # 4 tokens: page full
     middle = decoding(scheduler, kv, sequence(2, prompt_len=1, generated=2))
@@ -70,7 +71,7 @@ def test_coroutine_mode_yields_the_most_progressed_sequence_first():
 
 def test_lockstep_mode_preempts_the_newest_and_does_not_run_it():
     kv = manager(device_pages=3)
-    scheduler = Scheduler(SchedulerConfig(mode="lockstep"), kv)
+    scheduler = Scheduler(EngineConfig(mode="lockstep"), kv)
     oldest = decoding(scheduler, kv, sequence(0, prompt_len=1, generated=3))
     decoding(scheduler, kv, sequence(1, prompt_len=1, generated=1))
     newest = decoding(scheduler, kv, sequence(2, prompt_len=1, generated=1))
@@ -81,19 +82,19 @@ def test_lockstep_mode_preempts_the_newest_and_does_not_run_it():
 
 def test_suspended_sequences_refill_the_device_in_fifo_order():
     kv = manager(device_pages=2)
-    scheduler = Scheduler(SchedulerConfig(mode="lockstep"), kv)
+    scheduler = Scheduler(EngineConfig(mode="lockstep"), kv)
     first, second, third = (decoding(scheduler, kv, sequence(i), KVLocation.HOST) for i in range(3))
-    assert list(scheduler.suspended) == [first, second, third]
+    assert list(scheduler.suspended.values()) == [first, second, third]
     plan = scheduler.schedule()
     assert plan.resident == [first, second]  # two pages: the oldest two come back, in order
-    assert list(scheduler.suspended) == [third] and scheduler.restores == 2
+    assert list(scheduler.suspended.values()) == [third] and scheduler.restores == 2
     scheduler.remove(first)
     assert scheduler.schedule().resident == [second, third]
 
 
 def test_prefill_goes_to_host_when_the_device_is_full_and_refills_below_threshold():
     kv = manager(device_pages=1, stage_pages=4)
-    scheduler = Scheduler(SchedulerConfig(mode="coroutine", max_num_seqs=4, refill_threshold=0.5), kv)
+    scheduler = Scheduler(EngineConfig(mode="coroutine", max_num_seqs=4, refill_threshold=0.5), kv)
     for i in range(6):
         scheduler.admit(sequence(i, prompt_len=3))
     plan = scheduler.schedule()
@@ -108,17 +109,17 @@ def test_prefill_goes_to_host_when_the_device_is_full_and_refills_below_threshol
 
 def test_a_sequence_larger_than_every_pool_is_rejected_up_front():
     kv = manager(device_pages=2, stage_pages=1)
-    with pytest.raises(PromptTooLargeError, match="does not fit in the KV budget"):
-        Scheduler(SchedulerConfig(mode="coroutine"), kv).check_fits(40)
+    with pytest.raises(InvalidRequestError, match="does not fit in the KV budget"):
+        Scheduler(EngineConfig(mode="coroutine"), kv).check_fits(40)
 
 
 def test_combine_requires_one_program_point_and_partition_restores_rows():
     seqs = [sequence(i) for i in range(3)]
-    a = CoroutineBatch(seqs[:2], torch.arange(8.0).reshape(2, 4), ProgramPoint(1, "ffn"))
-    b = CoroutineBatch(seqs[2:], torch.arange(8.0, 12.0).reshape(1, 4), ProgramPoint(1, "ffn"))
+    a = CoroutineGroup(seqs[:2], torch.arange(8.0).reshape(2, 4), ProgramPoint(1, "ffn"))
+    b = CoroutineGroup(seqs[2:], torch.arange(8.0, 12.0).reshape(1, 4), ProgramPoint(1, "ffn"))
     merged = combine([a, b])
     assert merged.seqs == seqs and merged.hidden.shape == (3, 4)
     parts = partition(merged, [(seqs[:2], 2, None), (seqs[2:], 1, None)])
     assert torch.equal(parts[0].hidden, a.hidden) and torch.equal(parts[1].hidden, b.hidden)
     with pytest.raises(ValueError, match="different program points"):
-        combine([a, CoroutineBatch(seqs[2:], b.hidden, ProgramPoint(1, "attn"))])
+        combine([a, CoroutineGroup(seqs[2:], b.hidden, ProgramPoint(1, "attn"))])

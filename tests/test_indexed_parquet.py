@@ -12,7 +12,7 @@ from batchgen.connectors.indexed_parquet import (
     OrderedParquetSink,
     RangeSet,
     part_name,
-    scan_output,
+    recover_output_parts,
 )
 
 
@@ -50,6 +50,6 @@ def test_sink_writes_contiguous_runs_and_scan_drops_crash_leftovers(tmp_path):
     (tmp_path / part_name(10, 11)).write_bytes(b"PAR1 truncated")  # unreadable footer
     pq.write_table(pa.table({ROW_INDEX: [4, 5]}), tmp_path / part_name(4, 5))  # overlaps 3-5: a race
     pq.write_table(pa.table({ROW_INDEX: [12]}), tmp_path / part_name(12, 13))  # row count != name
-    parts = scan_output(str(tmp_path))
+    parts = recover_output_parts(str(tmp_path))
     assert [(p.first, p.last) for p in parts] == [(3, 5), (7, 8)]
     assert sorted(p.name for p in tmp_path.iterdir()) == [part_name(3, 5), part_name(7, 8)]

@@ -12,12 +12,12 @@ import torch
 from pipeline_helpers import ENGINE, SAMPLING, engine_outputs, workload
 
 from batchgen.connectors.checkpoint import load_model, load_tokenizer
-from batchgen.connectors.kv_store import RayKVStore
-from batchgen.engine import Engine, PrefillOutput, Request, SamplingParams
+from batchgen.connectors.handoff_store import RayHandoffStore
+from batchgen.engine import EngineLoop, PrefillOutput, Request, SamplingParams
 from batchgen.engine.reference import ReferenceRunner
 from batchgen.operators import BatchGen, Decode, Detokenize, Prefill, Tokenize
 from batchgen.operators.columns import OUTPUT_COLUMNS, output_schema
-from batchgen.operators.engine_loop import EngineLoop
+from batchgen.operators.engine_factory import load_engine
 
 MAX_MODEL_LEN = 256
 
@@ -135,7 +135,7 @@ def test_n_samples_come_back_as_one_list_per_sample(tiny_moe_dir, batchgen, prom
 
 @pytest.fixture(scope="module")
 def split_stages(ray_cluster, tiny_moe_dir):
-    store = RayKVStore.create()
+    store = RayHandoffStore.create()
     options = {"max_model_len": MAX_MODEL_LEN, **ENGINE}
     return (store, Tokenize(tiny_moe_dir, SAMPLING), Prefill(tiny_moe_dir, store, **options),
             Decode(tiny_moe_dir, store, **options), Detokenize(tiny_moe_dir))
@@ -170,25 +170,26 @@ def ray_size(owner) -> int:
 def test_decode_recomputes_a_prefill_whose_kv_is_gone(split_stages, prompts, expected):
     store, tokenize, prefill, decode, detokenize = split_stages
     prefilled = call(prefill, call(tokenize, pa.table({"prompt": prompts[:2]})))
-    store.delete(prefilled.column("__batchgen_kv_ref")[0].as_py())
+    store.delete_many([prefilled.column("__batchgen_kv_ref")[0].as_py()])
     out = call(detokenize, call(decode, prefilled))
     assert out.column("generated_token_ids").to_pylist() == expected[:2]
 
 
-def test_kv_store_round_trip_keeps_dtype_and_delete_frees(ray_cluster):
-    store = RayKVStore.create()
+def test_handoff_store_round_trip_keeps_dtype_and_delete_frees(ray_cluster):
+    store = RayHandoffStore.create()
     k = torch.randn(2, 5, 1, 4).to(torch.bfloat16)
     value = PrefillOutput(Request("r", [1, 2, 3], sampling=SamplingParams()), k, k.float(), [7], [None], 0.0, 1.0)
-    ref = store.put("r", value)
-    back = store.get(ref)
+    [ref] = store.put_many(["r"], [vars(value)])
+    [payload] = store.get_many([ref])
+    back = PrefillOutput(**payload)
     assert back.k.dtype == torch.bfloat16 and torch.equal(back.k, k) and torch.equal(back.v, k.float())
     assert back.request == value.request and back.first_token_ids == [7]
-    store.delete(ref)
-    assert store.get(ref) is None
+    store.delete_many([ref])
+    assert store.get_many([ref]) == [None]
 
 
 def test_engine_loop_fails_every_waiting_batch_when_the_engine_raises(tiny_moe_dir):
-    engine = Engine(tiny_moe_dir, **ENGINE)
+    engine = load_engine(tiny_moe_dir, **ENGINE)
     loop = EngineLoop(lambda: engine)
 
     def broken_step():

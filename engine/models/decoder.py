@@ -6,6 +6,7 @@ they differ only in the switches of DecoderConfig (see registry.py for each fami
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,12 @@ class DecoderLM(nn.Module):
 
     def kv_spec(self) -> KVSpec:
         return self._kv_spec
+
+    def observe_routing(self, observer: Callable[[torch.Tensor, int], None]) -> None:
+        """Have every sparse MoE block report its routing (topk_ids [T, K], number of experts)."""
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.on_route = lambda ids, experts=module.num_experts: observer(ids, experts)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

@@ -1,15 +1,17 @@
-"""The host KV store that joins a prefill stage to a decode stage.
+"""The prefill -> decode KV hand-off store that joins the two stages of the disaggregated pipeline.
 
-A prefill worker `put`s each sequence's PrefillOutput (KV + first tokens) and passes the returned
-ref, a short string, downstream inside the dataset row; a decode worker `get`s it and `delete`s it
-once its result is safe. `get` answers None for a ref whose KV is gone (a crashed owner, a store
-restart): the decode stage then recomputes the prefill instead of failing the row.
+(Not the engine's host page pool: that one lives inside each engine, see engine/kv_manager.py.)
+A prefill worker `put`s each prompt's hand-off payload (a dict of its KV tensors and first tokens)
+and passes the returned ref, a short string, downstream inside the dataset row; a decode worker
+`get`s it and `delete`s it once its result is safe. `get` answers None for a ref whose KV is gone
+(a crashed owner, a store restart): the decode stage then recomputes the prefill instead of
+failing the row.
 
 Default backend: the Ray object store. Who owns each object is the crux. An object belongs to the
 process that called `ray.put`, and dies with it; Ray Data kills a stage's actors as soon as that
 stage has consumed its input, while the decode stage may still be working through a backlog of
 refs, and Ray 2.56 removed `ray.put(_owner=...)`. So prefill workers do not own the KV: they hand
-it to a `KVOwner` actor (zero CPUs, one per node, living as long as the store handle's creator)
+it to a `HandoffOwner` actor (zero CPUs, one per node, living as long as the store handle's creator)
 which `ray.put`s it and keeps the ObjectRef under its key (one extra copy of the KV, on the same
 node: the price of outliving the prefill actors). The bytes sit in that node's shared
 object store (spilled to disk under pressure, fetched across nodes by Ray); only keys travel in
@@ -23,37 +25,30 @@ from __future__ import annotations
 import uuid
 import warnings
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
 
 import ray
 import torch
 
-from batchgen.engine import PrefillOutput
+Payload = dict[str, Any]  # field name -> value; torch tensors travel as raw bytes
 
 
-class KVStore(ABC):
-    """put(key, PrefillOutput) -> ref; get(ref) -> PrefillOutput | None; delete(ref)."""
-
-    @abstractmethod
-    def put_many(self, keys: list[str], values: list[PrefillOutput]) -> list[str]: ...
+class HandoffStore(ABC):
+    """put_many(keys, payloads) -> refs; get_many(refs) -> payloads (None where gone); delete_many(refs)."""
 
     @abstractmethod
-    def get_many(self, refs: list[str]) -> list[PrefillOutput | None]: ...
+    def put_many(self, keys: list[str], values: list[Payload]) -> list[str]: ...
+
+    @abstractmethod
+    def get_many(self, refs: list[str]) -> list[Payload | None]: ...
 
     @abstractmethod
     def delete_many(self, refs: list[str]) -> None: ...
 
-    def put(self, key: str, value: PrefillOutput) -> str:
-        return self.put_many([key], [value])[0]
-
-    def get(self, ref: str) -> PrefillOutput | None:
-        return self.get_many([ref])[0]
-
-    def delete(self, ref: str) -> None:
-        self.delete_many([ref])
-
 
 @ray.remote(num_cpus=0, max_restarts=-1)
-class KVOwner:
+class HandoffOwner:
     """Owns the KV objects of one node; keeps their ObjectRefs alive until deleted."""
 
     def __init__(self) -> None:
@@ -75,14 +70,14 @@ class KVOwner:
         return len(self._refs)
 
 
-class RayKVStore(KVStore):
-    """KV in the Ray object store, owned by one KVOwner per node. A ref is '<node id>/<key>'."""
+class RayHandoffStore(HandoffStore):
+    """Payloads in the Ray object store, owned by one HandoffOwner per node. A ref is '<node id>/<key>'."""
 
     def __init__(self, owners: dict[str, ray.actor.ActorHandle]) -> None:
         self.owners = owners
 
     @classmethod
-    def create(cls) -> RayKVStore:
+    def create(cls) -> RayHandoffStore:
         """Start one owner on every alive node; call it on the driver before the pipeline runs."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -91,22 +86,22 @@ class RayKVStore(KVStore):
         for node in ray.nodes():
             if node["Alive"]:
                 node_id = node["NodeID"]
-                owners[node_id] = KVOwner.options(
+                owners[node_id] = HandoffOwner.options(
                     name=f"batchgen-kv-{run}-{node_id[:12]}",
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True)).remote()
         ray.get([o.size.remote() for o in owners.values()])
         return cls(owners)
 
-    def put_many(self, keys: list[str], values: list[PrefillOutput]) -> list[str]:
+    def put_many(self, keys: list[str], values: list[Payload]) -> list[str]:
         if any("/" in k for k in keys):
-            raise ValueError("KV store keys must not contain '/'")
+            raise ValueError("hand-off store keys must not contain '/'")
         node = ray.get_runtime_context().get_node_id()
         node = node if node in self.owners else next(iter(self.owners))
         ray.get(self.owners[node].put.remote(keys, [_to_numpy(v) for v in values]))
         return [f"{node}/{k}" for k in keys]
 
-    def get_many(self, refs: list[str]) -> list[PrefillOutput | None]:
-        out: list[PrefillOutput | None] = [None] * len(refs)
+    def get_many(self, refs: list[str]) -> list[Payload | None]:
+        out: list[Payload | None] = [None] * len(refs)
         for node, positions, keys in self._by_owner(refs):
             try:
                 found = ray.get(self.owners[node].lookup.remote(keys))
@@ -139,21 +134,30 @@ class RayKVStore(KVStore):
         return [(node, p, k) for node, (p, k) in groups.items()]
 
 
-def _to_numpy(value: PrefillOutput) -> dict:
-    """KV as raw bytes in numpy arrays: they come back from the object store without a copy, and
-    byte views carry any dtype (numpy has no bfloat16)."""
-    fields = dict(vars(value))
-    for name in ("k", "v"):
-        tensor = fields[name].contiguous()
-        fields[name] = (tensor.view(torch.uint8).numpy(), tensor.dtype)
-    return fields
+@dataclass(frozen=True)
+class _RawTensor:
+    """A tensor as raw bytes in a numpy array: it comes back from the object store without a copy,
+    and a byte view carries any dtype (numpy has no bfloat16)."""
+
+    data: Any  # numpy uint8 array
+    dtype: torch.dtype
+    shape: tuple[int, ...]
 
 
-def _from_numpy(fields: dict) -> PrefillOutput:
-    fields = dict(fields)
-    for name in ("k", "v"):
-        raw, dtype = fields[name]
-        with warnings.catch_warnings():  # read-only store buffer; the decode engine copies it into its pages
-            warnings.simplefilter("ignore", UserWarning)
-            fields[name] = torch.from_numpy(raw).view(dtype)
-    return PrefillOutput(**fields)
+def _to_numpy(payload: Payload) -> Payload:
+    out = dict(payload)
+    for name, value in payload.items():
+        if isinstance(value, torch.Tensor):
+            tensor = value.contiguous()
+            out[name] = _RawTensor(tensor.view(torch.uint8).numpy(), tensor.dtype, tuple(tensor.shape))
+    return out
+
+
+def _from_numpy(payload: Payload) -> Payload:
+    out = dict(payload)
+    for name, value in payload.items():
+        if isinstance(value, _RawTensor):
+            with warnings.catch_warnings():  # read-only store buffer; the decode engine copies it into its pages
+                warnings.simplefilter("ignore", UserWarning)
+                out[name] = torch.from_numpy(value.data).view(value.dtype).reshape(value.shape)
+    return out

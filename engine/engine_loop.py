@@ -1,0 +1,122 @@
+"""One engine driven by one background thread, fed by any number of callers.
+
+The engine is not thread-safe, while its callers are many: Ray Data calls an async UDF from an
+event loop with several batches in flight, and the Batch API server feeds requests from its own
+thread. So one thread owns the engine: between steps it runs what callers submitted (adding
+requests, aborting them), steps the engine, and resolves each request's future as its Result comes
+back. Everything in flight lands in the same engine, which is what lets it over-subscribe (more
+sequences than it runs at once) and COMBINE across callers. An engine exception fails every
+pending and later request: a broken engine must not silently drop work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from batchgen.engine.engine import Engine
+from batchgen.engine.request import Result
+
+_Command = tuple[Callable[[], None], list[Future]]  # what to run on the engine thread, whose futures it owns
+
+
+class EngineLoop:
+    def __init__(self, make_engine: Callable[[], Engine]) -> None:
+        """Build the engine on the loop's own thread: loading the model there keeps the model's
+        OpenMP team on the thread that runs every step (a second team makes each small op pay a
+        wake-up). A construction error is raised here, in the caller."""
+        self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        self._pending: dict[str, Future] = {}
+        self.failure: BaseException | None = None
+        self._closed = False
+        ready: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(make_engine, ready), name="batchgen-engine",
+                                        daemon=True)
+        self._thread.start()
+        self.engine: Engine = ready.result()
+
+    def submit(self, request_ids: list[str], admit: Callable[[Engine], None]) -> list[Future]:
+        """Call `admit(engine)` on the engine thread (it adds these requests); one future per request id."""
+        futures = {rid: Future() for rid in request_ids}
+        if len(futures) != len(request_ids):
+            raise ValueError("duplicate request ids in one submission")
+
+        def command() -> None:
+            self._pending.update(futures)
+            admit(self.engine)
+
+        self._inbox.put((command, list(futures.values())))
+        return list(futures.values())
+
+    async def run(self, request_ids: list[str], admit: Callable[[Engine], None]) -> list[Result]:
+        """`submit`, then await the Results in request order."""
+        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in self.submit(request_ids, admit))))
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests between two steps and free their KV; their futures are cancelled."""
+        def command() -> None:
+            for rid in request_ids:
+                self.engine.abort(rid)
+                future = self._pending.pop(rid, None)
+                if future is not None:
+                    future.cancel()
+
+        self._inbox.put((command, []))
+
+    def close(self) -> None:
+        """Stop the thread after the current step; unfinished requests stay unresolved."""
+        self._closed = True
+        self._inbox.put(None)
+        self._thread.join()
+
+    def _run(self, make_engine: Callable[[], Engine], ready: Future) -> None:
+        try:
+            self.engine = make_engine()
+        except BaseException as exc:
+            ready.set_exception(exc)
+            return
+        ready.set_result(self.engine)
+        while not self._closed:
+            if not self._run_commands(block=self.failure is not None or not self.engine.has_unfinished()):
+                return
+            if self.failure is not None or self._closed:
+                continue
+            try:
+                finished = self.engine.step()
+            except BaseException as exc:  # handed to every waiting caller
+                self._fail(exc)
+                continue
+            for result in finished:
+                future = self._pending.pop(result.request_id, None)
+                if future is not None:
+                    future.set_result(result)
+
+    def _run_commands(self, block: bool) -> bool:
+        """Run every queued command (waiting for one when `block`); False once closed."""
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            if item is None:
+                return False
+            block = False
+            command, futures = item
+            if self.failure is not None:
+                for future in futures:
+                    future.set_exception(self.failure)
+                continue
+            try:
+                command()
+            except BaseException as exc:
+                self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failure = RuntimeError(f"the engine failed: {exc!r}")
+        self.failure.__cause__ = exc
+        for future in self._pending.values():
+            future.set_exception(self.failure)
+        self._pending.clear()

@@ -1,0 +1,27 @@
+"""A model ready to serve: the module plus what generation needs from its checkpoint.
+
+Built by the checkpoint loader (connectors/checkpoint.py) or by hand; the engine takes one and
+never loads anything itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    config: Any  # the transformers PretrainedConfig
+    tokenizer: Any | None  # transformers tokenizer, None when the checkpoint ships none
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    dtype: torch.dtype
+    uri: str
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device

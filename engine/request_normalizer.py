@@ -1,0 +1,153 @@
+"""What a user sent -> what the engine runs, with one set of checks and one error text for every entry point.
+
+A Parquet row, an OpenAI batch line and a Python `Request` all hold a prompt in one of three forms
+(token ids, chat turns, text) plus sampling values. Each front end only maps its own container
+(Arrow structs, JSON bodies) onto these forms; the checks, the tokenization and the error messages
+live here, so the same bad prompt fails the same way wherever it comes from.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from batchgen.engine.chat import render_chat
+from batchgen.engine.sampling_params import InvalidRequestError, SamplingParams
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class RequestNormalizer:
+    """Tokenizes and checks prompts and sampling values for one model.
+
+    `vocab_size` and `max_model_len` may be unknown (a tokenize-only stage has no weights); the
+    engine, which knows both, runs the same checks again before admitting a prompt.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int | None = None, max_model_len: int | None = None,
+                 chat_template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.chat_template = chat_template
+
+    def prompt_ids(self, *, prompt_token_ids: Any = None, messages: Any = None, prompt: Any = None) -> list[int]:
+        """The first given of token ids, chat turns, text, as checked token ids."""
+        if prompt_token_ids is not None:
+            ids = self._token_ids(prompt_token_ids)
+        elif messages is not None:
+            ids = render_chat(self.tokenizer, chat_turns(messages), self.chat_template)
+        elif prompt is not None:
+            ids = self._encode(text_value(prompt, "prompt"))
+        else:
+            raise InvalidRequestError("missing prompt: give prompt text, messages or prompt_token_ids")
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        return ids
+
+    def check_length(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
+        """A prompt must leave room for at least one generated token inside the context."""
+        if self.max_model_len is None:
+            return
+        limit = min(self.max_model_len, sampling.max_prompt_tokens or self.max_model_len)
+        if num_prompt_tokens >= limit:
+            raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens, over the limit of {limit - 1} "
+                                      f"(context length {self.max_model_len})")
+
+    def _token_ids(self, value: Any) -> list[int]:
+        value = plain(value)
+        if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            raise InvalidRequestError(f"prompt_token_ids: expected a list of integers, got {describe(value)}")
+        upper = self.vocab_size
+        bad = [t for t in value if t < 0 or (upper is not None and t >= upper)]
+        if bad:
+            where = f"[0, {upper})" if upper is not None else "the non-negative integers"
+            raise InvalidRequestError(f"prompt_token_ids: token {bad[0]} is outside the vocabulary {where}")
+        return value
+
+    def _encode(self, text: str) -> list[int]:
+        if not text:
+            raise InvalidRequestError("prompt is empty")
+        if self.tokenizer is None:
+            raise InvalidRequestError("prompt: this model has no tokenizer; give prompt_token_ids")
+        return list(self.tokenizer.encode(text))
+
+
+def sampling_params(values: Any, defaults: SamplingParams | None = None) -> SamplingParams:
+    """Sampling values (a mapping, a JSON object string, or None) over `defaults`; null fields are unset."""
+    if isinstance(values, str):
+        try:
+            values = json.loads(values)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"sampling_params: not a JSON object: {exc}") from None
+    if values is not None and not isinstance(values, Mapping):
+        raise InvalidRequestError(f"sampling_params: expected a struct or JSON object, got {type(values).__name__}")
+    return SamplingParams.from_dict({k: plain(v) for k, v in (values or {}).items()}, defaults)
+
+
+def chat_turns(messages: Any) -> list[dict[str, str]]:
+    """Chat messages as [{role, content}] text turns (OpenAI's content parts joined; developer -> system)."""
+    messages = plain(messages)
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError(f"messages: expected a non-empty list of {{role, content}}, got {describe(messages)}")
+    turns = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
+            raise InvalidRequestError(f"messages[{i}]: expected an object with 'role' in {list(CHAT_ROLES)}")
+        if message.get("tool_calls") or message.get("function_call"):
+            raise InvalidRequestError(f"messages[{i}]: tool calls are not supported")
+        role = "system" if message["role"] == "developer" else message["role"]
+        turns.append({"role": role, "content": _message_text(message.get("content"), i, role)})
+    return turns
+
+
+def _message_text(content: Any, i: int, role: str) -> str:
+    if content is None and role == "assistant":  # OpenAI allows an assistant turn without content
+        return ""
+    if not isinstance(content, list):
+        return text_value(content, f"messages[{i}].content")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidRequestError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def text_value(value: Any, field: str) -> str:
+    """Text, or UTF-8 bytes decoded; anything else (or undecodable text) names the field."""
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidRequestError(f"{field}: undecodable text, not valid UTF-8 ({exc.reason} at byte "
+                                      f"{exc.start})") from None
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{field}: expected text, got {describe(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"{field}: undecodable text ({exc.reason} at character {exc.start})") from None
+    return value
+
+
+def plain(value: Any) -> Any:
+    """numpy values (what Ray's default batch format hands over) as plain Python ones."""
+    if isinstance(value, np.ndarray):
+        return [plain(v) for v in value.tolist()] if value.dtype == object else value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def describe(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
