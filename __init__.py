@@ -17,6 +17,8 @@ _EXPORTS = {
     "Result": "batchgen.engine",
     "SamplingParams": "batchgen.engine",
     "PrefillOutput": "batchgen.engine",
+    "PrefillExporter": "batchgen.engine",
+    "EngineLoop": "batchgen.engine",
     "load_model": "batchgen.connectors.checkpoint",
     "BatchGen": "batchgen.operators",
 }

@@ -123,9 +123,15 @@ def _read_config(meta_dir: str, uri: str) -> tuple[Any, ModelFamily]:
 
     path = Path(meta_dir) / CONFIG_FILE
     try:
-        model_type = json.loads(path.read_text()).get("model_type")
+        raw = json.loads(path.read_text())
+        model_type = raw.get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
         raise CheckpointError(f"{uri}/{CONFIG_FILE} is not a JSON object: {exc}") from exc
+    quantization = raw.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise CheckpointError(f"{uri}/{CONFIG_FILE} has a quantization_config (quant_method {method!r}): quantized "
+                              "checkpoints are not supported; use a float32, bfloat16 or float16 checkpoint")
     family = model_family(model_type)
     try:
         return AutoConfig.from_pretrained(meta_dir), family
@@ -229,6 +235,9 @@ def _fill_weights(model: torch.nn.Module, family: ModelFamily, fs, shards: list[
                 continue
             dest = _destination(params[param_name], target, name, path)
             tensor = _read_tensor(get_tensor, name, path)
+            if not tensor.dtype.is_floating_point or tensor.element_size() < 2:
+                raise CheckpointError(f"tensor {name!r} in {path} is {tensor.dtype}: quantized weights are not "
+                                      "supported; use a float32, bfloat16 or float16 checkpoint")
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise CheckpointError(
                     f"tensor {name!r} in {path}: expected shape {list(dest.shape)}, got {list(tensor.shape)}"

@@ -6,7 +6,14 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import copy_to_memory, prompts, save_tiny_checkpoint, tiny_config, tiny_tokenizer
+from tiny_models import (
+    ALL_ARCHITECTURES,
+    copy_to_memory,
+    prompts,
+    save_tiny_checkpoint,
+    tiny_config,
+    tiny_tokenizer,
+)
 
 from batchgen.connectors.checkpoint import CheckpointError, load_model, load_tokenizer
 from batchgen.engine.models.registry import UnsupportedModelError, supported_model_types
@@ -185,3 +192,21 @@ def test_checkpoint_in_bf16_loads_into_fp32(mixtral_dir, tmp_path):
         param.copy_(param.to(torch.bfloat16))
     assert from_bf16.dtype == torch.float32
     torch.testing.assert_close(from_bf16, rounded.prefill_logits(prompts()[0]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHITECTURES)
+def test_quantized_checkpoint_of_any_family_fails_at_load_naming_its_quantization(arch, tmp_path):
+    save_tiny_checkpoint(arch, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="quantization_config \\(quant_method 'fp8'\\)"):
+        load_model(str(tmp_path))
+
+
+def test_float8_weights_without_a_quantization_config_fail_naming_the_tensor(mixtral_dir, tmp_path):
+    directory = _copy(mixtral_dir, tmp_path / "fp8")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    _rewrite_shard(directory, lambda tensors: tensors.__setitem__(name, tensors[name].to(torch.float8_e4m3fn)))
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' .* is torch.float8_e4m3fn"):
+        load_model(str(directory))

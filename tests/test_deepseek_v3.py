@@ -155,7 +155,6 @@ def test_softmax_scale_follows_yarn_mscale_all_dim():
         (dict(topk_group=5), "topk_group"),
         (dict(num_experts_per_tok=5, topk_group=2), "num_experts_per_tok"),
         (dict(hidden_act="gelu"), "hidden_act"),
-        (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
     ],
 )
 def test_unsupported_config_names_the_field(change, field):

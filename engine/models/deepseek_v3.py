@@ -204,8 +204,6 @@ def _check_config(cfg) -> None:
     def bad(field: str, why: str) -> UnsupportedModelError:
         return UnsupportedModelError(f"deepseek_v3 config: {field} {why}")
 
-    if getattr(cfg, "quantization_config", None):
-        raise bad("quantization_config", "is set: quantized (FP8) checkpoints are not supported")
     if cfg.hidden_act != "silu":
         raise bad("hidden_act", f"must be 'silu', got {cfg.hidden_act!r}")
     groups, experts = cfg.n_group or 1, cfg.n_routed_experts
