@@ -58,7 +58,7 @@ class Engine:
         limits = MicroBatchLimits(self.config.b_attn if coroutine else _UNBOUNDED,
                                   self.config.b_moe if coroutine else _UNBOUNDED)
         self.stats = EngineMetrics()
-        self.runner = ModelRunner(self.model, self.kv, self.device, limits, self.stats.record_ffn_batch)
+        self.runner = ModelRunner(self.model, self.kv, self.device, limits, self.stats)
         self.model.observe_routing(self.stats.record_route)
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self._requests: dict[str, _RequestState] = {}
@@ -81,6 +81,7 @@ class Engine:
         parent = self.new_sequence(request, 0, prompt_ids, submitted)
         state.samples.append(parent)
         self.scheduler.admit(parent)
+        self.stats.admission_seconds += time.perf_counter() - submitted
 
     @torch.inference_mode()
     def step(self) -> list[Result]:
@@ -167,6 +168,7 @@ class Engine:
             self.stats.prompt_tokens += len(seq.prompt_ids)
         logits = self._timed(self.runner.prefill, plan.seqs)
         self.stats.prefill_steps += 1
+        self.stats.sequence_steps += len(plan.seqs)
         return logits
 
     # ------------------------------------------------------------------ internals
@@ -192,6 +194,7 @@ class Engine:
         logits = self._timed(self.runner.decode, plan.resident, plan.staged_groups)
         self.stats.decoding = False
         self.stats.decode_steps += 1
+        self.stats.sequence_steps += len(seqs)
         self.stats.staged_decode_batches += len(plan.staged_groups)
         tokens = sample_next_tokens(logits, seqs, self.generator)
         for seq, token in zip(seqs, tokens):

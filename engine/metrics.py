@@ -28,8 +28,11 @@ class EngineMetrics:
     staged_decode_batches: int = 0  # decode micro-batches whose KV streamed from host pages (offloaded COMBINE)
     yields: int = 0
     restores: int = 0
-    model_seconds: float = 0.0
+    model_seconds: float = 0.0  # in the model runner: batch building + forward
+    forward_seconds: float = 0.0  # the forward alone (layers + LM head)
     step_seconds: float = 0.0
+    admission_seconds: float = 0.0  # add_request: validation, tokenization, queueing
+    sequence_steps: int = 0  # sequences summed over steps (prompts in prefill steps, samples in decode steps)
     moe_calls: int = 0
     expert_tokens_sum: float = 0.0  # sum over MoE calls of tokens per expert (T * k / E)
     decoding: bool = False  # set by the engine around each forward, to tell decode MoE calls apart
@@ -68,6 +71,14 @@ class EngineMetrics:
         self.last_finished_at = finished_at
         self.completion_times.append(completion_time)
 
+    def _host_overhead(self) -> dict:
+        """Engine time outside the model forward (admission, scheduling, batch building, sampling, stop
+        checks): what a GPU will not hide."""
+        engine_s = self.step_seconds + self.admission_seconds
+        host_s = engine_s - self.forward_seconds
+        return {"host_share": host_s / engine_s if engine_s else 0.0,
+                "host_us_per_sequence_step": host_s * 1e6 / self.sequence_steps if self.sequence_steps else 0.0}
+
     def summary(self, bytes_moved: int) -> dict:
         end = self.last_finished_at or time.perf_counter()
         bct = (end - self.started_at) if self.started_at is not None else 0.0
@@ -91,6 +102,7 @@ class EngineMetrics:
                                          if self.decode_moe_calls else 0.0),
             "expert_histogram": [] if self.expert_histogram is None else self.expert_histogram.tolist(),
             "scheduler_share": 1 - self.model_seconds / self.step_seconds if self.step_seconds else 0.0,
+            **self._host_overhead(),
             "completion_time_p50": percentile(self.completion_times, 50),
             "completion_time_p95": percentile(self.completion_times, 95),
             "completion_time_p99": percentile(self.completion_times, 99),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +10,7 @@ import torch
 from batchgen.engine.attention_context import DecodeContext, PrefillContext, StagedDecodeContext
 from batchgen.engine.coroutine import CoroutineGroup, ProgramPoint, run_layers
 from batchgen.engine.kv_manager import KVManager
+from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.sequence import Sequence
 
 
@@ -24,12 +25,12 @@ class MicroBatchLimits:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVManager, device: torch.device, limits: MicroBatchLimits,
-                 on_ffn_batch: Callable[[int], None]):
+                 stats: EngineMetrics):
         self.model = model
         self.kv = kv
         self.device = device
         self.limits = limits
-        self.on_ffn_batch = on_ffn_batch  # told the token count of every feed-forward call
+        self.stats = stats  # told every feed-forward batch size and the time spent in the forward itself
 
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Prefill prompts whose pages are allocated; returns last-position logits [B, V]."""
@@ -37,11 +38,10 @@ class ModelRunner:
         for start in range(0, len(seqs), self.limits.b_attn):
             group = seqs[start : start + self.limits.b_attn]
             micro.append(self._prefill_micro_batch(group))
-        hidden = run_layers(self.model, micro, self.limits.b_moe, self.on_ffn_batch)
         last = torch.tensor(_cumsum([len(s.prompt_ids) for s in seqs]), device=self.device) - 1
         for s in seqs:
             s.kv_len = len(s.prompt_ids)
-        return self.model.head(hidden[last])
+        return self._forward(micro, last)
 
     def decode(self, resident: list[Sequence], staged_groups: list[list[Sequence]]) -> torch.Tensor:
         """One decode step: resident sequences read device pages, staged ones stream from host."""
@@ -49,11 +49,19 @@ class ModelRunner:
         for start in range(0, len(resident), self.limits.b_attn):
             micro.append(self._decode_micro_batch(resident[start : start + self.limits.b_attn]))
         micro.extend(self._staged_micro_batch(group) for group in staged_groups)
-        hidden = run_layers(self.model, micro, self.limits.b_moe, self.on_ffn_batch)
+        logits = self._forward(micro, None)
         for b in micro:
             for s in b.seqs:
                 s.kv_len += 1
-        return self.model.head(hidden)
+        return logits
+
+    def _forward(self, micro: list[CoroutineGroup], rows: torch.Tensor | None) -> torch.Tensor:
+        """The model forward proper: every layer over the micro-batches, then the LM head on `rows`."""
+        start = time.perf_counter()
+        hidden = run_layers(self.model, micro, self.limits.b_moe, self.stats.record_ffn_batch)
+        logits = self.model.head(hidden if rows is None else hidden[rows])
+        self.stats.forward_seconds += time.perf_counter() - start
+        return logits
 
     def _embed(self, token_ids: list[int]) -> torch.Tensor:
         return self.model.embed(torch.tensor(token_ids, dtype=torch.long, device=self.device))

@@ -93,7 +93,7 @@ class Scheduler:
 
     def _plan_prefill(self) -> PrefillPlan | None:
         batch: list[Sequence] = []
-        tokens = 0
+        tokens = pages = samples_total = 0
         location = None
         room = self.config.max_num_seqs - self.num_decoding()
         for seq in self.waiting:
@@ -102,12 +102,15 @@ class Scheduler:
                 break
             if not batch and samples > room and self.num_decoding() > 0:
                 break
-            where = self._prefill_location(batch + [seq])
+            seq_pages = self.kv.pages_needed(len(seq.prompt_ids) + 1) * samples
+            where = self._prefill_location(pages + seq_pages, samples_total + samples)
             if where is None or (location is not None and where is not location):
                 break
             location = where
             batch.append(seq)
             tokens += len(seq.prompt_ids)
+            pages += seq_pages
+            samples_total += samples
             room -= samples
         if not batch:
             return None
@@ -117,9 +120,9 @@ class Scheduler:
             self.kv.allocate(seq, location, len(seq.prompt_ids) + 1)
         return PrefillPlan(batch, location)
 
-    def _prefill_location(self, seqs: list[Sequence]) -> KVLocation | None:
-        pages = sum(self.kv.pages_needed(len(s.prompt_ids) + 1) * s.sampling.n for s in seqs)
-        reserve = self.kv.reserve_pages * sum(s.sampling.n for s in seqs) if self.running else 0
+    def _prefill_location(self, pages: int, samples: int) -> KVLocation | None:
+        """Where a prefill batch needing `pages` for its `samples` sequences can go, if anywhere."""
+        reserve = self.kv.reserve_pages * samples if self.running else 0
         if pages + reserve <= self.kv.device.free_pages:
             return KVLocation.DEVICE
         if self.coroutine and pages <= self.kv.host.free_pages:

@@ -12,6 +12,10 @@ def bottom_right_causal_mask(len_q: int, len_k: int, device: torch.device) -> to
     return torch.ones(len_q, len_k, dtype=torch.bool, device=device).tril(diagonal=len_k - len_q)
 
 
+# A prefill group pads every sequence to its longest: a sequence joins only if that wastes at most this share.
+PREFILL_PAD_SLACK = 0.25
+
+
 def prefill_attention_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -20,28 +24,60 @@ def prefill_attention_torch(
     cu_seqlens_k: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Varlen causal attention, one scaled_dot_product_attention call per sequence."""
+    """Varlen causal attention. Whole-prompt sequences (len_q == len_k) run as a few padded batched SDPA
+    calls over groups of similar length; sequences continuing a cached prefix run one call each."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    gqa = q.shape[1] != k.shape[1]
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    whole, continued = [], []
     for b in range(len(bounds_q) - 1):
-        q_start, q_end, k_start, k_end = bounds_q[b], bounds_q[b + 1], bounds_k[b], bounds_k[b + 1]
-        len_q, len_k = q_end - q_start, k_end - k_start
-        if len_q == 0:
-            continue
+        len_q, len_k = bounds_q[b + 1] - bounds_q[b], bounds_k[b + 1] - bounds_k[b]
         if len_q > len_k:
             raise ValueError(f"prefill_attention: sequence {b} has {len_q} queries but only {len_k} keys")
-        mask = None if len_q == len_k else bottom_right_causal_mask(len_q, len_k, q.device)
+        if len_q:
+            (whole if len_q == len_k else continued).append(b)
+    for group in _similar_length_groups(whole, bounds_q):
+        _padded_causal_attention(q, k, v, out, [bounds_q[b] for b in group], [bounds_k[b] for b in group],
+                                 [bounds_q[b + 1] - bounds_q[b] for b in group], scale)
+    for b in continued:
+        q_start, q_end, k_start, k_end = bounds_q[b], bounds_q[b + 1], bounds_k[b], bounds_k[b + 1]
+        mask = bottom_right_causal_mask(q_end - q_start, k_end - k_start, q.device)
         out[q_start:q_end] = F.scaled_dot_product_attention(
-            q[q_start:q_end].transpose(0, 1),
-            k[k_start:k_end].transpose(0, 1),
-            v[k_start:k_end].transpose(0, 1),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=gqa,
+            q[q_start:q_end].transpose(0, 1), k[k_start:k_end].transpose(0, 1), v[k_start:k_end].transpose(0, 1),
+            attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
         ).transpose(0, 1)
     return out
+
+
+def _similar_length_groups(seqs: list[int], bounds: list[int]) -> list[list[int]]:
+    """Sequences sorted longest first, cut so each group's padding stays within PREFILL_PAD_SLACK."""
+    order = sorted(seqs, key=lambda b: bounds[b + 1] - bounds[b], reverse=True)
+    groups: list[list[int]] = []
+    longest = 0
+    for b in order:
+        length = bounds[b + 1] - bounds[b]
+        if not groups or length < longest * (1 - PREFILL_PAD_SLACK):
+            groups.append([])
+            longest = length
+        groups[-1].append(b)
+    return groups
+
+
+def _padded_causal_attention(q, k, v, out, starts_q: list[int], starts_k: list[int], lengths: list[int],
+                             scale: float) -> None:
+    """One SDPA over sequences right-padded to the longest. Causal masking keeps every real query off
+    the padding (which repeats the sequence's last token and is never written back)."""
+    device = q.device
+    span = torch.arange(max(lengths), device=device)
+    lens = torch.tensor(lengths, device=device)
+    offsets = torch.minimum(span[None, :], lens[:, None] - 1)
+    rows_q = torch.tensor(starts_q, device=device)[:, None] + offsets
+    rows_k = torch.tensor(starts_k, device=device)[:, None] + offsets
+    attended = F.scaled_dot_product_attention(
+        q[rows_q].transpose(1, 2), k[rows_k].transpose(1, 2), v[rows_k].transpose(1, 2),
+        is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+    ).transpose(1, 2)
+    real = span[None, :] < lens[:, None]
+    out[rows_q[real]] = attended[real]
 
 
 def decode_chunks(seq_lens: list[int], row_cost: int, budget: int):

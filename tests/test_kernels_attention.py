@@ -26,7 +26,8 @@ def cu(lengths):
 @pytest.mark.parametrize("dim_k,dim_v", [(16, 16), (24, 8)])
 def test_prefill_matches_naive_with_prefix(heads, kv_heads, dim_k, dim_v):
     g = torch.Generator().manual_seed(1)
-    lens_q, lens_k = [5, 1, 7, 3], [5, 4, 12, 3]
+    # whole prompts of similar and very different lengths (padded groups) and cached-prefix continuations
+    lens_q, lens_k = [5, 1, 7, 3, 6, 17, 2, 16], [5, 4, 12, 3, 6, 17, 2, 16]
     q = torch.randn(sum(lens_q), heads, dim_k, generator=g)
     k = torch.randn(sum(lens_k), kv_heads, dim_k, generator=g)
     v = torch.randn(sum(lens_k), kv_heads, dim_v, generator=g)
