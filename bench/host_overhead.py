@@ -38,7 +38,7 @@ def requests(count: int, prompt_len: int, max_tokens: int, vocab: int, seed: int
 def measure(loaded, seqs: int, prompt_len: int, max_tokens: int, profile: bool) -> dict:
     vocab = loaded.model.vocab_size
     config = {"max_num_seqs": seqs, "b_attn": seqs, "b_moe": 1 << 20, "max_prefill_tokens": seqs * prompt_len,
-              "kv_budget_bytes": 256 << 20, "host_kv_budget_bytes": 64 << 20, "page_size": 16}
+              "kv_budget_bytes": 1 << 30, "host_kv_budget_bytes": 64 << 20, "page_size": 16}
     Engine(loaded, **config).generate(requests(8, prompt_len, 2, vocab, seed=1))  # warm-up
     engine = Engine(loaded, **config)
     work = requests(2 * seqs, prompt_len, max_tokens, vocab, seed=0)

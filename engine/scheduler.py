@@ -142,9 +142,14 @@ class Scheduler:
             self.restores += 1
 
     def _plan_decode(self) -> DecodePlan:
+        victims: list[Sequence] | None = None  # eviction order, sorted once per step when first needed
         for seq in list(self.running.values()):
             while seq.seq_id in self.running and not self.kv.grow(seq, seq.kv_len + 1):
-                self._yield(self._victim())
+                if victims is None:
+                    victims = sorted(self.running.values(), key=self._victim_order)
+                victim = victims.pop()
+                if victim.seq_id in self.running:
+                    self._yield(victim)
         staged: list[list[Sequence]] = []
         if self.coroutine:
             for seq in self.suspended.values():
@@ -156,10 +161,11 @@ class Scheduler:
             staged = self._staging_groups(streamable)
         return DecodePlan(list(self.running.values()), staged)
 
-    def _victim(self) -> Sequence:
+    def _victim_order(self, seq: Sequence) -> tuple[int, ...]:
+        """Sort key whose largest value is evicted first."""
         if self.coroutine:  # most progressed first: the most KV already written, the closest to done
-            return max(self.running.values(), key=lambda s: (len(s.generated), -s.arrival))
-        return max(self.running.values(), key=lambda s: s.arrival)  # vLLM: preempt the newest
+            return (len(seq.generated), -seq.arrival)
+        return (seq.arrival,)  # vLLM: preempt the newest
 
     def _yield(self, seq: Sequence) -> None:
         """YIELD a sequence off the device: checkpoint its KV to host pages."""
