@@ -62,7 +62,9 @@ def test_every_architecture_matches_reference_with_split_batches_and_evictions(a
     budget = kv_bytes_per_token(loaded) * 4 * 24  # 24 pages of 4 tokens: far less than the batch needs
     engine = Engine(loaded, page_size=4, kv_budget_bytes=budget, b_attn=2, b_moe=5)
     assert in_order(tokens_by_id(engine.generate(greedy_requests(batch, order))), len(batch)) == expected
-    assert engine.metrics()["yields"] > 0
+    metrics = engine.metrics()
+    assert metrics["yields"] > 0
+    assert metrics["staged_decode_batches"] > 0, "no host-resident sequence decoded through the staging pool"
 
 
 @pytest.mark.parametrize("mode,b_attn,b_moe", [("coroutine", 256, 8192), ("coroutine", 1, 3),
@@ -71,8 +73,10 @@ def test_batch_shapes_do_not_change_greedy_tokens(moe_case, mode, b_attn, b_moe)
     loaded, batch, expected = moe_case
     engine = Engine(loaded, mode=mode, b_attn=b_attn, b_moe=b_moe, page_size=4)
     assert in_order(tokens_by_id(engine.generate(greedy_requests(batch))), len(batch)) == expected
+    metrics = engine.metrics()
+    assert metrics["staged_decode_batches"] == 0 and metrics["yields"] == 0  # everything fit on the device
     if mode == "coroutine" and b_moe == 3:
-        assert 0 < engine.metrics()["max_ffn_tokens"] <= 3
+        assert 0 < metrics["max_ffn_tokens"] <= 3
 
 
 @pytest.mark.parametrize("mode", ["coroutine", "lockstep"])
@@ -83,8 +87,10 @@ def test_tight_kv_budget_evicts_and_restores_without_changing_tokens(moe_case, m
     assert in_order(tokens_by_id(engine.generate(greedy_requests(batch))), len(batch)) == expected
     metrics = engine.metrics()
     assert metrics["yields"] > 0 and metrics["bytes_moved"] > 0
-    if mode == "lockstep":
-        assert metrics["restores"] > 0
+    if mode == "lockstep":  # preempted sequences wait in host pages; they never decode from there
+        assert metrics["restores"] > 0 and metrics["staged_decode_batches"] == 0
+    else:  # yielded sequences keep decoding from host pages through the staging pool
+        assert metrics["staged_decode_batches"] > 0
 
 
 def test_n_samples_share_one_prefill(moe_case):
