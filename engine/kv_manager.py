@@ -55,7 +55,7 @@ class KVManager:
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make room for `num_tokens` KV entries, taking up to `reserve_pages` ahead on the device."""
-        pages = self._pages(seq)
+        pages = self.pages_of(seq)
         missing = self.pages_needed(num_tokens) - len(pages)
         if missing <= 0:
             return True
@@ -68,7 +68,7 @@ class KVManager:
 
     def free(self, seq: Sequence) -> None:
         if seq.kv_location is not KVLocation.NONE:
-            self.pool(seq.kv_location).release(self._pages(seq))
+            self.pool(seq.kv_location).release(self.pages_of(seq))
         seq.device_pages, seq.host_pages = [], []
         seq.kv_location = KVLocation.NONE
 
@@ -78,7 +78,7 @@ class KVManager:
         if src_loc is to:
             return 0
         count = self.pages_needed(seq.kv_len)
-        src_pages = self._pages(seq)
+        src_pages = self.pages_of(seq)
         dst_pages = self.pool(to).allocate(max(count, 1))
         moved = copy_pages(self.pool(src_loc), src_pages[:count], self.pool(to), dst_pages[:count])
         self.pool(src_loc).release(src_pages)
@@ -94,16 +94,16 @@ class KVManager:
         count = self.pages_needed(parent.kv_len)
         self.allocate(child, location, parent.kv_len)
         child.kv_len = parent.kv_len
-        self.bytes_moved += copy_pages(self.pool(parent.kv_location), self._pages(parent)[:count],
-                                       self.pool(location), self._pages(child)[:count])
+        self.bytes_moved += copy_pages(self.pool(parent.kv_location), self.pages_of(parent)[:count],
+                                       self.pool(location), self.pages_of(child)[:count])
 
     def slots(self, seq: Sequence, start: int, count: int) -> list[int]:
-        return slot_mapping(self._pages(seq), start, count, self.page_size)
+        return slot_mapping(self.pages_of(seq), start, count, self.page_size)
 
     def export(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
         """The sequence's KV as contiguous CPU tensors [L, T, Hkv, D] (for the prefill/decode split)."""
         pool = self.pool(seq.kv_location)
-        pages = torch.tensor(self._pages(seq)[: self.pages_needed(seq.kv_len)], device=pool.device)
+        pages = torch.tensor(self.pages_of(seq)[: self.pages_needed(seq.kv_len)], device=pool.device)
         spec = self.geometry.spec
         k = pool.k[:, pages].reshape(spec.num_layers, -1, spec.num_kv_heads, spec.k_dim)[:, : seq.kv_len]
         v = pool.v[:, pages].reshape(spec.num_layers, -1, spec.num_kv_heads, spec.v_dim)[:, : seq.kv_len]
@@ -122,7 +122,8 @@ class KVManager:
         flat_v[:, slots] = v.to(pool.device, pool.v.dtype)
         self.bytes_moved += k.numel() * k.element_size() + v.numel() * v.element_size()
 
-    def _pages(self, seq: Sequence) -> list[int]:
+    def pages_of(self, seq: Sequence) -> list[int]:
+        """The page ids of the tier the sequence's KV is in."""
         return seq.device_pages if seq.kv_location is KVLocation.DEVICE else seq.host_pages
 
     @staticmethod

@@ -112,7 +112,11 @@ class ModelRunner:
         return CoroutineGroup(seqs, self._embed([s.last_token for s in seqs]), ProgramPoint(0, "attn"), ctx)
 
     def _new_token_slots(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
-        return torch.tensor([self.kv.slots(s, s.kv_len, 1)[0] for s in seqs], dtype=torch.long, device=device)
+        """The slot of each sequence's next token in the pages of its current tier."""
+        size = self.kv.page_size
+        pages = self.kv.pages_of
+        return torch.tensor([pages(s)[s.kv_len // size] * size + s.kv_len % size for s in seqs], dtype=torch.long,
+                            device=device)
 
 
 def _cumsum(values: list[int]) -> list[int]:
@@ -124,9 +128,7 @@ def _cumsum(values: list[int]) -> list[int]:
 
 
 def _page_table(pages: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Rows of page ids, right-padded with 0 (never read past a row's seq_len): one tensor build."""
     width = max(len(p) for p in pages)
-    table = torch.zeros(len(pages), width, dtype=torch.int32)
-    for row, p in enumerate(pages):
-        table[row, : len(p)] = torch.tensor(p, dtype=torch.int32)
-    return table.to(device)
+    return torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int32, device=device)
 
