@@ -131,6 +131,7 @@ def test_decode_torch_chunks_large_batches(monkeypatch):
         (16, 2, 16, 16, torch.float16, 4),
     ],
 )
+@pytest.mark.triton_cpu
 def test_decode_triton_matches_torch(heads, kv_heads, dim_k, dim_v, dtype, splits):
     from batchgen.kernels.decode_triton import paged_decode_attention_triton
 
@@ -142,7 +143,7 @@ def test_decode_triton_matches_torch(heads, kv_heads, dim_k, dim_v, dtype, split
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton_cpu)])
 def test_mla_latent_decode(backend):
     """DeepSeek-V3 absorbed MLA: one KV head, K = [latent | rope] (576), V = the latent part of K (512)."""
     rank, rope = 512, 64
@@ -159,7 +160,7 @@ def test_mla_latent_decode(backend):
     )
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton_cpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_write_kv_then_decode(backend, dtype):
     page_size, kv_heads = 4, 2

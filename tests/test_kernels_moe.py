@@ -130,6 +130,7 @@ SMALL_BLOCKS = dict(
         (6, 8, torch.float16, ()),
     ],
 )
+@pytest.mark.triton_cpu
 def test_triton_matches_torch(tokens, top_k, dtype, skip):
     from batchgen.kernels.moe_triton import fused_moe_triton
 
@@ -141,6 +142,7 @@ def test_triton_matches_torch(tokens, top_k, dtype, skip):
     assert got.dtype == dtype
 
 
+@pytest.mark.triton_cpu
 def test_triton_default_config_and_remote_experts_through_ops():
     x, w13, w2, weights, ids = make_moe(9, 32, 16, 4, 2)
     ids[1::3, 0] = -1

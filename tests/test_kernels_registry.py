@@ -39,6 +39,7 @@ def test_auto_picks_torch_on_cpu_even_under_interpreter(monkeypatch):
         assert registry.resolve(op, "cpu", torch.float32)[0] == "torch"
 
 
+@pytest.mark.triton_cpu
 def test_env_override_forces_triton_and_counts_use(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv(registry.ENV_VAR, "write_kv=triton")

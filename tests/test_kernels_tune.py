@@ -3,6 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from batchgen.kernels.moe_config import moe_config
@@ -10,6 +11,7 @@ from batchgen.kernels.moe_config import moe_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.triton_cpu
 def test_tune_moe_writes_a_config_the_kernel_reads(tmp_path, monkeypatch):
     """Plumbing only (interpreter timings mean nothing): tuned file lands where moe_config finds it."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
