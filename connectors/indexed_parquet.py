@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import ray.data
 from ray.data import Datasink
 from ray.data.block import Block, BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
@@ -217,6 +218,9 @@ class OrderedParquetSink(Datasink[list[str]]):
     def min_rows_per_write(self) -> int | None:
         return self.rows_per_file
 
+    def on_write_start(self, *args: Any, **kwargs: Any) -> None:
+        self.fs.makedirs(self.path, exist_ok=True)
+
     def write(self, blocks: Iterable[Block], ctx: Any) -> list[str]:
         tables = [BlockAccessor.for_block(b).to_arrow() for b in blocks]
         tables = [t for t in tables if t.num_rows]
@@ -241,3 +245,22 @@ class OrderedParquetSink(Datasink[list[str]]):
             pq.write_table(table, f)
         self.fs.mv(temporary, final)
         return final
+
+
+def read_parquet_indexed(uri: str, storage_options: dict[str, Any] | None = None, *, rows_per_block: int = 256,
+                         resume_from: str | None = None) -> ray.data.Dataset:
+    """`ray.data.read_parquet` for jobs whose output must keep the input order without `preserve_order`:
+    every row carries its input position in `row_index`. With `resume_from` (the output of an earlier
+    run of the same job) rows already written there are not read again."""
+    source = IndexedParquetSource(uri, storage_options, rows_per_block=rows_per_block)
+    if resume_from is not None:
+        source.skip = RangeSet.of((p.first, p.last) for p in recover_output_parts(resume_from, storage_options))
+    return ray.data.read_datasource(source)
+
+
+def write_parquet_ordered(ds: ray.data.Dataset, uri: str, storage_options: dict[str, Any] | None = None, *,
+                          rows_per_file: int | None = None) -> None:
+    """Write a dataset read with `read_parquet_indexed` as part files named by row range: read back in
+    file-name order (as `ray.data.read_parquet` lists them), the rows are in input order, whatever order
+    the blocks finished in."""
+    ds.write_datasink(OrderedParquetSink(uri, storage_options, rows_per_file))

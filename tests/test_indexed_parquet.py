@@ -12,7 +12,9 @@ from batchgen.connectors.indexed_parquet import (
     OrderedParquetSink,
     RangeSet,
     part_name,
+    read_parquet_indexed,
     recover_output_parts,
+    write_parquet_ordered,
 )
 
 
@@ -53,3 +55,31 @@ def test_sink_writes_contiguous_runs_and_scan_drops_crash_leftovers(tmp_path):
     parts = recover_output_parts(str(tmp_path))
     assert [(p.first, p.last) for p in parts] == [(3, 5), (7, 8)]
     assert sorted(p.name for p in tmp_path.iterdir()) == [part_name(3, 5), part_name(7, 8)]
+
+
+def test_raw_ray_data_job_keeps_input_order_without_preserve_order(ray_cluster, tmp_path):
+    import ray
+
+    def slower_for_earlier_rows(batch: pa.Table) -> pa.Table:
+        """Blocks of earlier rows take longer, so blocks finish in roughly reverse input order."""
+        import time
+
+        import pyarrow.compute as pc
+
+        time.sleep(0.05 * (3 - int(batch.column("row_index")[0].as_py()) // 10))
+        return batch.append_column("doubled", pc.multiply(batch.column("v"), 2))
+
+    assert not ray.data.DataContext.get_current().execution_options.preserve_order
+    source, out = tmp_path / "in", tmp_path / "out"
+    source.mkdir()
+    for f in range(3):
+        values = list(range(f * 10, f * 10 + 10))
+        pq.write_table(pa.table({"v": values}), source / f"in-{f}.parquet", row_group_size=5)
+    ds = read_parquet_indexed(str(source), rows_per_block=5)
+    ds = ds.map_batches(slower_for_earlier_rows, batch_size=5, batch_format="pyarrow", num_cpus=0.25)
+    write_parquet_ordered(ds, str(out))
+    table = pa.concat_tables(pq.read_table(part) for part in sorted(out.glob("part-*.parquet")))
+    assert table.column("v").to_pylist() == list(range(30))
+    assert table.column("doubled").to_pylist() == [2 * v for v in range(30)]
+    # a second run resumes from the output: nothing left to read
+    assert read_parquet_indexed(str(source), resume_from=str(out)).count() == 0
