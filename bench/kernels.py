@@ -1,10 +1,16 @@
-"""Expert-GEMM throughput versus tokens per expert: our grouped torch MoE (and the Triton kernel on CUDA)
-against transformers' Mixtral experts module on the same weights and routing.
+"""Kernel speed against what bounds it, on the device the engine would use.
 
     python bench/kernels.py [--json] [--dim 512] [--inter 1024] [--experts 8] [--dtype float32]
 
-Routing is balanced so every expert sees exactly n tokens; FLOP/s counts the useful work only
-(6 * D * I per routed token: gate/up and down projections). With --json the last line is one JSON object.
+1. Expert GEMM versus tokens per expert: our grouped torch MoE (and the Triton kernel on CUDA) against
+   transformers' Mixtral experts module on the same weights and routing. Routing is balanced so every
+   expert sees exactly n tokens; FLOP/s counts the useful work only (6 * D * I per routed token). Each
+   point also reports its weight-read bound (every expert's weights read once at the measured read
+   bandwidth) and the time over that bound: at 1-8 tokens per expert a call should cost about one read
+   of the weights.
+2. Paged decode attention (`kernels.ops.paged_decode_attention`, the backend the registry picks) at the
+   bench-moe attention shape, against its KV-read bound (every cached K/V byte read once at the measured
+   read bandwidth). With --json the last line is one JSON object.
 """
 
 import argparse
@@ -15,6 +21,7 @@ import time
 
 import torch
 
+from batchgen.kernels import ops, registry
 from batchgen.kernels.moe_torch import fused_moe_torch
 
 TOP_K = 2
@@ -67,7 +74,8 @@ def implementations(device: torch.device, w_gate_up, w_down) -> dict:
     return impls
 
 
-def seconds_per_call(fn, args, device: torch.device, min_time: float) -> float:
+def seconds_per_call(fn, args, device: torch.device, min_time: float, best: bool = False) -> float:
+    """Median (or best) seconds of repeated calls, at least `min_time` of them, after one warm-up."""
     fn(*args)  # warm-up (kernel compilation, allocator)
     times = []
     while sum(times) < min_time or len(times) < 3:
@@ -78,12 +86,52 @@ def seconds_per_call(fn, args, device: torch.device, min_time: float) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times) if best else statistics.median(times)
+
+
+def read_bandwidth(device: torch.device, mib: int = 512) -> float:
+    """Best-of-5 bytes/s of summing a large buffer: the rate any kernel can read memory at."""
+    x = torch.ones(mib * 2**20 // 4, device=device)
+    return x.numel() * 4 / seconds_per_call(lambda: x.sum(), (), device, 0.5, best=True)
+
+
+# bench-moe attention: 8 query heads, 2 KV heads, head dim 64, 64-token pages
+DECODE_SHAPE = {"heads": 8, "kv_heads": 2, "head_dim": 64, "page_size": 64}
+DECODE_BATCHES = ((8, 256), (32, 256), (128, 192), (128, 1024))  # (sequences, mean context)
+
+
+def decode_attention(device: torch.device, dtype: torch.dtype, bandwidth: float, min_time: float) -> list[dict]:
+    """Paged decode attention time per call against reading every cached K/V byte once."""
+    heads, kv_heads, dim, page = (DECODE_SHAPE[k] for k in ("heads", "kv_heads", "head_dim", "page_size"))
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for batch, mean_len in DECODE_BATCHES:
+        lens = torch.randint(mean_len // 2, mean_len * 3 // 2, (batch,), generator=g)
+        pages_per_seq = (lens + page - 1) // page
+        total_pages = int(pages_per_seq.sum())
+        order = torch.randperm(total_pages, generator=g)  # pages scattered through the pool, as in the engine
+        table = torch.zeros(batch, int(pages_per_seq.max()), dtype=torch.int32)
+        start = 0
+        for b, n in enumerate(pages_per_seq.tolist()):
+            table[b, :n] = order[start : start + n].int()
+            start += n
+        k_cache = torch.randn(total_pages, page, kv_heads, dim, generator=g).to(device, dtype)
+        v_cache = torch.randn(total_pages, page, kv_heads, dim, generator=g).to(device, dtype)
+        q = torch.randn(batch, heads, dim, generator=g).to(device, dtype)
+        args = (q, k_cache, v_cache, table.to(device), lens.int().to(device), dim**-0.5)
+        seconds = seconds_per_call(lambda *a: ops.paged_decode_attention(*a), args, device, min_time)
+        kv_bytes = int(lens.sum()) * kv_heads * 2 * dim * k_cache.element_size()
+        bound = kv_bytes / bandwidth
+        rows.append(dict(backend=registry.last_used("paged_decode_attention"), sequences=batch,
+                         mean_context=mean_len, kv_mib=round(kv_bytes / 2**20, 2), ms=round(seconds * 1e3, 4),
+                         kv_read_bound_ms=round(bound * 1e3, 4), over_bound=round(seconds / bound, 2)))
+    return rows
 
 
 def run(args) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype)
+    bandwidth = read_bandwidth(device)
     g = torch.Generator(device="cpu").manual_seed(0)
     w_gate_up = (torch.randn(args.experts, 2 * args.inter, args.dim, generator=g) / args.dim**0.5).to(
         device, dtype
@@ -92,6 +140,7 @@ def run(args) -> dict:
         device, dtype
     )
     impls = implementations(device, w_gate_up, w_down)
+    weight_bytes = (w_gate_up.numel() + w_down.numel()) * w_down.element_size()  # every expert is hit
     rows, skipped = [], {}
     with torch.inference_mode():
         for n in args.tokens_per_expert:
@@ -114,6 +163,7 @@ def run(args) -> dict:
                     continue
                 error = (out.float() - reference).abs().max().item()
                 seconds = seconds_per_call(fn, (x, topk_ids, topk_weights), device, args.min_time)
+                weight_bound = weight_bytes / bandwidth
                 rows.append(
                     dict(
                         impl=name,
@@ -121,6 +171,8 @@ def run(args) -> dict:
                         tokens=x.shape[0],
                         ms=round(seconds * 1e3, 4),
                         gflops=round(flops / seconds / 1e9, 2),
+                        weight_read_bound_ms=round(weight_bound * 1e3, 4),
+                        over_weight_bound=round(seconds / weight_bound, 2),
                         max_abs_err=float(f"{error:.3g}"),
                     )
                 )
@@ -135,8 +187,10 @@ def run(args) -> dict:
         top_k=TOP_K,
         dim=args.dim,
         inter=args.inter,
+        read_bandwidth_gbs=round(bandwidth / 1e9, 2),
         results=rows,
         skipped=skipped,
+        decode_attention=decode_attention(device, dtype, bandwidth, args.min_time),
     )
 
 
@@ -154,6 +208,13 @@ def print_table(report: dict) -> None:
         print(f"{n:>13} " + " ".join(f"{c['gflops']:>24.2f}" if c else f"{'-':>24}" for c in cells))
     for name, reason in report["skipped"].items():
         print(f"skipped {name}: {reason}")
+    ours = [r for r in report["results"] if r["impl"] == "batchgen_torch_grouped" and r["tokens_per_expert"] <= 8]
+    print(f"MoE call vs weight-read bound ({report['read_bandwidth_gbs']} GB/s read): " + ", ".join(
+        f"{r['tokens_per_expert']} tok/expert {r['ms']:.3f} ms = {r['over_weight_bound']}x" for r in ours))
+    print("paged decode attention vs KV-read bound:")
+    for r in report["decode_attention"]:
+        print(f"  {r['backend']}: {r['sequences']} seqs x ~{r['mean_context']} tokens ({r['kv_mib']} MiB KV): "
+              f"{r['ms']:.3f} ms, bound {r['kv_read_bound_ms']:.3f} ms, {r['over_bound']}x")
 
 
 def main() -> None:
