@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.pipelines.cli_args import json_object, parse_json_object
+from batchgen.pipelines.openai_batch.serve_cli import add_serve_parser, run_serve
 from batchgen.pipelines.pipeline import JobConfig, JobError, JobSummary, execute_job, plan_job
 from batchgen.pipelines.progress import Progress
-from batchgen.pipelines.serve_cli import add_serve_parser, run_serve
 
 # command-line shortcuts for the most used sampling parameters (full set: --sampling-params JSON)
 _SAMPLING_FLAGS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "n": int, "seed": int}

@@ -1,7 +1,14 @@
-"""The Batch API end to end: real server processes on 127.0.0.1 driven by the official openai client."""
+"""The Batch API end to end: real servers on 127.0.0.1 driven by the official openai client.
+
+The main server runs in this process, built from `batchgen serve` arguments over the same engine loop
+the references come from (the model loads once); the S3 one is a `batchgen serve` subprocess, so
+the command itself, an API key and a kill -9 restart are tested too.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import os
 import re
@@ -9,15 +16,22 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
+import pandas as pd
+import pyarrow as pa
 import pytest
+import uvicorn
 
-from batchgen.connectors.presets import build_preset
-from batchgen.engine import Completion, Engine, Request, SamplingParams
+from batchgen.engine import Completion, Engine, EngineLoop, Request, SamplingParams
+from batchgen.operators import BatchGen
+from batchgen.pipelines.cli import build_parser
+from batchgen.pipelines.openai_batch.serve_cli import create_serve_app, open_store
 
 CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}[assistant]{% endif %}")
@@ -27,6 +41,7 @@ API_KEY = "sk-test-0123456789"
 KV = {"kv_budget_bytes": 32 << 20, "host_kv_budget_bytes": 128 << 20}  # small: several engines run at once
 ENGINE_ARGS = ["--engine", json.dumps(KV)]
 SERVE_CMD = [sys.executable, "-m", "batchgen.pipelines.cli", "serve"]
+_ids = itertools.count()
 
 
 def _free_port() -> int:
@@ -36,6 +51,47 @@ def _free_port() -> int:
 
 
 class Server:
+    """A `batchgen serve` on 127.0.0.1 started with `args`."""
+
+    args: list[str]
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=30)
+
+
+class InProcessServer(Server):
+    """The server `batchgen serve ARGS` builds, run by uvicorn on a thread over an engine loop already running."""
+
+    def __init__(self, args: list[str], loop: EngineLoop) -> None:
+        self.args = args
+        parsed = build_parser().parse_args(["serve", *args])
+        app = create_serve_app(parsed, loop, open_store(parsed))
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+
+    def start(self, timeout: float = 60) -> InProcessServer:
+        self._thread.start()
+        deadline = time.time() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.time() > deadline:
+                raise RuntimeError("the in-process server did not come up")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+
+
+class ServeProcess(Server):
     """A `batchgen serve` subprocess; its log lands in `log_path`."""
 
     def __init__(self, workdir: Path, args: list[str], env: dict[str, str] | None = None) -> None:
@@ -44,11 +100,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.port = 0
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 120) -> Server:
+    def start(self, timeout: float = 120) -> ServeProcess:
         self.port = _free_port()
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
@@ -81,21 +133,32 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.kill()
 
-    def client(self, api_key: str = "unused") -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=30)
-
 
 # ---- fixtures --------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return Path(build_preset("tiny-moe"))  # the shared preset cache: built once, atomically
+def model_dir(tiny_moe_dir) -> Path:
+    return Path(tiny_moe_dir)
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir) -> Engine:
-    return Engine(str(model_dir), **KV)
+def batch_gen(model_dir) -> BatchGen:
+    """The Parquet pipeline's engine stage (what `batchgen run --mode single` runs in each actor); its
+    engine loop also computes every reference output and serves the in-process server."""
+    op = BatchGen(str(model_dir), **KV)
+    yield op
+    op.loop.close()
+
+
+@pytest.fixture(scope="module")
+def loop(batch_gen) -> EngineLoop:
+    return batch_gen.loop
+
+
+@pytest.fixture(scope="module")
+def engine(batch_gen) -> Engine:
+    return batch_gen.engine  # read-only use (tokenizer, limits): the loop's thread owns it
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +169,13 @@ def template_file(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, template_file, tmp_path_factory):
+def server(batch_gen, model_dir, template_file, tmp_path_factory):
     work = tmp_path_factory.mktemp("server")
-    srv = Server(work, ["--model", str(model_dir), "--storage", str(work / "storage"),
-                        "--served-model-name", SERVED, "--chat-template", str(template_file),
-                        "--allow-custom-completion-window", "--max-in-flight", "4",
-                        "--max-upload-bytes", "65536", "--sampling-params", '{"max_tokens": 3}']).start()
+    srv = InProcessServer(["--model", str(model_dir), "--storage", str(work / "storage"),
+                           "--served-model-name", SERVED, "--chat-template", str(template_file),
+                           "--allow-custom-completion-window", "--max-in-flight", "4",
+                           "--max-upload-bytes", "65536", "--sampling-params", '{"max_tokens": 3}'],
+                          batch_gen.loop).start()
     yield srv
     srv.stop()
 
@@ -160,12 +224,17 @@ def _counts(batch) -> tuple[int, int, int]:
     return batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed
 
 
-def _greedy(engine: Engine, prompts: list, max_tokens: int, **sampling) -> list[Completion]:
+def _greedy(loop: EngineLoop, prompts: list, max_tokens: int, **sampling) -> list[Completion]:
     """The engine's own greedy output for `prompts` (text or token ids), the reference for the server."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
-    requests = [Request(f"ref{i}", prompt=p, sampling=params) if isinstance(p, str) else
-                Request(f"ref{i}", prompt_token_ids=p, sampling=params) for i, p in enumerate(prompts)]
-    results = engine.generate(requests)
+    requests = [Request(f"ref{next(_ids)}", prompt=p, sampling=params) if isinstance(p, str) else
+                Request(f"ref{next(_ids)}", prompt_token_ids=p, sampling=params) for p in prompts]
+
+    def admit(engine: Engine) -> None:
+        for request in requests:
+            engine.add_request(request)
+
+    results = [f.result(timeout=120) for f in loop.submit([r.request_id for r in requests], admit)]
     assert all(r.ok for r in results), [r.error for r in results]
     return [r.outputs[0] for r in results]
 
@@ -187,12 +256,12 @@ def test_health_and_models(server, client):
         client.models.retrieve("gpt-4o")
 
 
-def test_completions_batch_matches_engine(client, engine):
+def test_completions_batch_matches_engine(client, engine, loop):
     token_prompt = engine.tokenizer.encode("a list of token ids")
     lines = [_line(f"req-{i}", {"prompt": p, "max_tokens": 6, "temperature": 0})
              for i, p in enumerate(PROMPTS)]
     lines.append(_line("tokens", {"prompt": token_prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2}))
-    expected = _greedy(engine, [*PROMPTS, token_prompt], max_tokens=6)
+    expected = _greedy(loop, [*PROMPTS, token_prompt], max_tokens=6)
     stop_word = expected[0].text.split()[2]
     lines.append(_line("stop", {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "stop": [stop_word]}))
     created = _submit(client, lines, metadata={"job": "nightly"})
@@ -229,27 +298,22 @@ def test_completions_batch_matches_engine(client, engine):
     assert batch.usage.input_tokens == sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in out)
 
 
-def test_greedy_output_equals_batchgen_run(client, model_dir, tmp_path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.table({"prompt": PROMPTS}), tmp_path / "prompts.parquet")
-    run = subprocess.run(
-        [sys.executable, "-m", "batchgen.pipelines.cli", "run", "--model", str(model_dir), "--input",
-         str(tmp_path / "prompts.parquet"), "--output", str(tmp_path / "out"), "--mode", "single",
-         "--max-tokens", "6", "--temperature", "0", "--no-progress", *ENGINE_ARGS],
-        capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = pq.read_table(tmp_path / "out").sort_by("row_index").to_pylist()
+def test_greedy_output_equals_batchgen_run(client, batch_gen):
+    """The Parquet pipeline's engine stage (BatchGen: parse rows, generate, output columns, as `batchgen run
+    --mode single --max-tokens 6 --temperature 0` runs it per block) and the Batch API agree."""
+    table = pa.table({"prompt": PROMPTS, "sampling_params": [{"max_tokens": 6, "temperature": 0.0}] * 4})
+    rows = asyncio.run(batch_gen(table)).to_pylist()
+    assert all(r["error"] is None for r in rows), rows
     lines = [_line(f"p{i}", {"prompt": p, "max_tokens": 6, "temperature": 0}) for i, p in enumerate(PROMPTS)]
     out = _read_lines(client, _wait(client, _submit(client, lines).id).output_file_id)
     assert [x["response"]["body"]["choices"][0]["text"] for x in out] == [r["generated_text"] for r in rows]
     assert [x["response"]["body"]["usage"]["completion_tokens"] for x in out] == \
         [r["num_generated_tokens"] for r in rows]
     assert [x["response"]["body"]["choices"][0]["finish_reason"] for x in out] == [r["finish_reason"] for r in rows]
+    assert [x["response"]["body"]["usage"]["prompt_tokens"] for x in out] == [r["num_prompt_tokens"] for r in rows]
 
 
-def test_chat_batch(client, engine):
+def test_chat_batch(client, engine, loop):
     conversations = [[{"role": "user", "content": p}] for p in PROMPTS[:2]]
     conversations.append([{"role": "system", "content": "be brief"},
                           {"role": "user", "content": [{"type": "text", "text": "hi there"}]}])
@@ -269,7 +333,7 @@ def test_chat_batch(client, engine):
     assert [x["custom_id"] for x in out] == ["chat-0", "chat-1", "chat-2", "sampled", "sampled-again"]
     prompts = [_chat_ids(engine, [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
                                    else m["content"][0]["text"]} for m in conv]) for conv in conversations]
-    expected = _greedy(engine, prompts, max_tokens=5)
+    expected = _greedy(loop, prompts, max_tokens=5)
     for entry, reference, prompt in zip(out, expected, prompts):
         body = entry["response"]["body"]
         assert body["object"] == "chat.completion"
@@ -297,7 +361,12 @@ def test_per_request_errors_go_to_error_file(client, engine):
         "bad-temperature": ({"prompt": "x", "temperature": -1}, "temperature"),
         "too-long": ({"prompt": too_long, "max_tokens": 2}, "prompt has"),
         "logit-bias": ({"prompt": "x", "logit_bias": {"5": 3}}, "logit_bias"),
-        "bad-prompt": ({"prompt": {"text": "x"}}, "'prompt'"),
+        "bad-prompt": ({"prompt": {"text": "x"}}, "prompt: expected text, got dict"),
+        "no-prompt": ({"max_tokens": 2}, "missing required parameter 'prompt'"),
+        "two-prompts": ({"prompt": ["x", "y"]}, "one prompt per request line"),
+        "empty-prompt": ({"prompt": ""}, "prompt is empty"),
+        "outside-vocab": ({"prompt": [1, engine.normalizer.vocab_size]}, "outside the vocabulary"),
+        "nan-temperature": ({"prompt": "x", "temperature": float("nan")}, "'temperature': must be a finite"),
         "unknown-field": ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
         "chat-field": ({"prompt": "x", "messages": []}, "messages"),
         "bad-max-tokens": ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
@@ -308,7 +377,7 @@ def test_per_request_errors_go_to_error_file(client, engine):
     batch = _wait(client, _submit(client, lines).id)
 
     assert batch.status == "completed"
-    assert _counts(batch) == (9, 2, 7)
+    assert _counts(batch) == (len(bad) + 2, 2, len(bad))
     out = _read_lines(client, batch.output_file_id)
     assert [x["custom_id"] for x in out] == ["ok-1", "ok-2"]
     assert [x["response"]["body"]["usage"]["completion_tokens"] for x in out] == [3, 5]
@@ -318,6 +387,37 @@ def test_per_request_errors_go_to_error_file(client, engine):
         assert entry["response"]["status_code"] == 400 and entry["error"] is None
         message = entry["response"]["body"]["error"]["message"]
         assert bad[entry["custom_id"]][1] in message, message
+
+
+def test_bad_line_and_bad_parquet_row_get_the_same_error(client, engine, batch_gen):
+    """One request path: the OpenAI mapping hands the prompt and sampling values to the engine's own checks."""
+    too_long = [5] * (engine.max_model_len + 3)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    cases = [  # (endpoint, request body, the same content as a Parquet row)
+        ("/v1/completions", {"prompt": [1, engine.normalizer.vocab_size]},
+         {"prompt_token_ids": [1, engine.normalizer.vocab_size]}),
+        ("/v1/completions", {"prompt": "x", "temperature": -1},
+         {"prompt": "x", "sampling_params": {"temperature": -1}}),
+        ("/v1/completions", {"prompt": "x", "top_p": 0}, {"prompt": "x", "sampling_params": {"top_p": 0}}),
+        ("/v1/completions", {"prompt": too_long, "max_tokens": 2},
+         {"prompt_token_ids": too_long, "sampling_params": {"max_tokens": 2}}),
+        ("/v1/completions", {"prompt": ""}, {"prompt": ""}),
+        ("/v1/chat/completions", {"messages": image}, {"messages": image}),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]},
+         {"messages": [{"role": "robot", "content": "x"}]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]},
+         {"messages": [{"role": "user", "content": None}]}),
+        ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "t"}]}]},
+         {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "t"}]}]}),
+    ]
+    row_errors = asyncio.run(batch_gen(pd.DataFrame([row for _, _, row in cases])))["error"].tolist()
+    line_errors = []
+    for endpoint in ("/v1/completions", "/v1/chat/completions"):
+        lines = [_line(f"case-{i}", body, url=url) for i, (url, body, _) in enumerate(cases) if url == endpoint]
+        batch = _wait(client, _submit(client, lines, endpoint=endpoint).id)
+        assert _counts(batch) == (len(lines), 0, len(lines))
+        line_errors += [e["response"]["body"]["error"]["message"] for e in _read_lines(client, batch.error_file_id)]
+    assert all(row_errors) and line_errors == row_errors
 
 
 def test_invalid_input_fails_validation_with_line_numbers(client):
@@ -456,7 +556,10 @@ def test_cancel_running_batch(client):
 
 
 def test_completion_window_expires_unfinished_requests(client):
-    lines = _long_lines(100, tokens=32)
+    # the first requests in flight take one token, so some finish inside the window (as short as 1 s: the
+    # timestamps are whole seconds) however loaded the machine; the long ones cannot all finish in it
+    quick = [_line(f"quick-{i}", {"prompt": PROMPTS[i], "max_tokens": 1}) for i in range(4)]
+    lines = quick + _long_lines(96, tokens=32)
     created = _submit(client, lines, window="2s")
     assert created.expires_at - created.created_at == 2
     batch = _wait(client, created.id)
@@ -464,11 +567,60 @@ def test_completion_window_expires_unfinished_requests(client):
     _check_partial(client, batch, lines, "batch_expired")
 
 
+class _BrokenEngine:
+    """Takes requests, then raises at its first step (a lost device, say)."""
+
+    def __init__(self, normalizer) -> None:
+        self.normalizer, self.requests = normalizer, 0
+
+    def add_request(self, request: Request) -> None:
+        self.requests += 1
+
+    def has_unfinished(self) -> bool:
+        return self.requests > 0
+
+    def step(self):
+        raise RuntimeError("device lost")
+
+    def abort(self, request_id: str) -> bool:
+        return False
+
+
+def test_engine_failure_fails_every_batch(engine, tmp_path):
+    from fastapi.testclient import TestClient
+
+    loop = EngineLoop(lambda: _BrokenEngine(engine.normalizer))
+    args = build_parser().parse_args(["serve", "--model", "broken", "--storage", str(tmp_path / "storage")])
+    app = create_serve_app(args, loop, open_store(args))
+    with TestClient(app) as http:
+        def run_batch() -> dict:
+            upload = http.post("/v1/files", files={"file": ("in.jsonl", _jsonl([_line("a", {"prompt": "x"},
+                                                                                        model="broken")]))},
+                               data={"purpose": "batch"}).json()
+            batch = http.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/completions",
+                                                   "completion_window": "24h"}).json()
+            deadline = time.time() + 30
+            while batch["status"] not in ("completed", "failed", "expired", "cancelled") and time.time() < deadline:
+                time.sleep(0.05)
+                batch = http.get(f"/v1/batches/{batch['id']}").json()
+            return batch
+
+        running = run_batch()  # fails while in progress
+        assert running["status"] == "failed" and running["in_progress_at"] is not None
+        [error] = running["errors"]["data"]
+        assert error["code"] == "engine_error" and "device lost" in error["message"], error
+        health = http.get("/health")
+        assert health.status_code == 503 and "device lost" in health.json()["message"]
+        later = run_batch()  # fails at validation
+        assert later["status"] == "failed" and later["in_progress_at"] is None
+        assert later["errors"]["data"][0]["code"] == "engine_error"
+    loop.close()
+
+
 # ---- auth, s3 storage, restart ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def moto_endpoint(tmp_path_factory):
+def _start_moto() -> tuple[subprocess.Popen, str]:
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -480,25 +632,48 @@ def moto_endpoint(tmp_path_factory):
             break
         except httpx.HTTPError:
             time.sleep(0.2)
-    yield endpoint
-    proc.terminate()
-    proc.wait(10)
+    return proc, endpoint
 
 
-@pytest.fixture(scope="module")
-def s3_server(model_dir, moto_endpoint, tmp_path_factory):
+def _start_s3_server(model_dir: Path, work: Path) -> ServeProcess:
     """API key on, files in S3 (moto), SQLite in a local state dir; the restart test kills and restarts it."""
     import s3fs
 
-    work = tmp_path_factory.mktemp("s3-server")
-    options = {"key": "testing", "secret": "testing", "endpoint_url": moto_endpoint}
-    s3fs.S3FileSystem(**options).mkdir("batches")
-    srv = Server(work, ["--model", str(model_dir), "--storage", "s3://batches/api", "--state-dir",
-                        str(work / "state"), "--storage-options", json.dumps(options), "--api-key", API_KEY,
-                        "--max-in-flight", "2"]).start()
-    srv.fs, srv.state_dir = s3fs.S3FileSystem(**options), work / "state"
-    yield srv
-    srv.stop()
+    moto, endpoint = _start_moto()
+    try:
+        options = {"key": "testing", "secret": "testing", "endpoint_url": endpoint}
+        s3fs.S3FileSystem(**options).mkdir("batches")
+        srv = ServeProcess(work, ["--model", str(model_dir), "--storage", "s3://batches/api", "--state-dir",
+                                  str(work / "state"), "--storage-options", json.dumps(options), "--api-key",
+                                  API_KEY, "--max-in-flight", "2"]).start()
+    except BaseException:
+        moto.terminate()
+        raise
+    srv.fs, srv.state_dir, srv.moto = s3fs.S3FileSystem(**options), work / "state", moto
+    return srv
+
+
+@pytest.fixture(scope="module", autouse=True)
+def s3_server_starting(request, model_dir, tmp_path_factory):
+    """When a selected test of this module uses `s3_server`, start it on a thread as the module begins: its
+    start-up (moto, a second process loading the model) then overlaps the in-process tests."""
+    if not any("s3_server" in item.fixturenames for item in request.session.items
+               if getattr(item, "module", None) is request.module):
+        yield None
+        return
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(_start_s3_server, model_dir, tmp_path_factory.mktemp("s3-server"))
+        yield starting
+        if starting.exception() is None:
+            srv = starting.result()
+            srv.stop()
+            srv.moto.terminate()
+            srv.moto.wait(10)
+
+
+@pytest.fixture(scope="module")
+def s3_server(s3_server_starting) -> ServeProcess:
+    return s3_server_starting.result(timeout=300)
 
 
 def test_api_key_and_s3_storage(s3_server, model_dir):
@@ -529,7 +704,7 @@ def test_api_key_and_s3_storage(s3_server, model_dir):
     assert (srv.state_dir / "batchgen_batches.sqlite").exists()
 
 
-def test_restart_resumes_without_losing_or_repeating(s3_server, model_dir, engine):
+def test_restart_resumes_without_losing_or_repeating(s3_server, model_dir, loop):
     srv, model = s3_server, model_dir.name
     client = srv.client(API_KEY)
     early = [_line("early", {"prompt": "x", "max_tokens": 2}, model=model)]
@@ -554,5 +729,5 @@ def test_restart_resumes_without_losing_or_repeating(s3_server, model_dir, engin
     assert resumed is not None, srv.log()
     assert int(resumed.group(1)) <= 20 - running.request_counts.completed  # finished requests not redone
     assert [x["custom_id"] for x in out] == [x["custom_id"] for x in lines]
-    expected = _greedy(engine, [x["body"]["prompt"] for x in lines], max_tokens=8, ignore_eos=True)
+    expected = _greedy(loop, [x["body"]["prompt"] for x in lines], max_tokens=8, ignore_eos=True)
     assert [x["response"]["body"]["choices"][0]["text"] for x in out] == [c.text for c in expected]

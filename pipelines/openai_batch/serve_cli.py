@@ -6,11 +6,16 @@ import argparse
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from batchgen.engine.config import EngineConfig
-from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.request_normalizer import sampling_params
 from batchgen.pipelines.cli_args import json_object
+
+if TYPE_CHECKING:  # the server's modules load only when `serve` runs
+    from fastapi import FastAPI
+
+    from batchgen.engine import EngineLoop
+    from batchgen.pipelines.openai_batch.store import BatchStore
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -51,30 +56,40 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from batchgen.engine import Engine
-    from batchgen.pipelines.batch_runner import BatchRunner, RunnerConfig
-    from batchgen.pipelines.batch_server import ServerConfig, create_app
-    from batchgen.pipelines.batch_store import BatchStore
+    from batchgen.engine import EngineLoop
+    from batchgen.operators.engine_factory import load_engine
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     try:
-        SamplingParams.from_dict(args.sampling_params)
-        EngineConfig.from_kwargs(**args.engine)
-    except (ValueError, TypeError) as exc:
+        sampling_params(args.sampling_params)  # a bad default fails before the model loads
+        store = open_store(args)
+        loop = EngineLoop(lambda: load_engine(args.model, args.storage_options, **args.engine))
+    except (ValueError, TypeError) as exc:  # bad options (the engine's own checks), unusable storage or model
         raise SystemExit(f"batchgen serve: error: {exc}") from None
+    try:
+        uvicorn.run(create_serve_app(args, loop, store), host=args.host, port=args.port, log_level="info")
+    finally:
+        loop.close()
+
+
+def open_store(args: argparse.Namespace) -> BatchStore:
+    from batchgen.pipelines.openai_batch.store import BatchStore
+
+    return BatchStore(args.storage, args.state_dir, args.storage_options)
+
+
+def create_serve_app(args: argparse.Namespace, loop: EngineLoop, store: BatchStore) -> FastAPI:
+    """The server app for parsed `serve` arguments over a running engine loop (the caller closes both)."""
+    from batchgen.pipelines.openai_batch.runner import BatchRunner, RunnerConfig
+    from batchgen.pipelines.openai_batch.server import ServerConfig, create_app
+
     served_model = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
     chat_template = args.chat_template
     if chat_template is not None and Path(chat_template).is_file():
         chat_template = Path(chat_template).read_text()
-    try:
-        store = BatchStore(args.storage, args.state_dir, args.storage_options)
-    except ValueError as exc:
-        raise SystemExit(f"batchgen serve: error: {exc}") from None
-    engine = Engine(args.model, storage_options=args.storage_options, **args.engine)
-    runner = BatchRunner(engine, store, RunnerConfig(
+    runner = BatchRunner(loop, store, RunnerConfig(
         served_model=served_model, default_sampling=args.sampling_params, chat_template=chat_template,
         max_in_flight=args.max_in_flight, max_batch_requests=args.max_batch_requests))
-    app = create_app(store, runner, ServerConfig(
+    return create_app(store, runner, ServerConfig(
         served_model=served_model, api_key=args.api_key, max_upload_bytes=args.max_upload_bytes,
         allow_custom_completion_window=args.allow_custom_completion_window))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -17,9 +17,9 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
 from batchgen.engine.sampling_params import InvalidRequestError
-from batchgen.pipelines.batch_runner import BatchRunner
-from batchgen.pipelines.batch_store import BatchRecord, BatchStore, FileRecord
-from batchgen.pipelines.openai_format import ENDPOINTS, completion_window_seconds, error_object
+from batchgen.pipelines.openai_batch.runner import BatchRunner
+from batchgen.pipelines.openai_batch.store import BatchRecord, BatchStore, FileRecord
+from batchgen.pipelines.openai_batch.wire_format import ENDPOINTS, completion_window_seconds, error_object
 
 MULTIPART_SLACK = 64 * 1024  # room for the multipart framing around the file itself
 CHUNK = 1 << 20
@@ -130,10 +130,7 @@ def create_app(store: BatchStore, runner: BatchRunner, config: ServerConfig) -> 
     # ---- files -------------------------------------------------------------------------------------
 
     def find_file(file_id: str) -> FileRecord:
-        record = store.get_file(file_id)
-        if record is None:
-            raise APIError(404, f"No such File object: {file_id}", "file_id")
-        return record
+        return _found(store.get_file(file_id), "File", file_id)
 
     @api.post("/files")
     async def upload_file(request: Request) -> dict:
@@ -192,10 +189,7 @@ def create_app(store: BatchStore, runner: BatchRunner, config: ServerConfig) -> 
     # ---- batches -----------------------------------------------------------------------------------
 
     def find_batch(batch_id: str) -> BatchRecord:
-        record = store.get_batch(batch_id)
-        if record is None:
-            raise APIError(404, f"No such Batch object: {batch_id}", "batch_id")
-        return record
+        return _found(store.get_batch(batch_id), "Batch", batch_id)
 
     @api.post("/batches")
     async def create_batch(request: Request, background: BackgroundTasks) -> dict:
@@ -251,6 +245,13 @@ def create_app(store: BatchStore, runner: BatchRunner, config: ServerConfig) -> 
 
     app.include_router(api)
     return app
+
+
+def _found(record: Any, kind: str, object_id: str) -> Any:
+    """The record looked up by a path id, or OpenAI's 404 for it (`param` is file_id / batch_id)."""
+    if record is None:
+        raise APIError(404, f"No such {kind} object: {object_id}", f"{kind.lower()}_id")
+    return record
 
 
 def _check_limit(limit: int, most: int) -> None:

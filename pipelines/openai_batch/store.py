@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import IO, Any
 
 from batchgen.connectors.io import filesystem
-from batchgen.pipelines.openai_format import new_id
+from batchgen.pipelines.openai_batch.wire_format import new_id
 
 FILE_ID = re.compile(r"^file-[0-9a-f]{24}$")
 DB_NAME = "batchgen_batches.sqlite"

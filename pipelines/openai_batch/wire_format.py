@@ -1,8 +1,10 @@
 """The OpenAI wire format: batch input lines in, engine requests out, and back to response objects.
 
 Checks that need only the file (JSON, custom_id, method, url, model) run when a batch is created and
-fail the whole batch with line numbers; checks on the body (messages, prompt, sampling) run when
-the line executes, so one bad request lands in the error file while the others complete.
+fail the whole batch with line numbers; checks on the body run when the line executes, so one bad
+request lands in the error file while the others complete. The body checks on the prompt and the
+sampling values are the engine's own (engine/request_normalizer.py): an OpenAI line and a Parquet row
+with the same bad content get the same error text.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.engine.chat import render_chat
 from batchgen.engine.request import Completion, Request, Result, TokenLogprob
-from batchgen.engine.sampling_params import InvalidRequestError, SamplingParams
+from batchgen.engine.request_normalizer import RequestNormalizer, sampling_params
+from batchgen.engine.sampling_params import InvalidRequestError
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
@@ -45,7 +47,6 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 _CHAT_ONLY = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "response_format",
               "modalities", "parallel_tool_calls", "store", "metadata", "service_tier")
 _COMPLETIONS_ONLY = ("prompt", "echo", "suffix", "best_of")
-_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def new_id(prefix: str) -> str:
@@ -135,43 +136,34 @@ def _check_line(raw: bytes, endpoint: str, served_model: str, seen: dict[str, in
     return None
 
 
-@dataclass
 class RequestBuilder:
-    """Turns a line's body into an engine Request, applying the server's default sampling values."""
+    """Turns a line's body into an engine Request, applying the server's default sampling values.
 
-    endpoint: str
-    tokenizer: Any
-    max_model_len: int
-    default_sampling: dict[str, Any]
-    chat_template: str | None = None
+    Only the OpenAI mapping lives here (field names, which fields an endpoint takes, the values this
+    server cannot honour); the prompt and the sampling values are checked by the engine's own
+    RequestNormalizer and `sampling_params`, so a bad line fails with the same text as a Parquet row.
+    """
+
+    def __init__(self, endpoint: str, normalizer: RequestNormalizer, default_sampling: dict[str, Any]) -> None:
+        self.endpoint = endpoint
+        self.normalizer = normalizer  # carries the server's --chat-template
+        self.defaults = sampling_params(default_sampling)
+        self.default_max_tokens = default_sampling.get("max_tokens") is not None
 
     def build(self, request_id: str, body: dict[str, Any]) -> Request:
         """Raises InvalidRequestError naming the offending field."""
         chat = self.endpoint == CHAT_ENDPOINT
         _check_fields(body, chat)
-        values = {key: body[key] for key in _SAMPLING_FIELDS if key in body}
-        values.update(_max_tokens(body, chat))
-        values.update(_logprobs(body, chat))
+        values = {key: body.get(key) for key in _SAMPLING_FIELDS}
+        values["max_tokens"] = _max_tokens(body, chat)
+        values["logprobs"] = _logprobs(body, chat)
         best_of = body.get("best_of")
         if best_of is not None and best_of != body.get("n", 1):
             raise InvalidRequestError("unsupported parameter 'best_of': only best_of equal to n is supported")
-        if chat:
-            prompt_ids = self._chat_prompt(body.get("messages"))
-            if "max_tokens" not in values and "max_tokens" not in self.default_sampling:
-                values["max_tokens"] = max(1, self.max_model_len - len(prompt_ids))
-            sampling = SamplingParams.from_dict({**self.default_sampling, **values})
-            return Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling)
-        sampling = SamplingParams.from_dict({**self.default_sampling, **values})
-        prompt = _completion_prompt(body.get("prompt"))
-        if isinstance(prompt, str):
-            return Request(request_id=request_id, prompt=prompt, sampling=sampling)
-        return Request(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
-
-    def _chat_prompt(self, messages: Any) -> list[int]:
-        if not (self.chat_template or getattr(self.tokenizer, "chat_template", None)):
-            raise InvalidRequestError("the served model has no chat template; use /v1/completions or start "
-                                      "the server with --chat-template")
-        return render_chat(self.tokenizer, _chat_messages(messages), self.chat_template)
+        prompt_ids = self.normalizer.prompt_ids(**_prompt(body, chat))
+        if chat and values["max_tokens"] is None and not self.default_max_tokens:
+            values["max_tokens"] = max(1, self.normalizer.max_model_len - len(prompt_ids))
+        return Request(request_id, prompt_token_ids=prompt_ids, sampling=sampling_params(values, self.defaults))
 
 
 def _check_fields(body: dict[str, Any], chat: bool) -> None:
@@ -188,70 +180,41 @@ def _check_fields(body: dict[str, Any], chat: bool) -> None:
                             "top_logprobs", "best_of"))
         if not known:
             raise InvalidRequestError(f"unrecognized request parameter '{key}'")
-    if not isinstance(body.get("stop", ""), (str, list, type(None))):
-        raise InvalidRequestError("invalid 'stop': must be a string or a list of strings")
 
 
-def _max_tokens(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+def _max_tokens(body: dict[str, Any], chat: bool) -> Any:
     value = body.get("max_completion_tokens") if chat else None
-    if value is None:
-        value = body.get("max_tokens")
-    return {} if value is None else {"max_tokens": value}
+    return body.get("max_tokens") if value is None else value
 
 
-def _logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+def _logprobs(body: dict[str, Any], chat: bool) -> Any:
     """Chat asks with logprobs: bool + top_logprobs: int; completions with logprobs: int."""
     if not chat:
-        return {} if body.get("logprobs") is None else {"logprobs": body["logprobs"]}
+        return body.get("logprobs")
     wanted, top = body.get("logprobs"), body.get("top_logprobs")
     if wanted not in (None, True, False):
         raise InvalidRequestError(f"invalid 'logprobs': must be a boolean, got {wanted!r}")
     if top is not None and not wanted:
         raise InvalidRequestError("'top_logprobs' requires 'logprobs': true")
-    return {"logprobs": 0 if top is None else top} if wanted else {}
+    return (0 if top is None else top) if wanted else None
 
 
-def _chat_messages(messages: Any) -> list[dict[str, str]]:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("'messages' must be a non-empty list")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in _ROLES:
-            raise InvalidRequestError(f"messages[{i}] must be an object with 'role' in {list(_ROLES)}")
-        if message.get("tool_calls") or message.get("function_call"):
-            raise InvalidRequestError(f"messages[{i}]: tool calls are not supported")
-        role = "system" if message["role"] == "developer" else message["role"]
-        out.append({"role": role, "content": _message_text(message.get("content"), i)})
-    return out
-
-
-def _message_text(content: Any, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if content is None:
-        return ""
-    if not isinstance(content, list):
-        raise InvalidRequestError(f"messages[{i}].content must be a string or a list of content parts")
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise InvalidRequestError(f"messages[{i}].content[{j}]: only text parts are supported, "
-                                      f"got {kind!r}")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def _completion_prompt(prompt: Any) -> str | list[int]:
-    """A string or a list of token ids, as OpenAI accepts (a one-element list of either too)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
-        return prompt
-    raise InvalidRequestError("'prompt' must be a string or a non-empty list of token ids "
-                              "(one prompt per line)")
+def _prompt(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """The RequestNormalizer argument for the body's prompt: chat `messages`, or the completions `prompt`
+    (text or token ids, as OpenAI accepts, a one-element list of either too)."""
+    name = "messages" if chat else "prompt"
+    value = body.get(name)
+    if value is None:
+        raise InvalidRequestError(f"missing required parameter '{name}'")
+    if chat:
+        return {"messages": value}
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if not isinstance(value, list):
+        return {"prompt": value}
+    if any(isinstance(t, (str, list)) for t in value):
+        raise InvalidRequestError("prompt: one prompt per request line; a list of prompts is not supported")
+    return {"prompt_token_ids": value}
 
 
 def response_body(endpoint: str, result: Result, model: str, tokenizer: Any) -> dict[str, Any]:
