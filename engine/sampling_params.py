@@ -33,8 +33,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)):
+                raise InvalidRequestError(f"invalid sampling parameter '{name}': must be a list, got "
+                                          f"{type(value).__name__}")
+            object.__setattr__(self, name, tuple(value))
         self.validate()
 
     @property

@@ -115,3 +115,12 @@ def test_abort_drops_a_request_and_frees_its_kv(engine):
     assert engine.kv.device.free_pages > free_before
     finished = [r.request_id for r in engine.stream([])]
     assert finished == ["keep"]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", float("nan")), ("temperature", float("inf")), ("top_p", float("nan")),
+    ("min_p", float("inf")), ("stop", 5), ("stop", {"a": 1}), ("stop_token_ids", [1.5]), ("stop_token_ids", 3),
+])
+def test_non_finite_and_wrongly_typed_sampling_values_are_rejected_by_name(field, value):
+    with pytest.raises(InvalidRequestError, match=f"invalid sampling parameter '{field}'"):
+        SamplingParams.from_dict({field: value})
