@@ -28,6 +28,13 @@ from batchgen.pipelines.progress import Progress
 # command-line shortcuts for the most used sampling parameters (full set: --sampling-params JSON)
 _SAMPLING_FLAGS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "n": int, "seed": int}
 _JOB_FIELDS = {f.name for f in fields(JobConfig)}
+_ACTOR_COUNTS = {
+    "--prefill-concurrency": "prefill engine actors (disaggregated)",
+    "--decode-concurrency": "decode engine actors (disaggregated)",
+    "--concurrency": "engine actors (single)",
+    "--tokenize-concurrency": "tokenizer actors, CPU only (disaggregated)",
+    "--detokenize-concurrency": "detokenizer actors, CPU only (disaggregated)",
+}
 
 
 class UsageError(ValueError):
@@ -62,11 +69,8 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("disaggregated", "single"),
                    help="separate prefill and decode stages (default) or one engine stage")
-    p.add_argument("--prefill-concurrency", type=int, help="prefill engine actors (disaggregated)")
-    p.add_argument("--decode-concurrency", type=int, help="decode engine actors (disaggregated)")
-    p.add_argument("--concurrency", type=int, help="engine actors (single)")
-    p.add_argument("--tokenize-concurrency", type=int, help="tokenizer actors, CPU only (disaggregated)")
-    p.add_argument("--detokenize-concurrency", type=int, help="detokenizer actors, CPU only (disaggregated)")
+    for flag, what in _ACTOR_COUNTS.items():
+        p.add_argument(flag, type=int, help=what)
     p.add_argument("--batch-size", type=int, help="rows per batch handed to each stage")
     for name, kind in _SAMPLING_FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), type=kind, help=f"sampling default '{name}'")
