@@ -25,6 +25,10 @@ class EngineConfig:
     kv_budget_bytes: int | None = None  # device page pool; None = a share of free device memory
     host_kv_budget_bytes: int | None = None  # host page pool; None = a share of free host memory
     staging_fraction: float = 0.25  # coroutine mode: share of a set KV budget kept for streaming
+    # coroutine mode, how host-resident sequences decode: True streams their KV layer by layer through a
+    # staging pool in device memory; False attends on the host pages in place; None (auto) streams
+    # unless the device is the CPU, whose "host" pages already are device memory
+    stream_host_kv: bool | None = None
     b_attn: int = 256  # max sequences per attention micro-batch
     b_moe: int = 8192  # max tokens per MoE (feed-forward) batch
     max_num_seqs: int = 256  # sequences resident in the engine (over-subscription bound)
@@ -47,6 +51,8 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         _check_int("seed", self.seed, minimum=0)
+        if self.stream_host_kv not in (None, True, False):
+            raise ValueError(f"engine option stream_host_kv must be true, false or null, got {self.stream_host_kv!r}")
         for name in ("staging_fraction", "refill_threshold"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:

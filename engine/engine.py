@@ -51,8 +51,11 @@ class Engine:
         self.max_model_len = min(self.config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.normalizer = RequestNormalizer(self.tokenizer, self.model.vocab_size, self.max_model_len)
         spec = self.model.kv_spec()
-        budget = plan_kv_budget(self.config, spec, loaded.dtype, self.max_model_len, self.device)
-        self.kv = KVManager(spec, self.config.page_size, loaded.dtype, budget, self.device)
+        stream_host = self.config.stream_host_kv
+        if stream_host is None:
+            stream_host = self.device.type != "cpu"
+        budget = plan_kv_budget(self.config, spec, loaded.dtype, self.max_model_len, self.device, stream_host)
+        self.kv = KVManager(spec, self.config.page_size, loaded.dtype, budget, self.device, stream_host)
         self.scheduler = Scheduler(self.config, self.kv)
         coroutine = self.config.mode == "coroutine"
         limits = MicroBatchLimits(self.config.b_attn if coroutine else _UNBOUNDED,

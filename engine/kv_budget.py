@@ -13,7 +13,7 @@ from batchgen.engine.models.context import KVSpec
 
 
 def plan_kv_budget(config: EngineConfig, spec: KVSpec, dtype: torch.dtype, max_model_len: int,
-                   device: torch.device) -> KVBudget:
+                   device: torch.device, stream_host: bool) -> KVBudget:
     """Explicit budgets win; otherwise what `max_num_seqs` full contexts need, capped by a modest share
     of free memory (several engine actors may share one node)."""
     token_bytes = spec.num_layers * spec.num_kv_heads * (spec.k_dim + spec.v_dim) * dtype.itemsize
@@ -21,7 +21,7 @@ def plan_kv_budget(config: EngineConfig, spec: KVSpec, dtype: torch.dtype, max_m
     share = 0.5 if device.type == "cuda" else 0.05
     device_bytes = config.kv_budget_bytes or min(wanted, int(available_memory_bytes(device) * share))
     host_bytes = config.host_kv_budget_bytes or min(wanted, int(available_memory_bytes(torch.device("cpu")) * 0.05))
-    if config.mode != "coroutine":
+    if config.mode != "coroutine" or not stream_host:  # no staging pool: nothing streams through one
         return KVBudget(device_bytes, host_bytes, 0)
     staging = int(device_bytes * config.staging_fraction) if config.kv_budget_bytes else 0
     if not staging:

@@ -25,7 +25,7 @@ class KVBudget:
 
 class KVManager:
     def __init__(self, spec: KVSpec, page_size: int, dtype: torch.dtype, budget: KVBudget,
-                 device: torch.device, reserve_pages: int = 2):
+                 device: torch.device, stream_host: bool, reserve_pages: int = 2):
         self.geometry = PoolGeometry(spec, page_size, dtype)
         self.page_size = page_size
         self.reserve_pages = reserve_pages
@@ -35,8 +35,14 @@ class KVManager:
                            torch.device("cpu"), pin=True)
         stage_geometry = PoolGeometry(KVSpec(1, spec.num_kv_heads, spec.k_dim, spec.v_dim), page_size, dtype)
         self.stage = KVPool(stage_geometry, stage_geometry.pages_in_budget(budget.staging_bytes), device)
+        self.stream_host = stream_host  # host-resident KV decodes through `stage` (else on host pages in place)
         self.bytes_moved = 0
         self.migrations = {"to_host": 0, "to_device": 0}
+
+    @property
+    def host_decode_pages(self) -> int:
+        """Most pages host-resident sequences can decode over in one micro-batch."""
+        return self.stage.num_pages if self.stream_host else self.host.num_pages
 
     def pool(self, location: KVLocation) -> KVPool:
         return self.device if location is KVLocation.DEVICE else self.host

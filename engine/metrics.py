@@ -25,7 +25,7 @@ class EngineMetrics:
     aborted_requests: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
-    staged_decode_batches: int = 0  # decode micro-batches whose KV streamed from host pages (offloaded COMBINE)
+    staged_decode_batches: int = 0  # decode micro-batches over host-resident KV (offloaded COMBINE)
     yields: int = 0
     restores: int = 0
     model_seconds: float = 0.0  # in the model runner: batch building + forward

@@ -10,6 +10,7 @@ import torch
 from batchgen.engine.attention_context import DecodeContext, PrefillContext, StagedDecodeContext
 from batchgen.engine.coroutine import CoroutineGroup, ProgramPoint, run_layers
 from batchgen.engine.kv_manager import KVManager
+from batchgen.engine.kv_pool import KVPool
 from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.sequence import Sequence
 
@@ -47,7 +48,7 @@ class ModelRunner:
         """One decode step: resident sequences read device pages, staged ones stream from host."""
         micro = []
         for start in range(0, len(resident), self.limits.b_attn):
-            micro.append(self._decode_micro_batch(resident[start : start + self.limits.b_attn]))
+            micro.append(self._decode_micro_batch(resident[start : start + self.limits.b_attn], self.kv.device))
         micro.extend(self._staged_micro_batch(group) for group in staged_groups)
         logits = self._forward(micro, None)
         for b in micro:
@@ -79,17 +80,23 @@ class ModelRunner:
         )
         return CoroutineGroup(seqs, self._embed(tokens), ProgramPoint(0, "attn"), ctx)
 
-    def _decode_micro_batch(self, seqs: list[Sequence]) -> CoroutineGroup:
+    def _decode_micro_batch(self, seqs: list[Sequence], pool: KVPool) -> CoroutineGroup:
+        """Sequences attending over their pages in `pool` in place (device pages, or host pages when the
+        host pool is in the device's own memory)."""
         ctx = DecodeContext(
             positions=torch.tensor([s.kv_len for s in seqs], device=self.device),
             slots=self._new_token_slots(seqs, self.device),
-            page_table=_page_table([s.device_pages for s in seqs], self.device),
+            page_table=_page_table([self.kv.pages_of(s) for s in seqs], self.device),
             seq_lens=torch.tensor([s.kv_len + 1 for s in seqs], dtype=torch.int32, device=self.device),
-            pool=self.kv.device,
+            pool=pool,
         )
         return CoroutineGroup(seqs, self._embed([s.last_token for s in seqs]), ProgramPoint(0, "attn"), ctx)
 
     def _staged_micro_batch(self, seqs: list[Sequence]) -> CoroutineGroup:
+        """Host-resident sequences: streamed layer by layer through the staging pool, or attending on the
+        host pages in place (the default on a CPU engine, whose host pages already are device memory)."""
+        if not self.kv.stream_host:
+            return self._decode_micro_batch(seqs, self.kv.host)
         page_size = self.kv.page_size
         counts = [self.kv.pages_needed(s.kv_len + 1) for s in seqs]
         stage_pages = list(range(sum(counts)))

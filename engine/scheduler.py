@@ -63,7 +63,7 @@ class Scheduler:
         """Reject a sequence that could never run, however long it waited (prompt + max_tokens)."""
         need = self.kv.pages_needed(total_tokens)
         device_ok = need <= self.kv.device.num_pages
-        streamed_ok = self.coroutine and need <= min(self.kv.stage.num_pages, self.kv.host.num_pages)
+        streamed_ok = self.coroutine and need <= min(self.kv.host_decode_pages, self.kv.host.num_pages)
         if not (device_ok or streamed_ok):
             raise InvalidRequestError(
                 f"a sequence of up to {total_tokens} tokens (prompt + max_tokens) does not fit in the KV "
@@ -157,7 +157,7 @@ class Scheduler:
                     raise RuntimeError("host page pool is full: raise host_kv_budget_bytes")
             # a sequence larger than the staging pool waits in host pages for a device restore
             streamable = [s for s in self.suspended.values()
-                          if self.kv.pages_needed(s.kv_len + 1) <= self.kv.stage.num_pages]
+                          if self.kv.pages_needed(s.kv_len + 1) <= self.kv.host_decode_pages]
             staged = self._staging_groups(streamable)
         return DecodePlan(list(self.running.values()), staged)
 
@@ -180,7 +180,7 @@ class Scheduler:
         pages = 0
         for seq in seqs:
             need = self.kv.pages_needed(seq.kv_len + 1)
-            if not groups or pages + need > self.kv.stage.num_pages or len(groups[-1]) >= self.config.b_attn:
+            if not groups or pages + need > self.kv.host_decode_pages or len(groups[-1]) >= self.config.b_attn:
                 groups.append([])
                 pages = 0
             groups[-1].append(seq)
