@@ -7,6 +7,11 @@ requests, aborting them), steps the engine, and resolves each request's future a
 back. Everything in flight lands in the same engine, which is what lets it over-subscribe (more
 sequences than it runs at once) and COMBINE across callers. An engine exception fails every
 pending and later request: a broken engine must not silently drop work.
+
+Admission is bounded: `run` waits while the requests it has handed over and not yet got back would
+exceed `max_outstanding` (by default twice the engine's `max_num_seqs`: one set running, one set
+waiting to refill), so callers that keep many batches in flight get back-pressure instead of an
+unbounded queue.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ _Command = tuple[Callable[[], None], list[Future]]  # what to run on the engine 
 
 
 class EngineLoop:
-    def __init__(self, make_engine: Callable[[], Engine]) -> None:
+    def __init__(self, make_engine: Callable[[], Engine], max_outstanding: int | None = None) -> None:
         """Build the engine on the loop's own thread: loading the model there keeps the model's
         OpenMP team on the thread that runs every step (a second team makes each small op pay a
         wake-up). A construction error is raised here, in the caller."""
@@ -37,6 +42,9 @@ class EngineLoop:
                                         daemon=True)
         self._thread.start()
         self.engine: Engine = ready.result()
+        self.max_outstanding = max_outstanding or 2 * self.engine.config.max_num_seqs
+        self._outstanding = 0  # requests handed over by `run` whose futures are not done
+        self._room = threading.Condition()
 
     def submit(self, request_ids: list[str], admit: Callable[[Engine], None]) -> list[Future]:
         """Call `admit(engine)` on the engine thread (it adds these requests); one future per request id."""
@@ -52,8 +60,24 @@ class EngineLoop:
         return list(futures.values())
 
     async def run(self, request_ids: list[str], admit: Callable[[Engine], None]) -> list[Result]:
-        """`submit`, then await the Results in request order."""
-        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in self.submit(request_ids, admit))))
+        """Wait for room under `max_outstanding`, `submit`, then await the Results in request order."""
+        await asyncio.to_thread(self._reserve, len(request_ids))
+        futures = self.submit(request_ids, admit)
+        for future in futures:
+            future.add_done_callback(self._release)
+        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+
+    def _reserve(self, count: int) -> None:
+        """Block until `count` more requests fit (a submission larger than the bound goes in alone)."""
+        with self._room:
+            while self._outstanding and self._outstanding + count > self.max_outstanding:
+                self._room.wait()
+            self._outstanding += count
+
+    def _release(self, _future: Future) -> None:
+        with self._room:
+            self._outstanding -= 1
+            self._room.notify_all()
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop these requests between two steps and free their KV; their futures are cancelled."""

@@ -2,15 +2,16 @@
 
     ds.map_batches(BatchGen, fn_constructor_kwargs={"model": "s3://bucket/model",
                    "sampling_params": {"temperature": 0, "max_tokens": 256}, "max_num_seqs": 512},
-                   batch_size=256, concurrency=4, num_gpus=1)
+                   batch_size=256, compute=engine_actor_pool(4), num_gpus=1)
 
 Constructor keywords other than those named below are EngineConfig fields. Rows follow the column
 contract in `batchgen.operators.columns`; a bad row gets an `error` and the batch carries on.
 
 `__call__` is async: Ray Data keeps several batches of one task in flight per actor (4 by default,
-RAY_DATA_DEFAULT_ASYNC_BATCH_UDF_MAX_CONCURRENCY), all feeding the one engine through its loop
-thread, so the engine holds up to that many batches of sequences to choose from. Larger batches
-raise that over-subscription further. Each batch's rows come back in that batch's order.
+RAY_DATA_DEFAULT_ASYNC_BATCH_UDF_MAX_CONCURRENCY), and with `compute=engine_actor_pool(n)` several
+tasks (blocks) per actor, all feeding the one engine through its loop thread: the engine refills
+from the next blocks while the last one's long tail drains, and the loop's admission bound applies
+back-pressure. Each batch's rows come back in that batch's order.
 
 Actor deaths are Ray Data's to handle: its actor pools restart dead actors and resubmit their
 unfinished tasks (max_restarts=-1, max_task_retries=-1 by default), and a task's rows are only
@@ -32,6 +33,7 @@ from batchgen.operators.columns import (
     RowParser,
     output_columns,
 )
+from batchgen.operators.engine_actor import prepare_engine_process
 from batchgen.operators.engine_factory import load_engine
 
 
@@ -44,6 +46,7 @@ class BatchGen:
         sampling_params: defaults for every row (SamplingParams fields); a row's own override them.
         list_outputs: one list entry per sample in the output columns (default: when n > 1).
         """
+        prepare_engine_process()
         defaults = SamplingParams.from_dict(sampling_params)
         self.list_outputs = defaults.n > 1 if list_outputs is None else bool(list_outputs)
         self.loop = EngineLoop(lambda: load_engine(model, storage_options, **engine_options))

@@ -18,12 +18,14 @@ from batchgen.engine import PrefillExporter, PrefillOutput, Request
 from batchgen.operators import stage_columns as sc
 from batchgen.operators.blocks import Block, column_values, num_rows, to_block, with_columns
 from batchgen.operators.columns import ERROR
+from batchgen.operators.engine_actor import prepare_engine_process
 from batchgen.operators.engine_factory import load_engine
 
 
 class Prefill:
     def __init__(self, model: str, handoff_store: HandoffStore, *, storage_options: dict[str, Any] | None = None,
                  **engine_options: Any) -> None:
+        prepare_engine_process()
         self.exporter = PrefillExporter(load_engine(model, storage_options, **engine_options))
         self.store = handoff_store
 

@@ -38,7 +38,7 @@ from batchgen.connectors.indexed_parquet import (
 )
 from batchgen.connectors.io import StorageError, check_writable, filesystem
 from batchgen.engine import EngineConfig, SamplingParams
-from batchgen.operators import BatchGen, Decode, Detokenize, Prefill, Tokenize
+from batchgen.operators import BatchGen, Decode, Detokenize, Prefill, Tokenize, engine_actor_pool
 from batchgen.operators.columns import ERROR, check_input_columns
 from batchgen.pipelines.progress import Progress, ProgressTracker, ReportWritten
 
@@ -168,7 +168,7 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource) -> ray.data.D
     ds = ray.data.read_datasource(source, num_cpus=_CPU_STAGE_CPUS)
     if config.mode == "single":
         return ds.map_batches(BatchGen, batch_size=config.batch_size, batch_format="pyarrow",
-                              compute=_pool(config.concurrency), **engine_res, fn_constructor_kwargs={
+                              compute=engine_actor_pool(config.concurrency), **engine_res, fn_constructor_kwargs={
                                   "model": config.model, "sampling_params": config.sampling_params,
                                   "list_outputs": config.samples_as_lists, **engine_kwargs})
     store = RayHandoffStore.create()
@@ -180,7 +180,7 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource) -> ray.data.D
                         compute=_pool(config.prefill_concurrency), **engine_res,
                         fn_constructor_kwargs={"model": config.model, "handoff_store": store, **engine_kwargs})
     ds = ds.map_batches(Decode, batch_size=config.batch_size, batch_format="pyarrow",
-                        compute=_pool(config.decode_concurrency), **engine_res,
+                        compute=engine_actor_pool(config.decode_concurrency), **engine_res,
                         fn_constructor_kwargs={"model": config.model, "handoff_store": store, **engine_kwargs})
     return ds.map_batches(Detokenize, batch_size=config.batch_size, batch_format="pyarrow",
                           compute=_pool(config.detokenize_concurrency), **cpu_res, fn_constructor_kwargs={

@@ -213,3 +213,50 @@ def test_concurrent_batches_share_one_engine(tiny_moe_dir, prompts, expected):
     outs = asyncio.run(in_flight())
     assert [ids for out in outs for ids in out.column("generated_token_ids").to_pylist()] == expected
     assert op.engine.metrics()["peak_active"] > 2, "the batches ran one after another, not in one engine"
+
+
+def test_engine_loop_admission_applies_back_pressure(tiny_moe_dir, prompts, expected):
+    engine = load_engine(tiny_moe_dir, **ENGINE)
+    loop = EngineLoop(lambda: engine, max_outstanding=2)
+    params = SamplingParams.from_dict(SAMPLING)
+    in_engine = []  # requests the engine held (unfinished) each time a batch was admitted
+
+    def admitter(batch):
+        def admit(engine):
+            for request in batch:
+                engine.add_request(request)
+            in_engine.append(len(engine._requests))
+        return admit
+
+    batches = [[Request(f"r{i + j}", prompt=prompts[i + j], sampling=params) for j in range(2)] for i in (0, 2, 4)]
+
+    async def in_flight():
+        return await asyncio.gather(*(loop.run([r.request_id for r in b], admitter(b)) for b in batches))
+
+    results = asyncio.run(in_flight())
+    assert [r.outputs[0].token_ids for batch in results for r in batch] == expected
+    assert len(in_engine) == 3 and max(in_engine) <= 2, in_engine  # each batch waited for the one before
+    loop.close()
+
+
+@pytest.mark.parametrize("cpus,threads", [(1.5, 2), (0.5, 1)])
+def test_engine_actors_compute_with_the_cpus_they_were_granted_at_normal_priority(ray_cluster, cpus, threads):
+    import os
+
+    import ray
+
+    from batchgen.operators.engine_actor import prepare_engine_process
+
+    @ray.remote
+    class Probe:
+        def before(self):
+            return torch.get_num_threads(), os.getpriority(os.PRIO_PROCESS, 0)
+
+        def prepare(self):
+            return prepare_engine_process(), torch.get_num_threads(), os.getpriority(os.PRIO_PROCESS, 0)
+
+    probe = Probe.options(num_cpus=cpus).remote()
+    ray_threads, ray_niceness = ray.get(probe.before.remote())
+    assert ray_niceness > 0  # Ray starts workers below normal priority
+    assert ray.get(probe.prepare.remote()) == (threads, threads, 0)
+    ray.kill(probe)

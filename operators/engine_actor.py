@@ -1,0 +1,45 @@
+"""How engine actors run inside Ray: their CPU threads, their priority, and how many tasks they hold.
+
+Ray starts a worker for a fractional-CPU actor with OMP_NUM_THREADS=1 and at niceness 15, below the
+driver and Ray's own processes: an engine there computes on one thread and loses its core to every
+bookkeeping process. `prepare_engine_process` gives it the threads of the CPUs it was granted and
+normal priority. `engine_actor_pool` keeps several tasks (blocks) in flight per actor, so an engine
+refills from the next block while the last one's long tail drains; the engine loop's admission
+bound (engine/engine_loop.py) keeps that from becoming an unbounded queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import ray
+import torch
+
+log = logging.getLogger(__name__)
+
+TASKS_IN_FLIGHT = 4  # blocks an engine actor holds at once
+
+
+def engine_actor_pool(size: int, tasks_in_flight: int = TASKS_IN_FLIGHT) -> ray.data.ActorPoolStrategy:
+    """The `compute=` for map_batches(BatchGen / Decode): `size` actors, each fed `tasks_in_flight` blocks
+    at once (their async calls all land in the actor's one engine)."""
+    return ray.data.ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=tasks_in_flight,
+                                      max_concurrent_calls_per_actor=tasks_in_flight)
+
+
+def prepare_engine_process() -> int:
+    """In a Ray actor: torch threads = the CPUs Ray granted it (at least one), niceness 0 where the OS
+    allows. Outside Ray nothing changes. Returns the thread count in use."""
+    if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+        threads = max(1, math.ceil(cpus - 1e-9))
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        try:
+            if os.getpriority(os.PRIO_PROCESS, 0) > 0:
+                os.setpriority(os.PRIO_PROCESS, 0, 0)
+        except OSError as exc:  # unprivileged: stay at Ray's niceness
+            log.warning("engine actor keeps niceness %d: %s", os.getpriority(os.PRIO_PROCESS, 0), exc)
+    return torch.get_num_threads()
