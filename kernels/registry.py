@@ -40,6 +40,7 @@ class Backend:
     requires: tuple[str, ...] = ()  # modules that must import
     dtypes: frozenset[torch.dtype] | None = None  # None: any floating dtype
     interpretable: bool = False  # runs on CPU tensors under TRITON_INTERPRET=1 (only when forced)
+    probe: str | None = None  # "module:function" returning why it cannot run here (None: it can)
 
     def missing(self, device_type: str, dtype: torch.dtype) -> str | None:
         """Why this backend cannot run on (device_type, dtype), or None if it can."""
@@ -53,6 +54,9 @@ class Backend:
         if self.dtypes is not None and dtype not in self.dtypes:
             supported = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.dtypes))
             return f"it supports {supported}, got {str(dtype).removeprefix('torch.')}"
+        if self.probe is not None:
+            module, function = self.probe.split(":")
+            return getattr(importlib.import_module(module), function)()
         return None
 
     def load(self) -> Callable:
@@ -86,6 +90,14 @@ BACKENDS = (
         _CUDA,
         ("triton",),
         interpretable=True,
+    ),
+    Backend(
+        "paged_decode_attention",
+        "cpu_c",
+        f"{_PKG}.attention_cpu:paged_decode_attention_cpu",
+        frozenset({"cpu"}),
+        dtypes=frozenset({torch.float32}),
+        probe=f"{_PKG}.attention_cpu:unavailable",
     ),
     Backend("paged_decode_attention", "torch", f"{_PKG}.attention_torch:paged_decode_attention_torch", _ANY),
     Backend(

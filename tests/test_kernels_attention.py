@@ -143,7 +143,23 @@ def test_decode_triton_matches_torch(heads, kv_heads, dim_k, dim_v, dtype, split
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton_cpu)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 1), (8, 1), (16, 2)])
+@pytest.mark.parametrize("page_size", [8, 64])
+def test_decode_cpu_c_matches_naive(heads, kv_heads, page_size):
+    from batchgen.kernels.attention_cpu import paged_decode_attention_cpu, unavailable
+
+    if unavailable():
+        pytest.skip(unavailable())
+    lens = [*SEQ_LENS, page_size, page_size + 1, 0]  # page boundaries and an empty sequence
+    k_cache, v_cache, table, seq_lens = make_paged(lens, page_size, kv_heads, 16, 12)
+    q = torch.randn(len(lens), heads, 16)
+    out = paged_decode_attention_cpu(q, k_cache, v_cache, table, seq_lens, 0.25)
+    expected = naive_decode(q[:-1], k_cache, v_cache, table[:-1], seq_lens[:-1], 0.25)
+    torch.testing.assert_close(out[:-1].double(), expected, rtol=1e-5, atol=1e-5)
+    assert out[-1].eq(0).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu_c", pytest.param("triton", marks=pytest.mark.triton_cpu)])
 def test_mla_latent_decode(backend):
     """DeepSeek-V3 absorbed MLA: one KV head, K = [latent | rope] (576), V = the latent part of K (512)."""
     rank, rope = 512, 64

@@ -33,10 +33,25 @@ def test_parse_overrides():
         registry.parse_overrides("matmul=torch")
 
 
-def test_auto_picks_torch_on_cpu_even_under_interpreter(monkeypatch):
+def test_auto_picks_cpu_backends_even_under_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from batchgen.kernels.attention_cpu import unavailable
+
+    decode = "torch" if unavailable() else "cpu_c"  # the C decode kernel where a compiler built it
     for op in registry.OPS:
-        assert registry.resolve(op, "cpu", torch.float32)[0] == "torch"
+        expected = decode if op == "paged_decode_attention" else "torch"
+        assert registry.resolve(op, "cpu", torch.float32)[0] == expected
+    assert registry.resolve("paged_decode_attention", "cpu", torch.float16)[0] == "torch"  # C kernel: fp32 only
+
+
+def test_a_backend_whose_probe_fails_is_skipped_and_named_when_forced(monkeypatch):
+    import batchgen.kernels.attention_cpu as attention_cpu
+
+    monkeypatch.setattr(attention_cpu, "unavailable", lambda: "no C compiler (cc/gcc) on PATH")
+    assert registry.resolve("paged_decode_attention", "cpu", torch.float32)[0] == "torch"
+    registry.set_backend("paged_decode_attention", "cpu_c")
+    with pytest.raises(registry.BackendUnavailableError, match="cpu_c.*no C compiler"):
+        registry.resolve("paged_decode_attention", "cpu", torch.float32)
 
 
 @pytest.mark.triton_cpu
