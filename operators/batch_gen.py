@@ -40,11 +40,13 @@ from batchgen.operators.engine_factory import load_engine
 class BatchGen:
     def __init__(self, model: str, sampling_params: dict[str, Any] | None = None, *,
                  storage_options: dict[str, Any] | None = None, list_outputs: bool | None = None,
-                 **engine_options: Any) -> None:
+                 progress: Any = None, **engine_options: Any) -> None:
         """
         model: a local checkpoint directory, an fsspec URI (s3://...) or a preset name ("tiny-moe").
         sampling_params: defaults for every row (SamplingParams fields); a row's own override them.
         list_outputs: one list entry per sample in the output columns (default: when n > 1).
+        progress: an actor with `add_finished(rows, tokens)`, told about every batch as it leaves the
+        engine (how `batchgen run` shows progress before rows are written).
         """
         prepare_engine_process()
         defaults = SamplingParams.from_dict(sampling_params)
@@ -53,6 +55,7 @@ class BatchGen:
         self.engine = self.loop.engine
         self.parser = RowParser(self.engine.normalizer, defaults, self.list_outputs)
         self._ids = (f"{uuid.uuid4().hex[:12]}-{i}" for i in itertools.count())
+        self.progress = progress
 
     async def __call__(self, batch: Any) -> Block:
         block = to_block(batch)
@@ -73,4 +76,7 @@ class BatchGen:
         results = await self.loop.run([r.request_id for _, r in requests], admit)
         for (i, _), result in zip(requests, results):
             outcomes[i].result = result
+        if self.progress is not None:  # fire and forget
+            tokens = sum(len(c.token_ids) for r in results for c in r.outputs)
+            self.progress.add_finished.remote(len(outcomes), tokens)
         return with_columns(block, output_columns(outcomes, self.list_outputs))

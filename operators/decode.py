@@ -26,11 +26,13 @@ from batchgen.operators.engine_factory import load_engine
 
 class Decode:
     def __init__(self, model: str, handoff_store: HandoffStore, *, storage_options: dict[str, Any] | None = None,
-                 **engine_options: Any) -> None:
+                 progress: Any = None, **engine_options: Any) -> None:
+        """progress: as for BatchGen, an actor told about every batch of rows leaving the engine."""
         prepare_engine_process()
         self.loop = EngineLoop(lambda: load_engine(model, storage_options, **engine_options))
         self.engine = self.loop.engine
         self.store = handoff_store
+        self.progress = progress
 
     async def __call__(self, batch: Any) -> Block:
         block = to_block(batch)
@@ -56,6 +58,9 @@ class Decode:
                        for i, p in zip(todo, prefilled)]
         results = await self.loop.run(request_ids, admit)
         await asyncio.to_thread(self.store.delete_many, [refs[i] for i in todo])
+        if self.progress is not None:  # fire and forget
+            self.progress.add_finished.remote(num_rows(block), sum(len(c.token_ids) for r in results
+                                                                    for c in r.outputs))
         by_row: dict[int, Result] = dict(zip(todo, results))
         generated, reasons, text_ends, seconds = ([None] * num_rows(block) for _ in range(4))
         for i, result in by_row.items():

@@ -84,6 +84,7 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
                    help='fsspec options for model, input and output as JSON, e.g. {"endpoint_url": "..."}')
     p.add_argument("--ray-address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local one)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true", help="show Ray's own log lines and worker output")
 
 
 def job_config(args: argparse.Namespace) -> JobConfig:
@@ -167,9 +168,11 @@ def _run(config: JobConfig, args: argparse.Namespace) -> JobSummary:
     plan = plan_job(config)  # fails fast, before Ray starts
     if not ray.is_initialized():
         address = args.ray_address or os.environ.get("RAY_ADDRESS")
-        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+        # worker log lines and Ray's own warnings only with --verbose; a failing task still raises here
+        ray.init(address=address, include_dashboard=False, log_to_driver=args.verbose,
+                 logging_level=logging.INFO if args.verbose else logging.ERROR)
     ray.data.DataContext.get_current().enable_progress_bars = False
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    logging.getLogger("ray.data").setLevel(logging.INFO if args.verbose else logging.ERROR)
     bar = None if args.no_progress else _ProgressBar()
     try:
         return execute_job(plan, on_progress=bar)
@@ -179,7 +182,8 @@ def _run(config: JobConfig, args: argparse.Namespace) -> JobSummary:
 
 
 class _ProgressBar:
-    """rows written / rows to do, generated tokens/s and the ETA, on stderr."""
+    """Rows out of the engines / rows to do (and how many are written), generated tokens/s and the ETA
+    since the start, on stderr."""
 
     def __init__(self) -> None:
         self._bar = None
@@ -190,9 +194,10 @@ class _ProgressBar:
         if self._bar is None:
             self._bar = tqdm(total=p.total_rows - p.skipped_rows, unit="row", file=sys.stderr,
                              desc="batchgen", dynamic_ncols=True)
-        self._bar.n = p.rows
+        self._bar.n = p.done_rows
         eta = "?" if p.eta_s is None else f"{p.eta_s:.0f}s"
-        self._bar.set_postfix_str(f"{p.tokens_per_s:.1f} tok/s, ETA {eta}, {p.errors} errors", refresh=False)
+        self._bar.set_postfix_str(f"{p.rows} written, {p.tokens_per_s:.1f} tok/s, ETA {eta}, {p.errors} errors",
+                                  refresh=False)
         self._bar.refresh()
 
     def close(self) -> None:

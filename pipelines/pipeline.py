@@ -41,6 +41,7 @@ from batchgen.engine import EngineConfig, SamplingParams
 from batchgen.operators import BatchGen, Decode, Detokenize, Prefill, Tokenize, engine_actor_pool
 from batchgen.operators.columns import ERROR, check_input_columns
 from batchgen.pipelines.progress import Progress, ProgressTracker, ReportWritten
+from batchgen.pipelines.progress import update as update_progress
 
 MODES = ("disaggregated", "single")
 MANIFEST = "_batchgen_job.json"
@@ -146,23 +147,26 @@ def execute_job(plan: JobPlan, on_progress: Callable[[Progress], None] | None = 
     tracker = ProgressTracker.remote()
     started = time.perf_counter()
     if progress.skipped_rows < progress.total_rows:
-        ds = build_dataset(config, source)
+        ds = build_dataset(config, source, tracker)
         sink = OrderedParquetSink(config.output, config.storage_options, config.rows_per_file,
                                   on_written=ReportWritten(tracker, "num_generated_tokens", ERROR))
         _run_with_progress(lambda: ds.write_datasink(sink, ray_remote_args={"num_cpus": _CPU_STAGE_CPUS}),
                            tracker, progress, started, on_progress, poll_s)
     progress.elapsed_s = time.perf_counter() - started
-    progress.rows, progress.errors, progress.generated_tokens = ray.get(tracker.snapshot.remote())
+    update_progress(progress, tracker)
     return _summarise(config, progress)
 
 
 _CPU_STAGE_CPUS = 0.25  # read, tokenize, detokenize, write: light, and must never starve the engine actors
 
 
-def build_dataset(config: JobConfig, source: IndexedParquetSource) -> ray.data.Dataset:
-    """The lazy dataset of the job's pipeline, from read to the last operator (no write)."""
+def build_dataset(config: JobConfig, source: IndexedParquetSource,
+                  progress: ray.actor.ActorHandle | None = None) -> ray.data.Dataset:
+    """The lazy dataset of the job's pipeline, from read to the last operator (no write). `progress`: a
+    ProgressTracker the engine actors tell about every batch of rows they finish."""
     common = {"storage_options": config.storage_options}
     engine_kwargs = {**common, **config.engine}
+    finishing = {"progress": progress}  # the last engine stage reports rows as they leave it
     engine_res = {"num_cpus": _engine_cpus(config), "num_gpus": config.engine_num_gpus}
     cpu_res = {"num_cpus": _CPU_STAGE_CPUS}
     ds = ray.data.read_datasource(source, num_cpus=_CPU_STAGE_CPUS)
@@ -170,7 +174,7 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource) -> ray.data.D
         return ds.map_batches(BatchGen, batch_size=config.batch_size, batch_format="pyarrow",
                               compute=engine_actor_pool(config.concurrency), **engine_res, fn_constructor_kwargs={
                                   "model": config.model, "sampling_params": config.sampling_params,
-                                  "list_outputs": config.samples_as_lists, **engine_kwargs})
+                                  "list_outputs": config.samples_as_lists, **finishing, **engine_kwargs})
     store = RayHandoffStore.create()
     ds = ds.map_batches(Tokenize, batch_size=config.batch_size, batch_format="pyarrow",
                         compute=_pool(config.tokenize_concurrency), **cpu_res, fn_constructor_kwargs={
@@ -181,7 +185,8 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource) -> ray.data.D
                         fn_constructor_kwargs={"model": config.model, "handoff_store": store, **engine_kwargs})
     ds = ds.map_batches(Decode, batch_size=config.batch_size, batch_format="pyarrow",
                         compute=engine_actor_pool(config.decode_concurrency), **engine_res,
-                        fn_constructor_kwargs={"model": config.model, "handoff_store": store, **engine_kwargs})
+                        fn_constructor_kwargs={"model": config.model, "handoff_store": store, **finishing,
+                                               **engine_kwargs})
     return ds.map_batches(Detokenize, batch_size=config.batch_size, batch_format="pyarrow",
                           compute=_pool(config.detokenize_concurrency), **cpu_res, fn_constructor_kwargs={
                               "model": config.model, "list_outputs": config.samples_as_lists, **common})
@@ -219,7 +224,7 @@ def _run_with_progress(write: Callable[[], None], tracker, progress: Progress, s
         worker.join(poll_s)
         if on_progress is not None:
             progress.elapsed_s = time.perf_counter() - started
-            progress.rows, progress.errors, progress.generated_tokens = ray.get(tracker.snapshot.remote())
+            update_progress(progress, tracker)
             on_progress(progress)
     if failure:
         raise JobError(f"the job failed: {failure[0]}") from failure[0]

@@ -1,4 +1,5 @@
-"""Job progress, counted where rows are committed (the write tasks) and read by the driver.
+"""Job progress, counted where rows finish (the engine actors) and where they are committed (the
+write tasks), and read by the driver.
 
 Kept free of torch and the engine: every write task unpickles the hook and imports this module.
 """
@@ -18,34 +19,53 @@ class Progress:
     skipped_rows: int  # already in the output when the job started
     rows: int = 0  # written by this run
     errors: int = 0
-    generated_tokens: int = 0
+    generated_tokens: int = 0  # in the rows written
+    finished_rows: int = 0  # out of the engines (not yet all written); a retried task counts again
+    finished_tokens: int = 0
     elapsed_s: float = 0.0
 
     @property
+    def done_rows(self) -> int:
+        """Rows out of the engines, as far as known (written rows are out for sure)."""
+        return min(self.total_rows - self.skipped_rows, max(self.rows, self.finished_rows))
+
+    @property
     def tokens_per_s(self) -> float:
-        return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        tokens = max(self.generated_tokens, self.finished_tokens)
+        return tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     @property
     def eta_s(self) -> float | None:
-        """Seconds left at this run's pace so far; None before the first row is written."""
-        remaining = self.total_rows - self.skipped_rows - self.rows
+        """Seconds left at this run's pace since its start; None before the first row is out."""
+        remaining = self.total_rows - self.skipped_rows - self.done_rows
         if remaining <= 0:
             return 0.0
-        return remaining * self.elapsed_s / self.rows if self.rows else None
+        return remaining * self.elapsed_s / self.done_rows if self.done_rows else None
 
 
 @ray.remote(num_cpus=0)
 class ProgressTracker:
     def __init__(self) -> None:
-        self.rows = self.errors = self.tokens = 0
+        self.rows = self.errors = self.tokens = self.finished_rows = self.finished_tokens = 0
 
     def add(self, rows: int, errors: int, tokens: int) -> None:
         self.rows += rows
         self.errors += errors
         self.tokens += tokens
 
-    def snapshot(self) -> tuple[int, int, int]:
-        return self.rows, self.errors, self.tokens
+    def add_finished(self, rows: int, tokens: int) -> None:
+        self.finished_rows += rows
+        self.finished_tokens += tokens
+
+    def snapshot(self) -> dict[str, int]:
+        return {"rows": self.rows, "errors": self.errors, "generated_tokens": self.tokens,
+                "finished_rows": self.finished_rows, "finished_tokens": self.finished_tokens}
+
+
+def update(progress: Progress, tracker: ray.actor.ActorHandle) -> None:
+    """Copy the tracker's counters into `progress`."""
+    for name, value in ray.get(tracker.snapshot.remote()).items():
+        setattr(progress, name, value)
 
 
 @dataclass

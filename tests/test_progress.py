@@ -1,0 +1,16 @@
+"""Job progress: rows are counted as they leave the engines, before any part file is written (the Ray
+pipeline tests check the engine stages really report every row)."""
+
+from __future__ import annotations
+
+from batchgen.pipelines.progress import Progress
+
+
+def test_progress_counts_rows_out_of_the_engines_and_estimates_from_the_start():
+    p = Progress(total_rows=100, skipped_rows=10, rows=5, finished_rows=30, finished_tokens=300, elapsed_s=10.0)
+    assert p.done_rows == 30  # out of the engines, though only 5 are written
+    assert p.tokens_per_s == 30.0
+    assert p.eta_s == 60 * 10.0 / 30  # 60 rows left at 3 rows/s
+    p.finished_rows = 500  # a retried task counts again: never more than the rows to do
+    assert p.done_rows == 90 and p.eta_s == 0.0
+
