@@ -3,15 +3,15 @@
 in one process and one run.
 
     python bench/bct.py [--quick] [--json] [--seed 0] [--num-prompts 128] [--experts 16] [--top-k 2]
-                        [--sigma 0.8] [--kv-budget-mb MB] [--profile]
+                        [--sigma 0.8] [--kv-budget-mb MB | --budget-seqs 16] [--profile]
 
 Workload "bench-moe": the bench-moe preset (Mixtral-style, random weights), prompts of random token ids
 with lengths uniform in [32, 256), output lengths lognormal(mu=3.5, sigma) + 1 capped at 512, fixed per
 prompt by max_tokens with ignore_eos, greedy. Two scenarios: unconstrained (every sequence's full context
-fits in device KV) and a device KV budget holding 16 sequences of MEAN full context (prompt + output):
-2 * layers * kv_heads * head_dim * dtype bytes * mean context * 16, or --kv-budget-mb. transformers gets
-the same bytes as its cache size (num_blocks); its CPU swap pool needs pinned memory, so on a CPU-only
-torch it soft-resets (re-prefills) the requests it evicts.
+fits in device KV) and a device KV budget holding 16 (--budget-seqs) sequences of MEAN full context
+(prompt + output): 2 * layers * kv_heads * head_dim * dtype bytes * mean context * 16, or --kv-budget-mb.
+transformers gets the same bytes as its cache size (num_blocks); its CPU swap pool needs pinned memory, so
+on a CPU-only torch it soft-resets (re-prefills) the requests it evicts.
 
 Each system first runs a few short warm-up requests (kept out of the timings); BCT runs from the first
 request submitted to the last result returned. The roofline bound (bench/roofline.py) is measured in the
@@ -299,8 +299,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="after the timed runs, print a cProfile of one more BatchGen run per scenario")
     parser.add_argument("--kv-budget-mb", type=float, default=None,
                         help="device KV budget of the constrained scenario (default: 16 mean full contexts)")
+    parser.add_argument("--budget-seqs", type=int, default=None,
+                        help="mean full contexts the constrained scenario's budget holds (default 16, 8 with --quick)")
     args = parser.parse_args(argv)
-    for name in ("num_prompts", "experts", "top_k"):
+    for name in ("num_prompts", "experts", "top_k", "budget_seqs"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -316,6 +318,8 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
     changes = {"seed": args.seed, "sigma": args.sigma}
     if args.num_prompts is not None:
         changes["num_prompts"] = args.num_prompts
+    if args.budget_seqs is not None:
+        changes["budget_seqs"] = args.budget_seqs
     return dataclasses.replace(spec, **changes)
 
 

@@ -1,6 +1,7 @@
 """Ray's overhead: output tokens/s of the Ray Data pipeline, in both shapes, against the engine alone.
 
     python bench/pipeline.py [--quick] [--json] [--seed 0] [--num-prompts 1024] [--batch-size 64]
+                             [--ray-address ADDR]
 
 Workload "bench-moe", the same as bench/bct.py: the bench-moe preset, prompts of random token ids with
 lengths uniform in [32, 256), output lengths lognormal(mu=3.5, sigma=0.8) + 1 capped at 512 and fixed
@@ -21,6 +22,11 @@ of it that start-up was. Overhead = 1 - pipeline tokens/s / engine tokens/s, spl
 each run's CPU seconds are booked per process (engine actors, Ray's other processes, the driver, other
 users' jobs) to show where the rest went. Full run ~10 min on 2 cores, --quick under a minute.
 With --json the last line printed is one JSON object.
+
+By default the bench starts its own Ray runtime (and shuts it down). `--ray-address ADDR` joins a
+running one instead, and `main()` called in a process already connected to Ray uses that one (the
+tests do); either way the engine actors then get that runtime's thread count, not the engine's, and
+only a runtime this process started has its processes' CPU seconds booked.
 """
 
 from __future__ import annotations
@@ -264,6 +270,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"default {DEFAULT_PROMPTS} ({QUICK['num_prompts']} with --quick)")
     parser.add_argument("--batch-size", type=int, default=JobConfig.batch_size,
                         help="rows per batch handed to each pipeline stage (JobConfig's default)")
+    parser.add_argument("--ray-address", default=None,
+                        help="join this running Ray runtime instead of starting one (e.g. 127.0.0.1:6379)")
     args = parser.parse_args(argv)
     for name in ("num_prompts", "batch_size"):
         value = getattr(args, name)
@@ -308,11 +316,23 @@ def run(args: argparse.Namespace, workdir: Path, log) -> dict:
     input_path = workdir / "prompts.parquet"
     write_prompts(input_path, workload)
     init_start = time.perf_counter()
-    # inherited by raylet and every worker (a runtime_env would add a setup process to each worker start)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
+    own_ray = not ray.is_initialized()  # else: called as a library by a Ray driver, use its runtime
+    actor_threads = threads
+    if own_ray and args.ray_address:
+        ray.init(address=args.ray_address, log_to_driver=False)
+    elif own_ray:
+        # inherited by raylet and every worker (a runtime_env would add a setup process to each worker start)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
+    if not own_ray or args.ray_address:
+        actor_threads = None  # the joined runtime's own setting
+        log(f"using the running Ray runtime at {ray.get_runtime_context().gcs_address}: engine actors get "
+            "its torch thread count")
     ray_init_s = time.perf_counter() - init_start
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    ray_cpus = ray.cluster_resources().get("CPU", 0.0)
+    data_context = ray.data.DataContext.get_current()
+    progress_bars = data_context.enable_progress_bars  # process-wide: put back for whoever runs next
+    data_context.enable_progress_bars = False
     pipelines = {}
     try:
         for mode in SHAPES:
@@ -321,15 +341,18 @@ def run(args: argparse.Namespace, workdir: Path, log) -> dict:
             pipelines[mode] = pipeline_summary(result, engine.bct_s, output_tokens, engine.tokens)
             log(describe(mode, pipelines[mode]))
     finally:
-        ray.shutdown()
+        data_context.enable_progress_bars = progress_bars
+        if own_ray:
+            ray.shutdown()
 
     return {
         "workload": {**dataclasses.asdict(spec), "prompt_tokens": sum(map(len, workload.prompts)),
                      "output_tokens": output_tokens, "max_output_tokens": max(workload.max_tokens)},
         "setup": {"engine_config": dataclasses.asdict(config), "batch_size": args.batch_size,
                   "rows_per_block": JobConfig.rows_per_block, "engine_actors_per_stage": 1,
-                  "engine_actor_cpus": ENGINE_ACTOR_CPUS, "ray_logical_cpus": RAY_CPUS,
-                  "torch_threads_per_engine": threads, "page_size": PAGE_SIZE},
+                  "engine_actor_cpus": ENGINE_ACTOR_CPUS, "ray_logical_cpus": ray_cpus,
+                  "torch_threads_per_engine": threads, "torch_threads_per_engine_actor": actor_threads,
+                  "page_size": PAGE_SIZE},
         "machine": {"cpus": os.cpu_count(), "load_average_at_start": load_at_start,
                     "load_average_at_end": os.getloadavg()},
         "engine_load_s": engine_load_s,

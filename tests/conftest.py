@@ -12,17 +12,24 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+IDLE_WORKERS = 16  # 4 logical CPUs / the 0.25 CPU of a read, tokenize or write task
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray runtime for every test that needs one (its start-up dominates those tests).
 
     Four logical CPUs on any machine: engine actors take fractions of them, so read, tokenize and
     write tasks always find room. Yields the GCS address, for drivers started in subprocesses.
+
+    Idle workers are kept for reuse (Ray's default keeps about one per CPU and kills the others soon
+    after they go idle): Ray Data runs up to 16 quarter-CPU tasks at once, and each job would otherwise
+    start and import a fresh batch of Python workers, a fifth of a short job's CPU time on 2 cores.
     """
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False)
+        ray.init(num_cpus=4, include_dashboard=False, _system_config={"num_workers_soft_limit": IDLE_WORKERS})
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

@@ -1,42 +1,42 @@
-"""bench/bct.py --quick --json end to end: report keys, and BatchGen's greedy tokens equal lockstep's."""
+"""bench/bct.py --quick --json end to end (in this process: no second interpreter to start): report keys,
+BatchGen's greedy tokens equal lockstep's and transformers', and the KV budget really constrains."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from bench_helpers import import_bench
+from transformers.utils import logging as hf_logging
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "bct.py"
 SYSTEMS = {"batchgen", "lockstep", "transformers"}
+PROMPTS = 8
 
 
 @pytest.mark.slow
-def test_quick_json_report():
-    # timings do not matter here; passive OpenMP waits keep the run fast when other jobs share the cores
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--json"], capture_output=True, text=True,
-                          timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_quick_json_report(monkeypatch, capsys):
+    bct = import_bench(monkeypatch, "bct")
+    progress_bars = hf_logging.is_progress_bar_enabled()
+    try:
+        # half the --quick workload, with a KV budget of 4 mean contexts: still 2x over-subscribed
+        bct.main(["--quick", "--json", "--num-prompts", str(PROMPTS), "--budget-seqs", "4"])
+    finally:
+        if progress_bars:  # the bench turns transformers' progress bars off process-wide: put them back
+            hf_logging.enable_progress_bar()
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
-    assert report["workload"]["num_prompts"] == 16
-    assert report["roofline"]["seconds"] > 0 and report["machine"]["matmul_flops"] > 0
+    assert report["workload"]["num_prompts"] == PROMPTS
     for name in ("unconstrained", "kv_budget"):
         scenario = report["scenarios"][name]
         for key in ("bct_s", "tokens_per_s", "mean_expert_batch", "completion_time_s"):
             assert set(scenario[key]) == SYSTEMS, (name, key)
-        assert all(v > 0 for v in scenario["bct_s"].values())
         assert set(scenario["scheduler_share"]) == {"batchgen", "lockstep"}
-        for key in ("speedup_vs_hf", "speedup_vs_lockstep", "bct_over_roofline"):
-            assert scenario[key] > 0, (name, key)
-        # BatchGen and lockstep share one implementation: greedy tokens must be identical
-        match = scenario["match"]["batchgen_vs_lockstep"]
-        assert scenario["outputs_match"]["batchgen_vs_lockstep"] is True, match
-        assert match["exact"] == match["total"] == 16
-    assert report["outputs_match"]["batchgen_vs_lockstep"] is True
+        # BatchGen and lockstep share one implementation: greedy tokens must be identical; transformers
+        # runs the same weights (float32, greedy) through its own model code and must agree too
+        for pair in ("batchgen_vs_lockstep", "batchgen_vs_hf"):
+            match = scenario["match"][pair]
+            assert scenario["outputs_match"][pair] is True, (name, pair, match)
+            assert match["exact"] == match["total"] == PROMPTS, (name, pair, match)
+    assert report["outputs_match"] == {"batchgen_vs_lockstep": True, "batchgen_vs_hf": True}
     constrained = report["scenarios"]["kv_budget"]
     assert constrained["kv_budget_bytes"] < report["scenarios"]["unconstrained"]["kv_budget_bytes"]
-    # the budget holds 8 of 16 sequences: BatchGen must have moved KV off the device to run them all
+    # the budget holds half the sequences: BatchGen must have moved KV off the device to run them all
     assert constrained["engine"]["batchgen"]["peak_suspended"] > 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from batchgen.connectors.checkpoint import load_model
@@ -72,10 +74,16 @@ def test_stop_token_ids_stop_strings_and_eos(engine, demo):
     text = base.outputs[0].text
     assert by_text.outputs[0].finish_reason == "stop"
     assert by_text.outputs[0].text == text[: text.index(word)]
-    eos = demo.eos_token_ids[0]
-    [eos_stop] = engine.generate([Request("e", prompt_token_ids=base.prompt_token_ids,
-                                          sampling=greedy(ignore_eos=False, stop_token_ids=[], max_tokens=12))])
-    assert eos not in eos_stop.outputs[0].token_ids[:-1]
+    # eos: a model whose eos is a token it generates greedily here stops right after that token, unless told not to
+    eos = tokens[6]
+    first_eos = tokens.index(eos)
+    assert first_eos + 1 < len(tokens)  # so stopping there really cuts the output short
+    eos_engine = Engine(dataclasses.replace(demo, eos_token_ids=(eos,)), page_size=16)
+    [eos_stop, eos_ignored] = eos_engine.generate([
+        Request("e", prompt_token_ids=base.prompt_token_ids, sampling=greedy(ignore_eos=False)),
+        Request("x", prompt_token_ids=base.prompt_token_ids, sampling=greedy(ignore_eos=True))])
+    assert eos_stop.outputs[0].token_ids == tokens[: first_eos + 1] and eos_stop.outputs[0].finish_reason == "stop"
+    assert eos_ignored.outputs[0].token_ids == tokens and eos_ignored.outputs[0].finish_reason == "length"
 
 
 def test_min_tokens_suppresses_stopping_and_max_tokens_sets_length(engine):

@@ -10,14 +10,17 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pyarrow.parquet as pq
 import pytest
 import ray
+from crash_injection import crashing, read_marker
 from pipeline_helpers import ENGINE, SAMPLING, engine_outputs, read_output, workload, write_input
 
+import batchgen.pipelines.pipeline
 from batchgen.connectors.checkpoint import load_model, load_tokenizer
 from batchgen.engine.reference import ReferenceRunner
-from batchgen.operators import BatchGen
+from batchgen.operators import BatchGen, Decode, Prefill
 from batchgen.pipelines.pipeline import JobConfig, run_job
 
 ROWS = 20
@@ -44,33 +47,53 @@ def input_dir(tmp_path_factory, prompts):
     return str(path)
 
 
-def crash_once(tmp_path: Path, batches: int) -> dict:
-    return {"batches": batches, "marker": str(tmp_path / "crashed")}
+@pytest.fixture()
+def preserve_order(monkeypatch):
+    """Ray Data's process-wide ordered execution, for this test only (the pipeline runs without it)."""
+    monkeypatch.setattr(ray.data.DataContext.get_current().execution_options, "preserve_order", True)
+
+
+def assert_one_worker_died(marker: Path, stage: str) -> None:
+    """The marker says `stage`'s worker crashed, and that process is really gone."""
+    assert marker.exists(), f"no {stage} worker reached its crash batch: the fault injection never fired"
+    crash = read_marker(marker)
+    assert crash["stage"] == stage, crash
+    pid, crashed_at = int(crash["pid"]), marker.stat().st_mtime
+    assert pid != os.getpid()
+    try:  # gone, not yet reaped, or its pid already reused by a process started after the crash
+        process = psutil.Process(pid)
+        assert process.status() == psutil.STATUS_ZOMBIE or process.create_time() >= crashed_at, process
+    except psutil.NoSuchProcess:
+        pass
 
 
 def test_map_batches_two_actors_order_and_outputs_survive_an_actor_crash(
-        ray_cluster, tiny_moe_dir, input_dir, expected, tmp_path):
-    ray.data.DataContext.get_current().execution_options.preserve_order = True
+        ray_cluster, preserve_order, tiny_moe_dir, input_dir, expected, tmp_path):
+    marker = tmp_path / "crashed"
     ds = ray.data.read_parquet(input_dir).repartition(10)  # small files read as one block: split it
-    ds = ds.map_batches(BatchGen, batch_size=2, batch_format="pyarrow", num_cpus=0.5,
-                        compute=ray.data.ActorPoolStrategy(size=2),
-                        fn_constructor_kwargs={"model": tiny_moe_dir, "sampling_params": SAMPLING,
-                                               "crash_after": crash_once(tmp_path, 2), **ENGINE})
+    ds = ds.map_batches(crashing(BatchGen, after_batches=2, marker=marker), batch_size=2,
+                        batch_format="pyarrow", num_cpus=0.5, compute=ray.data.ActorPoolStrategy(size=2),
+                        fn_constructor_kwargs={"model": tiny_moe_dir, "sampling_params": SAMPLING, **ENGINE})
     rows = ds.take_all()
-    assert (tmp_path / "crashed").exists(), "the fault injection did not kill an actor"
+    assert_one_worker_died(marker, "BatchGen")
     assert [r["id"] for r in rows] == list(range(ROWS))  # every row once, in input order
     assert [list(r["generated_token_ids"]) for r in rows] == expected
     assert all(r["error"] is None for r in rows)
 
 
+@pytest.mark.parametrize("stage,decode_actors", [(Prefill, 1), (Decode, 2)], ids=["Prefill", "Decode"])
 def test_split_pipeline_writes_every_row_once_in_order_despite_an_engine_crash(
-        ray_cluster, tiny_moe_dir, input_dir, expected, tmp_path):
+        ray_cluster, tiny_moe_dir, input_dir, expected, tmp_path, monkeypatch, stage, decode_actors):
+    # one engine actor of `stage` dies mid-run (the prefill actor, or one of two decode actors) while
+    # the other stage's actors live on; the pipeline refers to its stage classes by module-level name
+    marker = tmp_path / "crashed"
+    monkeypatch.setattr(batchgen.pipelines.pipeline, stage.__name__, crashing(stage, after_batches=3, marker=marker))
     output = str(tmp_path / "out")
     config = JobConfig(model=tiny_moe_dir, input=input_dir, output=output, mode="disaggregated",
                        sampling_params=SAMPLING, engine=ENGINE, batch_size=2, rows_per_block=2,
-                       prefill_concurrency=1, decode_concurrency=2, fault_injection=crash_once(tmp_path, 3))
+                       prefill_concurrency=1, decode_concurrency=decode_actors)
     summary = run_job(config)
-    assert (tmp_path / "crashed").exists(), "the fault injection did not kill an engine actor"
+    assert_one_worker_died(marker, stage.__name__)
     table = read_output(output)
     assert table.column("row_index").to_pylist() == list(range(ROWS))
     assert table.column("id").to_pylist() == list(range(ROWS))
@@ -114,7 +137,6 @@ def test_killed_driver_resumes_without_redoing_or_duplicating_rows(ray_cluster, 
     assert table.column("row_index").to_pylist() == list(range(len(prompts)))
     assert table.column("generated_token_ids").to_pylist() == engine_outputs(tiny_moe_dir, prompts, sampling)
     assert not any(name.startswith(".") for name in os.listdir(output))  # no leftover temporary files
-
 
 
 def settled_parts(output: Path) -> dict[str, tuple[int, object]]:

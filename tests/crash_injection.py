@@ -1,0 +1,78 @@
+"""Test-only fault injection: pipeline stages whose worker process dies for real (os._exit, no exception
+for Ray to catch) when a given batch arrives, once per marker file.
+
+    CrashingDecode = crashing(Decode, after_batches=2, marker=tmp_path / "crashed")
+    monkeypatch.setattr(batchgen.pipelines.pipeline, "Decode", CrashingDecode)
+
+`crashing` makes a subclass of the stage whose trigger (K, marker path) is held in class attributes.
+The subclass is built per test and pickled BY VALUE (this module is registered with Ray's cloudpickle
+below), so the attributes set here reach every worker with the class, and a restarted actor, which
+Ray rebuilds from the same pickled class and constructor arguments, gets the same trigger. The first
+worker to see batch K + 1 creates the marker exclusively (open(path, "x")), writes which stage class
+crashed and its pid into it and exits; every other worker, and every restarted one, finds the marker
+and runs on. So exactly one worker process dies per marker.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ray import cloudpickle
+
+EXIT_CODE = 17
+
+# Ray workers cannot import this module (tests/ is not on their path): ship its code with the classes.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class _Trigger:
+    """Counts one worker's batches; on batch `after_batches + 1` the first worker to claim the marker dies."""
+
+    def __init__(self, stage: str, after_batches: int, marker: str) -> None:
+        self.stage, self.after_batches, self.marker = stage, after_batches, marker
+        self.seen = 0
+        self.armed = True
+
+    def on_batch(self) -> None:
+        self.seen += 1
+        if not self.armed or self.seen <= self.after_batches:
+            return
+        self.armed = False
+        try:
+            with open(self.marker, "x") as f:
+                f.write(f"{self.stage} pid={os.getpid()} batch={self.seen}\n")
+        except FileExistsError:
+            return  # another worker (or this actor before its restart) crashed already
+        os._exit(EXIT_CODE)
+
+
+def crashing(stage: type, *, after_batches: int, marker: str | Path) -> type:
+    """A subclass of the stage class `stage` (BatchGen, Prefill, Decode) that kills its worker process
+    when its batch number `after_batches + 1` arrives, with earlier batches possibly still in flight.
+    Sync or async like the stage itself, so Ray Data runs it the same way."""
+    name, marker = stage.__name__, str(marker)
+
+    def init(self, *args: Any, **kwargs: Any) -> None:
+        self._crash = _Trigger(name, after_batches, marker)
+        stage.__init__(self, *args, **kwargs)
+
+    if inspect.iscoroutinefunction(stage.__call__):
+        async def call(self, batch: Any) -> Any:
+            self._crash.on_batch()
+            return await stage.__call__(self, batch)
+    else:
+        def call(self, batch: Any) -> Any:
+            self._crash.on_batch()
+            return stage.__call__(self, batch)
+
+    return type(f"Crashing{name}", (stage,), {"__init__": init, "__call__": call, "__module__": __name__})
+
+
+def read_marker(marker: str | Path) -> dict[str, str]:
+    """{"stage": "Decode", "pid": "1234", "batch": "3"} from a marker a crashing stage wrote."""
+    stage, *fields = Path(marker).read_text().split()
+    return {"stage": stage, **dict(field.split("=", 1) for field in fields)}
