@@ -3,7 +3,7 @@
 in one process and one run.
 
     python bench/bct.py [--quick] [--json] [--seed 0] [--num-prompts 128] [--experts 16] [--top-k 2]
-                        [--sigma 0.8] [--kv-budget-mb MB | --budget-seqs 16] [--profile]
+                        [--sigma 0.8] [--kv-budget-mb MB | --budget-seqs 16] [--dtype float32] [--profile]
 
 Workload "bench-moe": the bench-moe preset (Mixtral-style, random weights), prompts of random token ids
 with lengths uniform in [32, 256), output lengths lognormal(mu=3.5, sigma) + 1 capped at 512, fixed per
@@ -31,6 +31,7 @@ import pstats
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -233,6 +234,10 @@ def run_transformers(hf_model, workload: Workload, device_bytes: int, host_bytes
                      completion_times=[finished[i] - start for i in ids], mean_expert_batch=counter.mean)
 
 
+# Reference top-2 logit gap under which a divergence is a near-tie (fp32 1e-4; half types round far coarser).
+TIE_GAP = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
+
+
 @dataclass
 class MatchReport:
     exact: int
@@ -240,29 +245,51 @@ class MatchReport:
     mean_prefix: float  # tokens matching before the first difference, averaged over prompts
     mean_prefix_share: float  # the same as a share of each output's length
     first_mismatch: dict | None  # prompt index, position and both tokens of the first difference
+    ties: int = 0  # divergent sequences whose first difference is at a near-tie of the reference's logits
+    divergences: list[dict] = dataclasses.field(default_factory=list)  # each: where, the gap, the other's rank
 
     @property
     def all_match(self) -> bool:
-        return self.exact == self.total
+        """Identical, or every divergence a near-tie (which token wins there is a rounding accident)."""
+        return self.exact + self.ties == self.total
 
 
-def compare(reference: list[list[int]], other: list[list[int]]) -> MatchReport:
-    prefixes, first = [], None
+def compare(reference: list[list[int]], other: list[list[int]],
+            next_logits: Callable[[int, list[int]], torch.Tensor] | None = None, tie_gap: float = 0.0
+            ) -> MatchReport:
+    """Token-for-token comparison. With `next_logits(prompt index, generated prefix)` (the reference
+    model's logits for the next token), each divergence reports the reference's top-2 logit gap at the
+    first differing position, how far the other system's token trails the top logit and its rank
+    there; a divergence whose token trails by less than `tie_gap` is a tie."""
+    prefixes, first, divergences = [], None, []
     for index, (a, b) in enumerate(zip(reference, other)):
         prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        if (prefix < len(a) or len(a) != len(b)) and first is None:
-            first = {"prompt": index, "position": prefix, "reference": a[prefix] if prefix < len(a) else None,
-                     "other": b[prefix] if prefix < len(b) else None}
         prefixes.append((prefix, len(a)))
+        if a == b:
+            continue
+        where = {"prompt": index, "position": prefix, "reference": a[prefix] if prefix < len(a) else None,
+                 "other": b[prefix] if prefix < len(b) else None}
+        first = first or where
+        if next_logits is not None and where["reference"] is not None and where["other"] is not None:
+            logits = next_logits(index, a[:prefix]).float()
+            top2 = logits.topk(2).values
+            where["top2_gap"] = float(top2[0] - top2[1])
+            where["other_gap"] = float(top2[0] - logits[where["other"]])  # how far the other's pick trails
+            where["other_rank"] = int((logits > logits[where["other"]]).sum())
+            where["tie"] = where["other_gap"] < tie_gap
+        divergences.append(where)
     exact = sum(a == b for a, b in zip(reference, other))
     return MatchReport(exact=exact, total=len(reference), mean_prefix=statistics.mean(p for p, _ in prefixes),
-                       mean_prefix_share=statistics.mean(p / n for p, n in prefixes), first_mismatch=first)
+                       mean_prefix_share=statistics.mean(p / n for p, n in prefixes), first_mismatch=first,
+                       ties=sum(bool(d.get("tie")) for d in divergences), divergences=divergences)
 
 
-def scenario_summary(runs: dict[str, SystemRun], output_tokens: int, bound_s: float) -> dict:
-    batchgen, lockstep = runs["batchgen"], runs["lockstep"]
-    vs_lockstep = compare(batchgen.tokens, lockstep.tokens)
-    vs_hf = compare(batchgen.tokens, runs["transformers"].tokens)
+def scenario_summary(runs: dict[str, SystemRun], output_tokens: int, bound_s: float,
+                     next_logits: Callable[[int, list[int]], torch.Tensor], tie_gap: float) -> dict:
+    """`next_logits`: the reference (transformers) model's next-token logits, to judge divergences."""
+    batchgen, lockstep, hf = runs["batchgen"], runs["lockstep"], runs["transformers"]
+    vs_lockstep = compare(lockstep.tokens, batchgen.tokens, next_logits, tie_gap)
+    vs_hf = compare(hf.tokens, batchgen.tokens, next_logits, tie_gap)
     engine_keys = ("scheduler_share", "yields", "restores", "bytes_moved", "peak_active", "peak_suspended",
                    "prefill_steps", "decode_steps", "moe_calls")
     return {
@@ -299,6 +326,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="after the timed runs, print a cProfile of one more BatchGen run per scenario")
     parser.add_argument("--kv-budget-mb", type=float, default=None,
                         help="device KV budget of the constrained scenario (default: 16 mean full contexts)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(TIE_GAP),
+                        help="weights, KV and activations of every system (default float32)")
     parser.add_argument("--budget-seqs", type=int, default=None,
                         help="mean full contexts the constrained scenario's budget holds (default 16, 8 with --quick)")
     args = parser.parse_args(argv)
@@ -323,13 +352,13 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
     return dataclasses.replace(spec, **changes)
 
 
-def load_systems(model_dir: str, device: torch.device):
+def load_systems(model_dir: str, device: torch.device, dtype: str):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    loaded = load_model(model_dir, dtype="float32", device=str(device))
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    loaded = load_model(model_dir, dtype=dtype, device=str(device))
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     return loaded, hf_model
 
 
@@ -338,7 +367,7 @@ def run(args: argparse.Namespace, log) -> dict:
     overrides = {k: v for k, v in (("experts", args.experts), ("top_k", args.top_k)) if v is not None}
     model_dir = build_preset("bench-moe", **overrides)
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    shape = MoEShape.from_hf_config(config)
+    shape = MoEShape.from_hf_config(config, dtype_bytes=getattr(torch, args.dtype).itemsize)
     workload = make_workload(spec, shape.vocab)
     output_tokens = sum(workload.max_tokens)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -354,7 +383,13 @@ def run(args: argparse.Namespace, log) -> dict:
         f" -> bound {bound.seconds:.2f} s (prefill {bound.prefill_seconds:.2f} s, {bound.decode_steps} "
         f"decode steps {bound.decode_seconds:.2f} s, {bound.compute_bound_steps} of them compute-bound)")
 
-    loaded, hf_model = load_systems(model_dir, device)
+    loaded, hf_model = load_systems(model_dir, device, args.dtype)
+
+    @torch.inference_mode()
+    def next_logits(prompt: int, generated: list[int]) -> torch.Tensor:
+        ids = torch.tensor([workload.prompts[prompt] + generated], device=device)
+        return hf_model(ids).logits[0, -1]
+
     host_bytes = all_contexts_bytes(shape, workload)
     constrained = budget_bytes(shape, workload, spec.budget_seqs)
     if args.kv_budget_mb:
@@ -377,7 +412,7 @@ def run(args: argparse.Namespace, log) -> dict:
         if args.profile:
             log(f"[{scenario}] BatchGen profile:\n"
                 + profile_engine(loaded, "coroutine", workload, device_bytes, host_bytes))
-        summary = scenario_summary(runs, output_tokens, bound.seconds)
+        summary = scenario_summary(runs, output_tokens, bound.seconds, next_logits, TIE_GAP[args.dtype])
         scenarios[scenario] = {"kv_budget_bytes": device_bytes, **summary}
         log(describe(scenario, summary))
 
@@ -407,8 +442,11 @@ def describe(scenario: str, summary: dict) -> str:
     for pair, match in summary["match"].items():
         line = (f"  outputs {pair}: {match['exact']}/{match['total']} identical, mean matching prefix "
                 f"{match['mean_prefix']:.1f} tokens ({match['mean_prefix_share']:.1%})")
-        if match["first_mismatch"]:
-            line += f"; first difference {match['first_mismatch']}"
+        if match["ties"]:
+            line += f", {match['ties']} more diverge at a near-tie"
+        for divergence in match["divergences"]:
+            if not divergence.get("tie"):
+                line += f"; divergence {divergence}"
         lines.append(line)
     return "\n".join(lines)
 
