@@ -185,7 +185,7 @@ def _shard_paths(fs, root: str, files: set[str], uri: str) -> list[str]:
 
 def _build_empty(family: ModelFamily, config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """The model with uninitialised weights in `dtype` on `device`: nothing is computed or allocated twice."""
-    with torch.device("meta"):
+    with torch.device("meta"), _no_weight_init():
         model = family.build(config)
     tied = _tied_parameters(model)
     model = model.to(dtype=dtype).to_empty(device=device).requires_grad_(False)
@@ -193,6 +193,21 @@ def _build_empty(family: ModelFamily, config, dtype: torch.dtype, device: torch.
         module, _, attr = alias.rpartition(".")
         setattr(model.get_submodule(module), attr, model.get_parameter(source))
     return model
+
+
+@contextmanager
+def _no_weight_init() -> Iterator[None]:
+    """Skip torch.nn.init while building: the checkpoint overwrites every weight, and on the meta device
+    the init ops would pull in torch's decomposition machinery (seconds of imports per process)."""
+    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    for name in names:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
 
 
 def _tied_parameters(model: torch.nn.Module) -> list[tuple[str, str]]:

@@ -589,7 +589,7 @@ class _BrokenEngine:
 def test_engine_failure_fails_every_batch(engine, tmp_path):
     from fastapi.testclient import TestClient
 
-    loop = EngineLoop(lambda: _BrokenEngine(engine.normalizer))
+    loop = EngineLoop(lambda: _BrokenEngine(engine.normalizer), max_outstanding=64)
     args = build_parser().parse_args(["serve", "--model", "broken", "--storage", str(tmp_path / "storage")])
     app = create_serve_app(args, loop, open_store(args))
     with TestClient(app) as http:
