@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import posixpath
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +23,13 @@ from fsspec.implementations.local import LocalFileSystem
 from safetensors import safe_open
 from safetensors.torch import load as load_safetensors_bytes
 
+from batchgen.connectors.checkpoint_files import (
+    CONFIG_FILE,
+    CheckpointError,
+    list_checkpoint_files,
+    metadata_dir,
+    read_tokenizer,
+)
 from batchgen.connectors.io import filesystem
 from batchgen.connectors.presets import resolve_preset
 from batchgen.engine.models.loaded_model import LoadedModel
@@ -32,21 +38,13 @@ from batchgen.engine.models.weight_names import WeightTarget, checkpoint_name, c
 
 logger = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-# Small files copied next to config.json for transformers (tokenizers, chat templates, generation config).
-METADATA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16,
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file or tensor at fault."""
 
 
 def load_model(
@@ -59,10 +57,10 @@ def load_model(
     torch_dtype = parse_dtype(dtype)
     uri = resolve_preset(str(uri)) or str(uri)
     fs, root = filesystem(uri, storage_options)
-    files = _list_files(fs, root, uri)
-    with _metadata_dir(fs, root, files) as meta_dir:
+    files = list_checkpoint_files(fs, root, uri)
+    with metadata_dir(fs, root, files) as meta_dir:
         config, family = _read_config(meta_dir, uri)
-        tokenizer = _load_tokenizer(meta_dir, files, uri)
+        tokenizer = read_tokenizer(meta_dir, files, uri)
         eos_token_ids = _eos_token_ids(meta_dir, files, config, tokenizer)
     shards = _shard_paths(fs, root, files, uri)
     model = _build_empty(family, config, torch_dtype, torch.device(device))
@@ -71,50 +69,12 @@ def load_model(
                        torch_dtype, uri)
 
 
-def load_tokenizer(uri: str | os.PathLike, storage_options: dict[str, Any] | None = None):
-    """The checkpoint's tokenizer alone (None when it ships none), reading no weights: for CPU-only
-    tokenize / detokenize stages, and to check a model URI before a job starts."""
-    uri = resolve_preset(str(uri)) or str(uri)
-    fs, root = filesystem(uri, storage_options)
-    files = _list_files(fs, root, uri)
-    with _metadata_dir(fs, root, files) as meta_dir:
-        return _load_tokenizer(meta_dir, files, uri)
-
-
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
     if isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
     raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-
-
-def _list_files(fs, root: str, uri: str) -> set[str]:
-    """Names of the files directly inside the checkpoint directory."""
-    try:
-        if not fs.isdir(root):
-            kind = "is a file, not a directory" if fs.isfile(root) else "does not exist"
-            raise CheckpointError(f"checkpoint directory {uri!r} {kind}")
-        names = {posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False)}
-    except OSError as exc:
-        raise CheckpointError(f"cannot list checkpoint directory {uri!r}: {exc}") from exc
-    if CONFIG_FILE not in names:
-        raise CheckpointError(f"checkpoint {uri!r} has no {CONFIG_FILE}")
-    return names
-
-
-@contextmanager
-def _metadata_dir(fs, root: str, files: set[str]) -> Iterator[str]:
-    """A local directory holding config.json and the tokenizer files, as transformers wants a path:
-    the checkpoint itself when local, else a temporary copy of its small files."""
-    if isinstance(fs, LocalFileSystem):
-        yield root
-        return
-    with tempfile.TemporaryDirectory(prefix="batchgen-ckpt-") as tmp:
-        for name in files:
-            if name.endswith(METADATA_SUFFIXES):
-                fs.get_file(posixpath.join(root, name), str(Path(tmp) / name))
-        yield tmp
 
 
 def _read_config(meta_dir: str, uri: str) -> tuple[Any, ModelFamily]:
@@ -137,17 +97,6 @@ def _read_config(meta_dir: str, uri: str) -> tuple[Any, ModelFamily]:
         return AutoConfig.from_pretrained(meta_dir), family
     except (ValueError, TypeError, KeyError) as exc:
         raise CheckpointError(f"{uri}/{CONFIG_FILE} is not a valid {model_type} config: {exc}") from exc
-
-
-def _load_tokenizer(meta_dir: str, files: set[str], uri: str):
-    if not files.intersection(TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(meta_dir)
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise CheckpointError(f"cannot load the tokenizer of {uri!r}: {exc}") from exc
 
 
 def _eos_token_ids(meta_dir: str, files: set[str], config, tokenizer) -> tuple[int, ...]:

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl
 
-import torch
-
 from batchgen.connectors.demo_data import WORDS
 
 CACHE_ENV = "BATCHGEN_CACHE"
@@ -237,6 +235,7 @@ def _role_token(role: str) -> str:
 
 
 def _write(preset: Preset, config, directory: Path) -> None:
+    import torch  # only to build a preset: finding an already built one needs no torch
     from transformers import MixtralForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -255,17 +254,19 @@ def _write(preset: Preset, config, directory: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
-@torch.no_grad()
-def _init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
+def _init_weights(model, seed: int, std: float) -> None:
     """Norm scales 1, every matrix N(0, std), drawn from a private generator in parameter order:
     the weights depend on the seed and config alone (not on the global RNG, other threads, or
     transformers' own init code)."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
-    for param in model.parameters():
-        if param.ndim == 1:
-            param.fill_(1.0)
-        else:
-            param.normal_(0.0, std, generator=generator)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, std, generator=generator)
 
 
 def _directory_name(preset: Preset, config) -> str:

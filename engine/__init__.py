@@ -1,27 +1,33 @@
-"""The sequence-coroutine engine; runs in a plain Python process (no Ray, no server)."""
+"""The sequence-coroutine engine; runs in a plain Python process (no Ray, no server).
 
-from batchgen.engine.config import EngineConfig
-from batchgen.engine.engine import Engine
-from batchgen.engine.engine_loop import EngineLoop
-from batchgen.engine.models.loaded_model import LoadedModel
-from batchgen.engine.prefill_export import PrefillExporter
-from batchgen.engine.prefill_output import PrefillOutput
-from batchgen.engine.request import Completion, Request, Result, TokenLogprob
-from batchgen.engine.request_normalizer import RequestNormalizer
-from batchgen.engine.sampling_params import InvalidRequestError, SamplingParams
+The names below load lazily, so a process that only needs the request types and checks (a tokenize
+or detokenize stage) does not import torch.
+"""
 
-__all__ = [
-    "Completion",
-    "Engine",
-    "EngineConfig",
-    "EngineLoop",
-    "InvalidRequestError",
-    "LoadedModel",
-    "PrefillExporter",
-    "PrefillOutput",
-    "Request",
-    "RequestNormalizer",
-    "Result",
-    "SamplingParams",
-    "TokenLogprob",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Completion": "batchgen.engine.request",
+    "Engine": "batchgen.engine.engine",
+    "EngineConfig": "batchgen.engine.config",
+    "EngineLoop": "batchgen.engine.engine_loop",
+    "InvalidRequestError": "batchgen.engine.sampling_params",
+    "LoadedModel": "batchgen.engine.models.loaded_model",
+    "PrefillExporter": "batchgen.engine.prefill_export",
+    "PrefillOutput": "batchgen.engine.prefill_output",
+    "Request": "batchgen.engine.request",
+    "RequestNormalizer": "batchgen.engine.request_normalizer",
+    "Result": "batchgen.engine.request",
+    "SamplingParams": "batchgen.engine.sampling_params",
+    "TokenLogprob": "batchgen.engine.request",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'batchgen.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,10 +1,26 @@
-"""batchgen.operators: the engine hosted inside Ray Data (map_batches callables)."""
+"""batchgen.operators: the engine hosted inside Ray Data (map_batches callables).
 
-from batchgen.operators.batch_gen import BatchGen
-from batchgen.operators.decode import Decode
-from batchgen.operators.detokenize import Detokenize
-from batchgen.operators.engine_actor import engine_actor_pool
-from batchgen.operators.prefill import Prefill
-from batchgen.operators.tokenize import Tokenize
+The names below load lazily, so the CPU-only stages (tokenize, detokenize) import neither torch nor
+the engine.
+"""
 
-__all__ = ["BatchGen", "Decode", "Detokenize", "Prefill", "Tokenize", "engine_actor_pool"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "BatchGen": "batchgen.operators.batch_gen",
+    "Decode": "batchgen.operators.decode",
+    "Detokenize": "batchgen.operators.detokenize",
+    "Prefill": "batchgen.operators.prefill",
+    "Tokenize": "batchgen.operators.tokenize",
+    "engine_actor_pool": "batchgen.operators.engine_actor",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'batchgen.operators' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

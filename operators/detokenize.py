@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchgen.connectors.checkpoint import load_tokenizer
+from batchgen.connectors.checkpoint_files import load_tokenizer
 from batchgen.engine import Completion, Result
 from batchgen.engine.stop_checker import detokenize
 from batchgen.operators import stage_columns as sc

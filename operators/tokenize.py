@@ -9,7 +9,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.connectors.checkpoint import load_tokenizer
+from batchgen.connectors.checkpoint_files import load_tokenizer
 from batchgen.engine import RequestNormalizer, SamplingParams
 from batchgen.operators import stage_columns as sc
 from batchgen.operators.blocks import Block, rows, to_block, with_columns

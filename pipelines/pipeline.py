@@ -231,7 +231,7 @@ def _run_with_progress(write: Callable[[], None], tracker, progress: Progress, s
 
 
 def _check_model(config: JobConfig) -> None:
-    from batchgen.connectors.checkpoint import load_tokenizer
+    from batchgen.connectors.checkpoint_files import load_tokenizer
 
     try:
         load_tokenizer(config.model, config.storage_options)

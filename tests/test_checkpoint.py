@@ -15,7 +15,8 @@ from tiny_models import (
     tiny_tokenizer,
 )
 
-from batchgen.connectors.checkpoint import CheckpointError, load_model, load_tokenizer
+from batchgen.connectors.checkpoint import CheckpointError, load_model
+from batchgen.connectors.checkpoint_files import load_tokenizer
 from batchgen.engine.models.registry import UnsupportedModelError, supported_model_types
 from batchgen.engine.reference import ReferenceRunner
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from pipeline_helpers import ENGINE, SAMPLING, engine_outputs, workload
 
-from batchgen.connectors.checkpoint import load_model, load_tokenizer
+from batchgen.connectors.checkpoint import load_model
+from batchgen.connectors.checkpoint_files import load_tokenizer
 from batchgen.connectors.handoff_store import RayHandoffStore
 from batchgen.engine import EngineLoop, PrefillOutput, Request, SamplingParams
 from batchgen.engine.reference import ReferenceRunner

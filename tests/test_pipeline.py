@@ -18,7 +18,8 @@ from crash_injection import crashing, read_marker
 from pipeline_helpers import ENGINE, SAMPLING, engine_outputs, read_output, workload, write_input
 
 import batchgen.pipelines.pipeline
-from batchgen.connectors.checkpoint import load_model, load_tokenizer
+from batchgen.connectors.checkpoint import load_model
+from batchgen.connectors.checkpoint_files import load_tokenizer
 from batchgen.engine.reference import ReferenceRunner
 from batchgen.operators import BatchGen, Decode, Prefill
 from batchgen.pipelines.pipeline import JobConfig, run_job
