@@ -102,6 +102,8 @@ def test_split_pipeline_writes_every_row_once_in_order_despite_an_engine_crash(
     assert not any(name.startswith("__batchgen") for name in table.column_names)
     assert summary.progress.rows == ROWS and summary.progress.errors == 0
     assert summary.progress.generated_tokens == ROWS * SAMPLING["max_tokens"]
+    # the decode stage reported its rows as they left the engines (a crashed task's rows may count twice)
+    assert summary.progress.finished_rows >= ROWS and summary.progress.finished_tokens >= ROWS * SAMPLING["max_tokens"]
 
 
 def test_killed_driver_resumes_without_redoing_or_duplicating_rows(ray_cluster, tiny_moe_dir, tmp_path):
@@ -132,6 +134,7 @@ def test_killed_driver_resumes_without_redoing_or_duplicating_rows(ray_cluster, 
     summary = run_job(config)
     assert summary.progress.skipped_rows == done
     assert summary.progress.rows == len(prompts) - done  # nothing redone
+    assert summary.progress.finished_rows == len(prompts) - done  # BatchGen reported each row as it finished
     for name, (mtime, _) in first_run.items():  # nothing rewritten
         assert (output / name).stat().st_mtime_ns == mtime
     table = read_output(str(output))
