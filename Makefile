@@ -20,8 +20,9 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# two pytest workers: most tests wait on Ray actor and subprocess start-up, so two overlap well on 2 cores
 test: lint
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist load
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/bct.py --quick

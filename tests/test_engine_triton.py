@@ -20,7 +20,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["deepseek_v3"])  # MoE, and MLA's latent KV (K and V of different widths)
 def test_forced_triton_kernels_give_the_torch_paths_greedy_tokens(arch, tmp_path):
     pytest.importorskip("triton")
     assert set(TRITON_OPS) == {"fused_moe", "paged_decode_attention", "write_kv"}
