@@ -10,12 +10,14 @@ per prompt by max_tokens with ignore_eos, greedy, seed 0. The prompts are writte
 
   engine          Engine.generate in this process (model loaded and warmed up before the clock starts);
   single          pipelines.run_job(mode="single"): read -> map_batches(BatchGen) -> write;
-  disaggregated   pipelines.run_job(mode="disaggregated"): read -> tokenize -> prefill -> Ray object
-                  store -> decode -> detokenize -> write.
+  disaggregated   pipelines.run_job(mode="disaggregated"): read -> tokenize -> prefill -> (KV in
+                  the blocks, Ray object store) -> decode -> write.
 
-One engine actor per engine stage, fractional CPUs each (a 2-core machine), every engine with the same
-EngineConfig and the same torch thread count as the in-process engine (Ray would otherwise give a
-fractional-CPU actor OMP_NUM_THREADS=1). A pipeline's BCT runs from `run_job` called (Ray already up)
+One engine actor per engine stage, every engine with the same EngineConfig. Ray gets the machine's CPUs
+and the engine actors the job's default share of them (pipelines.pipeline.engine_actor_cpus), which
+sets their torch threads (operators.engine_actor.engine_threads): on 2 cores the single shape's one
+engine computes on 2 threads like the in-process engine, the disaggregated shape's two on 1 each.
+A pipeline's BCT runs from `run_job` called (Ray already up)
 to its summary returned, so it includes actor start and model load; Ray's task timeline says how much
 of it that start-up was. Overhead = 1 - pipeline tokens/s / engine tokens/s, split into start-up
 (job start -> the last engine actor constructed, over the pipeline BCT) and the steady-state rest;
@@ -25,8 +27,7 @@ With --json the last line printed is one JSON object.
 
 By default the bench starts its own Ray runtime (and shuts it down). `--ray-address ADDR` joins a
 running one instead, and `main()` called in a process already connected to Ray uses that one (the
-tests do); either way the engine actors then get that runtime's thread count, not the engine's, and
-only a runtime this process started has its processes' CPU seconds booked.
+tests do); only a runtime this process started has its processes' CPU seconds booked.
 """
 
 from __future__ import annotations
@@ -37,11 +38,9 @@ import gc
 import json
 import os
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
@@ -57,17 +56,17 @@ from bct import (
     make_workload,
     run_engine,
 )
+from process_account import ProcessAccount
 from roofline import MoEShape
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.connectors.presets import build_preset
 from batchgen.engine import EngineConfig
-from batchgen.pipelines.pipeline import JobConfig, run_job
+from batchgen.operators.engine_actor import engine_threads
+from batchgen.pipelines.pipeline import JobConfig, engine_actor_cpus, run_job
 
 DEFAULT_PROMPTS = 1024
 SHAPES = {"single": ("BatchGen",), "disaggregated": ("Prefill", "Decode")}  # engine stages per shape
-RAY_CPUS = 4  # logical: engine actors take fractions, so read/tokenize/write tasks always find room
-ENGINE_ACTOR_CPUS = 0.5
 OVERHEAD_GOAL = 0.15
 
 
@@ -91,78 +90,6 @@ def kv_budgets(shape: MoEShape, workload: Workload) -> tuple[int, int]:
     return 2 * host, host
 
 
-class CPUAccount:
-    """CPU seconds spent during a run, by who spent them: this process (the driver), the engine actors,
-    Ray's other processes (read / tokenize / detokenize / write workers, the KV owner, Ray Data's
-    bookkeeping actors, raylet, GCS, agents: all descendants of this process, which started the Ray
-    session) and everything else on the machine (other users' jobs). Sampled from a thread, since Ray
-    Data kills a stage's actors once it is done; a worker's CPU is booked under its process title at
-    the time it spent it (pooled workers change title with every task)."""
-
-    def __init__(self, engine_stages: tuple[str, ...], interval_s: float = 0.25) -> None:
-        self.engine_titles = tuple(f"MapWorker(MapBatches({stage}))" for stage in engine_stages)
-        self.interval_s = interval_s
-        self.by_process: dict[str, float] = {}
-        self.seconds: dict[str, float] = {}
-        self._last: dict[int, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cpu-account", daemon=True)
-
-    def __enter__(self) -> CPUAccount:
-        self._machine_start = _busy_seconds(psutil.cpu_times())
-        self._sample(record=False)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample(record=True)
-        self.seconds = {"driver": 0.0, "engine_actors": 0.0, "other_ray": 0.0}
-        for name, seconds in self.by_process.items():
-            role = ("driver" if name == "driver" else
-                    "engine_actors" if name in self.engine_titles else "other_ray")
-            self.seconds[role] += seconds
-        ours = sum(self.seconds.values())
-        self.seconds["other_users"] = max(0.0, _busy_seconds(psutil.cpu_times()) - self._machine_start - ours)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample(record=True)
-
-    def _sample(self, record: bool) -> None:
-        me = psutil.Process()
-        for proc in [me, *me.children(recursive=True)]:
-            try:
-                with proc.oneshot():
-                    times = proc.cpu_times()
-                    cmdline = proc.cmdline()
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            total = times.user + times.system
-            spent = total - self._last.get(proc.pid, 0.0 if record else total)  # new since start: all of it
-            self._last[proc.pid] = total
-            if record and spent > 0:
-                name = "driver" if proc.pid == me.pid else _process_name(cmdline)
-                self.by_process[name] = self.by_process.get(name, 0.0) + spent
-
-
-def _process_name(cmdline: list[str]) -> str:
-    """'ray::MapWorker(MapBatches(Decode)).submit' -> 'MapWorker(MapBatches(Decode))',
-    'ray::KVOwner.put' -> 'KVOwner', '.../python -u .../raylet/raylet ...' -> 'raylet'."""
-    title = " ".join(cmdline)
-    if title.startswith("ray::"):
-        name = title[len("ray::"):].split(" ")[0]
-        head, cut, _ = name.rpartition(").")
-        return head + ")" if cut else name.split(".")[0]
-    script = next((arg for arg in cmdline[1:] if arg.endswith(".py")), cmdline[0] if cmdline else "?")
-    return os.path.basename(script)
-
-
-def _busy_seconds(times) -> float:
-    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
-
-
 @dataclasses.dataclass
 class PipelineRun:
     tokens: list[list[int]]
@@ -178,8 +105,8 @@ class PipelineRun:
 def run_pipeline(mode: str, model_dir: str, input_path: Path, output: Path, engine: dict,
                  batch_size: int) -> PipelineRun:
     config = JobConfig(model=model_dir, input=str(input_path), output=str(output), mode=mode,
-                       engine=engine, batch_size=batch_size, engine_num_cpus=ENGINE_ACTOR_CPUS)
-    with CPUAccount(SHAPES[mode]) as cpu:
+                       engine=engine, batch_size=batch_size)
+    with ProcessAccount(SHAPES[mode]) as cpu:
         started_at, start = time.time(), time.perf_counter()
         summary = run_job(config)
         bct = time.perf_counter() - start
@@ -306,7 +233,7 @@ def run(args: argparse.Namespace, workdir: Path, log) -> dict:
     load_start = time.perf_counter()
     loaded = load_model(model_dir, dtype=config.dtype, device="cpu")
     engine_load_s = time.perf_counter() - load_start
-    with CPUAccount(()) as engine_cpu:
+    with ProcessAccount(()) as engine_cpu:
         engine = run_engine(loaded, config.mode, workload, device_bytes, host_bytes)
     del loaded
     gc.collect()
@@ -317,19 +244,17 @@ def run(args: argparse.Namespace, workdir: Path, log) -> dict:
     write_prompts(input_path, workload)
     init_start = time.perf_counter()
     own_ray = not ray.is_initialized()  # else: called as a library by a Ray driver, use its runtime
-    actor_threads = threads
     if own_ray and args.ray_address:
         ray.init(address=args.ray_address, log_to_driver=False)
     elif own_ray:
-        # inherited by raylet and every worker (a runtime_env would add a setup process to each worker start)
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
+        ray.init(include_dashboard=False, log_to_driver=False)  # the machine's CPUs, as `batchgen run` does
     if not own_ray or args.ray_address:
-        actor_threads = None  # the joined runtime's own setting
-        log(f"using the running Ray runtime at {ray.get_runtime_context().gcs_address}: engine actors get "
-            "its torch thread count")
+        log(f"using the running Ray runtime at {ray.get_runtime_context().gcs_address}")
     ray_init_s = time.perf_counter() - init_start
     ray_cpus = ray.cluster_resources().get("CPU", 0.0)
+    # what the job gives each engine actor by default, and the torch threads that makes
+    actor_cpus = {m: engine_actor_cpus(JobConfig(model_dir, "", "", mode=m)) for m in SHAPES}
+    log(f"Ray: {ray_cpus:g} CPUs; CPUs per engine actor {actor_cpus}")
     data_context = ray.data.DataContext.get_current()
     progress_bars = data_context.enable_progress_bars  # process-wide: put back for whoever runs next
     data_context.enable_progress_bars = False
@@ -350,8 +275,9 @@ def run(args: argparse.Namespace, workdir: Path, log) -> dict:
                      "output_tokens": output_tokens, "max_output_tokens": max(workload.max_tokens)},
         "setup": {"engine_config": dataclasses.asdict(config), "batch_size": args.batch_size,
                   "rows_per_block": JobConfig.rows_per_block, "engine_actors_per_stage": 1,
-                  "engine_actor_cpus": ENGINE_ACTOR_CPUS, "ray_logical_cpus": ray_cpus,
-                  "torch_threads_per_engine": threads, "torch_threads_per_engine_actor": actor_threads,
+                  "engine_actor_cpus": actor_cpus, "ray_logical_cpus": ray_cpus,
+                  "torch_threads_per_engine": threads,
+                  "torch_threads_per_engine_actor": {m: engine_threads(c) for m, c in actor_cpus.items()},
                   "page_size": PAGE_SIZE},
         "machine": {"cpus": os.cpu_count(), "load_average_at_start": load_at_start,
                     "load_average_at_end": os.getloadavg()},

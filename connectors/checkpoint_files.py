@@ -1,6 +1,6 @@
 """The small files of a checkpoint (config, tokenizer, chat template), without torch or weights.
 
-The CPU-only stages (tokenize, detokenize) and the job's up-front model check need only these, so
+The CPU-only tokenize stage and the job's up-front model check need only these, so
 this module imports neither torch nor the model code; connectors/checkpoint.py builds on it.
 """
 
@@ -31,12 +31,31 @@ class CheckpointError(ValueError):
 
 def load_tokenizer(uri: str | os.PathLike, storage_options: dict[str, Any] | None = None):
     """The checkpoint's tokenizer alone (None when it ships none), reading no weights: for CPU-only
-    tokenize / detokenize stages, and to check a model URI before a job starts."""
+    tokenize stages, and to check a model URI before a job starts."""
+    with _small_files(uri, storage_options) as (meta_dir, files, uri):
+        return read_tokenizer(meta_dir, files, uri)
+
+
+def load_config(uri: str | os.PathLike, storage_options: dict[str, Any] | None = None):
+    """The checkpoint's transformers config, reading no weights: the model's limits (vocabulary, context
+    length) for a process that checks requests but runs no engine."""
+    from transformers import AutoConfig
+
+    with _small_files(uri, storage_options) as (meta_dir, _, uri):
+        try:
+            return AutoConfig.from_pretrained(meta_dir)
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise CheckpointError(f"{uri}/{CONFIG_FILE} is not a valid config: {exc}") from exc
+
+
+@contextmanager
+def _small_files(uri: str | os.PathLike, storage_options: dict[str, Any] | None) -> Iterator[tuple[str, set[str], str]]:
+    """(local directory of the small files, the checkpoint's file names, the resolved URI)."""
     uri = resolve_preset(str(uri)) or str(uri)
     fs, root = filesystem(uri, storage_options)
     files = list_checkpoint_files(fs, root, uri)
     with metadata_dir(fs, root, files) as meta_dir:
-        return read_tokenizer(meta_dir, files, uri)
+        yield meta_dir, files, uri
 
 
 def list_checkpoint_files(fs, root: str, uri: str) -> set[str]:

@@ -1,7 +1,7 @@
 """The sequence-coroutine engine; runs in a plain Python process (no Ray, no server).
 
 The names below load lazily, so a process that only needs the request types and checks (a tokenize
-or detokenize stage) does not import torch.
+stage) does not import torch.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ _EXPORTS = {
     "InvalidRequestError": "batchgen.engine.sampling_params",
     "LoadedModel": "batchgen.engine.models.loaded_model",
     "PrefillExporter": "batchgen.engine.prefill_export",
+    "PrefillBatch": "batchgen.engine.prefill_output",
     "PrefillOutput": "batchgen.engine.prefill_output",
     "Request": "batchgen.engine.request",
     "RequestNormalizer": "batchgen.engine.request_normalizer",

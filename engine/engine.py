@@ -129,20 +129,34 @@ class Engine:
         return self.stats.summary(self.kv.bytes_moved)
 
     @torch.inference_mode()
+    def check_prefilled(self, prefilled: PrefillOutput) -> None:
+        """InvalidRequestError unless this engine can adopt `prefilled` (its KV packed for this model's
+        layers, heads and KV dtype; an id not in use; a length it can run)."""
+        if prefilled.request.request_id in self._requests:
+            raise InvalidRequestError(f"duplicate request_id {prefilled.request.request_id!r}")
+        try:
+            self.kv.geometry.packed_views(prefilled.kv, prefilled.num_tokens)
+        except ValueError as exc:
+            raise InvalidRequestError(f"the prefilled KV does not fit this decode engine (prefill and decode "
+                                      f"engines must run the same model and KV dtype): {exc}") from None
+        self.scheduler.check_fits(min(prefilled.num_tokens + prefilled.request.sampling.max_tokens,
+                                      self.max_model_len))
+
     def add_prefilled(self, prefilled: PrefillOutput) -> None:
-        """Adopt a prompt prefilled elsewhere: place its KV, then decode its samples like any other."""
+        """Adopt a prompt prefilled elsewhere (checked with check_prefilled): place its KV, then decode its
+        samples like any other."""
+        self.check_prefilled(prefilled)
         self.stats.mark_start()
         request = prefilled.request
         state = _RequestState(request, pending=request.sampling.n)
         self._requests[request.request_id] = state
-        location = self.scheduler.import_location(prefilled.num_tokens)
         for index, logprob in enumerate(prefilled.first_logprobs):
             seq = self.new_sequence(request, index, list(request.prompt_token_ids), prefilled.submitted_at)
             seq.first_scheduled_at = time.perf_counter()
             seq.logprobs = None if logprob is None else [logprob]
-            self.kv.load(seq, location, prefilled.k, prefilled.v)
+            self.kv.load(seq, self.scheduler.import_location(prefilled.num_tokens), prefilled.kv,
+                         prefilled.num_tokens)
             state.samples.append(seq)
-            location = self.scheduler.import_location(prefilled.num_tokens)
         for seq in list(state.samples):
             self._continue_or_finish(seq, prefilled.first_token_ids[seq.sample_index])
 

@@ -106,27 +106,30 @@ class KVManager:
     def slots(self, seq: Sequence, start: int, count: int) -> list[int]:
         return slot_mapping(self.pages_of(seq), start, count, self.page_size)
 
-    def export(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sequence's KV as contiguous CPU tensors [L, T, Hkv, D] (for the prefill/decode split)."""
+    def export(self, seq: Sequence, packed: torch.Tensor) -> None:
+        """Write the sequence's KV into `packed` (a uint8 host buffer of geometry.packed_nbytes(kv_len)
+        bytes) for the prefill/decode split: one gather from the pages, the hand-off's one host copy."""
         pool = self.pool(seq.kv_location)
-        pages = torch.tensor(self.pages_of(seq)[: self.pages_needed(seq.kv_len)], device=pool.device)
-        spec = self.geometry.spec
-        k = pool.k[:, pages].reshape(spec.num_layers, -1, spec.num_kv_heads, spec.k_dim)[:, : seq.kv_len]
-        v = pool.v[:, pages].reshape(spec.num_layers, -1, spec.num_kv_heads, spec.v_dim)[:, : seq.kv_len]
-        return k.cpu().contiguous(), v.cpu().contiguous()
+        slots = torch.tensor(self.slots(seq, 0, seq.kv_len), device=pool.device)
+        for pages, out in zip((pool.k, pool.v), self.geometry.packed_views(packed, seq.kv_len)):
+            flat = pages.view(pages.shape[0], -1, *pages.shape[3:])
+            if flat.device == out.device:
+                torch.index_select(flat, 1, slots, out=out)
+            else:
+                out.copy_(flat.index_select(1, slots))
 
-    def load(self, seq: Sequence, location: KVLocation, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Inverse of `export`: place imported KV into freshly allocated pages."""
-        num_tokens = k.shape[1]
+    def load(self, seq: Sequence, location: KVLocation, packed: torch.Tensor, num_tokens: int) -> None:
+        """Inverse of `export`: place packed KV into freshly allocated pages."""
+        k, v = self.geometry.packed_views(packed, num_tokens)
         self.allocate(seq, location, num_tokens)
         seq.kv_len = num_tokens
         pool = self.pool(location)
         slots = torch.tensor(self.slots(seq, 0, num_tokens), device=pool.device)
         flat_k = pool.k.view(pool.k.shape[0], -1, *pool.k.shape[3:])
         flat_v = pool.v.view(pool.v.shape[0], -1, *pool.v.shape[3:])
-        flat_k[:, slots] = k.to(pool.device, pool.k.dtype)
-        flat_v[:, slots] = v.to(pool.device, pool.v.dtype)
-        self.bytes_moved += k.numel() * k.element_size() + v.numel() * v.element_size()
+        flat_k[:, slots] = k.to(pool.device)
+        flat_v[:, slots] = v.to(pool.device)
+        self.bytes_moved += packed.numel()
 
     def pages_of(self, seq: Sequence) -> list[int]:
         """The page ids of the tier the sequence's KV is in."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.engine.request import Request, TokenLogprob
+from batchgen.engine.request import Request, Result, TokenLogprob
 
 
 @dataclass
@@ -14,13 +14,21 @@ class PrefillOutput:
     """The prompt's KV and each sample's first token: all a decode engine needs to continue it."""
 
     request: Request  # prompt_token_ids set, sampling resolved
-    k: torch.Tensor  # [L, T, Hkv, Dk]
-    v: torch.Tensor  # [L, T, Hkv, Dv]
+    kv: torch.Tensor  # uint8, packed as PoolGeometry.packed_views lays it out, in the engines' KV dtype
     first_token_ids: list[int]  # one per sample
     first_logprobs: list[TokenLogprob | None]
     submitted_at: float
-    prefilled_at: float
 
     @property
     def num_tokens(self) -> int:
-        return self.k.shape[1]
+        return len(self.request.prompt_token_ids)
+
+
+@dataclass
+class PrefillBatch:
+    """What PrefillExporter.prefill returns: per request a PrefillOutput, or a Result with its `error`;
+    every PrefillOutput's `kv` is a slice of `kv_buffer`, back to back in request order, so the whole
+    batch's KV can leave as one buffer without another copy."""
+
+    outputs: list[PrefillOutput | Result]
+    kv_buffer: torch.Tensor  # uint8, on the host

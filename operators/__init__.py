@@ -1,7 +1,7 @@
 """batchgen.operators: the engine hosted inside Ray Data (map_batches callables).
 
-The names below load lazily, so the CPU-only stages (tokenize, detokenize) import neither torch nor
-the engine.
+The names below load lazily, so the CPU-only tokenize stage imports neither torch nor the engine
+runtime.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import importlib
 _EXPORTS = {
     "BatchGen": "batchgen.operators.batch_gen",
     "Decode": "batchgen.operators.decode",
-    "Detokenize": "batchgen.operators.detokenize",
     "Prefill": "batchgen.operators.prefill",
     "Tokenize": "batchgen.operators.tokenize",
     "engine_actor_pool": "batchgen.operators.engine_actor",

@@ -32,6 +32,7 @@ from batchgen.operators.columns import (
     RowOutcome,
     RowParser,
     output_columns,
+    report_finished,
 )
 from batchgen.operators.engine_actor import prepare_engine_process
 from batchgen.operators.engine_factory import load_engine
@@ -76,7 +77,5 @@ class BatchGen:
         results = await self.loop.run([r.request_id for _, r in requests], admit)
         for (i, _), result in zip(requests, results):
             outcomes[i].result = result
-        if self.progress is not None:  # fire and forget
-            tokens = sum(len(c.token_ids) for r in results for c in r.outputs)
-            self.progress.add_finished.remote(len(outcomes), tokens)
+        report_finished(self.progress, outcomes)
         return with_columns(block, output_columns(outcomes, self.list_outputs))

@@ -40,6 +40,15 @@ def column_values(block: Block, name: str) -> list:
     return [None if _is_null(v) else v for v in block[name].tolist()]
 
 
+def arrow_column(block: Block, name: str) -> pa.ChunkedArray:
+    """A column as Arrow arrays, without converting its values (an Arrow-backed pandas column gives
+    back its own arrays)."""
+    if isinstance(block, pa.Table):
+        return block.column(name)
+    values = pa.array(block[name].array)
+    return values if isinstance(values, pa.ChunkedArray) else pa.chunked_array([values])
+
+
 def rows(block: Block, wanted: tuple[str, ...]) -> list[dict[str, Any]]:
     """Each row's values of the columns in `wanted` that the block has."""
     present = [n for n in wanted if n in names(block)]

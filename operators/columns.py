@@ -107,6 +107,13 @@ class RowOutcome:
     num_prompt_tokens: int | None = None
 
 
+def report_finished(progress: Any, outcomes: list[RowOutcome]) -> None:
+    """Tell a progress actor (`add_finished(rows, tokens)`, fire and forget) about rows leaving an engine."""
+    if progress is not None:
+        tokens = sum(len(c.token_ids) for o in outcomes if o.result is not None for c in o.result.outputs)
+        progress.add_finished.remote(len(outcomes), tokens)
+
+
 def output_columns(outcomes: list[RowOutcome], list_outputs: bool) -> dict[str, pa.Array]:
     """The output columns for a batch, typed by `output_schema` so every block agrees."""
     cols: dict[str, list] = {name: [] for name in OUTPUT_COLUMNS}

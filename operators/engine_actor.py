@@ -29,12 +29,17 @@ def engine_actor_pool(size: int, tasks_in_flight: int = TASKS_IN_FLIGHT) -> ray.
                                       max_concurrent_calls_per_actor=tasks_in_flight)
 
 
+def engine_threads(granted_cpus: float) -> int:
+    """Torch threads for an actor granted `granted_cpus`: rounded up, at least one, at most this machine's
+    cores (logical CPUs beyond the cores would only make threads wait on each other)."""
+    return max(1, min(math.ceil(granted_cpus - 1e-9), os.cpu_count() or 1))
+
+
 def prepare_engine_process() -> int:
-    """In a Ray actor: torch threads = the CPUs Ray granted it (at least one), niceness 0 where the OS
-    allows. Outside Ray nothing changes. Returns the thread count in use."""
+    """In a Ray actor: torch threads for the CPUs Ray granted it (engine_threads), niceness 0 where the
+    OS allows. Outside Ray nothing changes. Returns the thread count in use."""
     if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
-        threads = max(1, math.ceil(cpus - 1e-9))
+        threads = engine_threads(ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0))
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         try:

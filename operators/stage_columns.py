@@ -1,44 +1,124 @@
-"""The columns that carry a row between the split stages: tokenize -> prefill -> decode -> detokenize.
+"""The typed columns that carry a row between the split stages: tokenize -> prefill -> decode.
 
-All are dropped by the detokenize stage; `error` is the user-facing column, set by whichever stage
-first finds the row bad, after which later stages pass the row through untouched.
+Each value travels once, in an Arrow type of its own: the request id and prompt ids from tokenize,
+the resolved sampling params as a struct, and from prefill the prompt's KV as one binary value per
+row laid over the prefill batch's single host buffer (no copy here; Ray writes the block into its
+object store when the task returns, and the decode stage reads it back without a copy). The KV rides
+in the block, so it lives exactly as long as the block: the driver owns a task's output blocks, so
+it outlives the prefill actor, and Ray recomputes a lost block from its lineage.
+
+The decode stage drops them all; `error` is the user-facing column, set by whichever stage first
+finds the row bad, after which later stages pass the row through untouched.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
+import warnings
+from typing import TYPE_CHECKING
 
+import numpy as np
 import pyarrow as pa
 
-from batchgen.engine import SamplingParams
+from batchgen.engine.request import Request, TokenLogprob
+from batchgen.engine.sampling_params import SamplingParams
+from batchgen.operators.blocks import Block, arrow_column, column_values
 
+if TYPE_CHECKING:  # torch and the engine runtime load only in the engine stages, not in tokenize
+    import torch
+
+    from batchgen.engine import PrefillBatch, PrefillOutput
+
+REQUEST_ID = "__batchgen_request_id"  # string: the engines' id for the row
 PROMPT_IDS = "__batchgen_prompt_ids"  # list<int64>: the prompt as the engine sees it
-SAMPLING = "__batchgen_sampling"  # string: the row's resolved SamplingParams as JSON
-KV_REF = "__batchgen_kv_ref"  # string: where prefill put the row's KV (a hand-off store ref)
-GENERATED_IDS = "__batchgen_generated_ids"  # list<list<int64>>: one list per sample
-FINISH_REASONS = "__batchgen_finish_reasons"  # list<string>
-TEXT_ENDS = "__batchgen_text_ends"  # list<int64>: where a stop string cut each sample's text (null: no cut)
-COMPLETION_S = "__batchgen_completion_s"  # float64: first engine admission -> last sample done
+SAMPLING = "__batchgen_sampling"  # struct: the row's resolved SamplingParams
+KV = "__batchgen_kv"  # large_binary: the prompt's packed KV (empty where the row has an error)
+FIRST_TOKENS = "__batchgen_first_tokens"  # list<int64>: each sample's first token
+FIRST_LOGPROBS = "__batchgen_first_logprobs"  # list<struct>: each sample's first logprob entry, or null
+SUBMITTED_AT = "__batchgen_submitted_at"  # float64: when the prefill engine admitted the row
 
-ALL = (PROMPT_IDS, SAMPLING, KV_REF, GENERATED_IDS, FINISH_REASONS, TEXT_ENDS, COMPLETION_S)
-TYPES = {
-    PROMPT_IDS: pa.list_(pa.int64()),
-    SAMPLING: pa.string(),
-    KV_REF: pa.string(),
-    GENERATED_IDS: pa.list_(pa.list_(pa.int64())),
-    FINISH_REASONS: pa.list_(pa.string()),
-    TEXT_ENDS: pa.list_(pa.int64()),
-    COMPLETION_S: pa.float64(),
+_ARROW_OF_ANNOTATION = {
+    "int": pa.int64(), "int | None": pa.int64(), "float": pa.float64(), "bool": pa.bool_(),
+    "tuple[str, ...]": pa.list_(pa.string()), "tuple[int, ...]": pa.list_(pa.int64()),
 }
+SAMPLING_TYPE = pa.struct([(f.name, _ARROW_OF_ANNOTATION[f.type]) for f in dataclasses.fields(SamplingParams)])
+LOGPROB_TYPE = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64()),
+                          ("top", pa.map_(pa.int64(), pa.float64()))])
+
+ALL = (REQUEST_ID, PROMPT_IDS, SAMPLING, KV, FIRST_TOKENS, FIRST_LOGPROBS, SUBMITTED_AT)
 
 
-def column(name: str, values: list) -> pa.Array:
-    return pa.array(values, type=TYPES[name])
+def tokenized_columns(request_ids: list[str | None], prompt_ids: list[list[int] | None],
+                      sampling: list[SamplingParams | None]) -> dict[str, pa.Array]:
+    return {REQUEST_ID: pa.array(request_ids, pa.string()),
+            PROMPT_IDS: pa.array(prompt_ids, pa.list_(pa.int64())),
+            SAMPLING: pa.array([None if s is None else s.to_dict() for s in sampling], SAMPLING_TYPE)}
 
 
-def sampling_to_json(params: SamplingParams) -> str:
-    return json.dumps(params.to_dict())
+def requests(block: Block) -> list[Request | None]:
+    """Each row's engine request, None where tokenize found the row bad."""
+    return [None if rid is None else Request(rid, ids, sampling=SamplingParams.from_dict(params))
+            for rid, ids, params in zip(column_values(block, REQUEST_ID), column_values(block, PROMPT_IDS),
+                                        column_values(block, SAMPLING))]
 
 
-def sampling_from_json(text: str) -> SamplingParams:
-    return SamplingParams.from_dict(json.loads(text))
+def prefill_columns(outputs: list[PrefillOutput | None], batch: PrefillBatch) -> dict[str, pa.Array]:
+    """Per row its prefill output (None: no KV, the row has an error), `batch` the exporter's buffer that
+    holds every output's KV in row order. The KV column is a view of that buffer."""
+    sizes = [0 if o is None else o.kv.numel() for o in outputs]
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    if offsets[-1] != batch.kv_buffer.numel():
+        raise ValueError(f"the rows' KV ({offsets[-1]} bytes) is not the batch buffer ({batch.kv_buffer.numel()})")
+    kv = pa.Array.from_buffers(pa.large_binary(), len(sizes),
+                               [None, pa.py_buffer(offsets), pa.py_buffer(batch.kv_buffer.numpy())])
+    return {
+        KV: kv,
+        FIRST_TOKENS: pa.array([None if o is None else o.first_token_ids for o in outputs], pa.list_(pa.int64())),
+        FIRST_LOGPROBS: pa.array([None if o is None else [None if lp is None else dataclasses.asdict(lp)
+                                                          for lp in o.first_logprobs] for o in outputs],
+                                 pa.list_(LOGPROB_TYPE)),
+        SUBMITTED_AT: pa.array([None if o is None else o.submitted_at for o in outputs], pa.float64()),
+    }
+
+
+def prefilled(block: Block) -> list[PrefillOutput | None]:
+    """Each row's prefill output, its KV a view of the block's buffer; None where the row has no KV."""
+    from batchgen.engine import PrefillOutput
+
+    kv = _binary_views(arrow_column(block, KV))
+    out: list[PrefillOutput | None] = []
+    for request, packed, first, logprobs, submitted in zip(
+            requests(block), kv, column_values(block, FIRST_TOKENS), column_values(block, FIRST_LOGPROBS),
+            column_values(block, SUBMITTED_AT)):
+        if request is None or first is None:
+            out.append(None)
+            continue
+        out.append(PrefillOutput(request, packed, first, [_logprob(lp) for lp in logprobs], submitted))
+    return out
+
+
+def prompt_lengths(block: Block) -> list[int | None]:
+    return [None if ids is None else len(ids) for ids in column_values(block, PROMPT_IDS)]
+
+
+def _binary_views(column: pa.ChunkedArray) -> list[torch.Tensor]:
+    """Every value of a large_binary column as a uint8 tensor over Arrow's buffer (no copy)."""
+    import torch
+
+    out = []
+    for chunk in column.chunks:
+        _, offsets_buf, data_buf = chunk.buffers()
+        offsets = np.frombuffer(offsets_buf, np.int64)[chunk.offset : chunk.offset + len(chunk) + 1]
+        raw = np.frombuffer(data_buf, np.uint8) if data_buf is not None else np.empty(0, np.uint8)
+        with warnings.catch_warnings():  # a read-only object-store buffer: the engine only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(raw)
+        out.extend(data[int(start) : int(end)] for start, end in zip(offsets[:-1], offsets[1:]))
+    return out
+
+
+def _logprob(value: dict | None) -> TokenLogprob | None:
+    if value is None:
+        return None
+    return TokenLogprob(value["token_id"], value["logprob"], dict(value["top"]))

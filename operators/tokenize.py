@@ -1,10 +1,12 @@
-"""CPU stage: rows -> prompt token ids and resolved sampling params, bad rows -> `error`.
+"""CPU stage: rows -> request ids, prompt token ids and resolved sampling params, bad rows -> `error`.
 
 Loads only the tokenizer (no weights), so it scales on CPU nodes apart from the engine stages.
 """
 
 from __future__ import annotations
 
+import itertools
+import uuid
 from typing import Any
 
 import pyarrow as pa
@@ -23,16 +25,17 @@ class Tokenize:
         list_outputs = defaults.n > 1 if list_outputs is None else bool(list_outputs)
         # no weights here, so no vocabulary or context checks: the prefill engine runs those
         self.parser = RowParser(RequestNormalizer(load_tokenizer(model, storage_options)), defaults, list_outputs)
+        self._ids = (f"{uuid.uuid4().hex[:12]}-{i}" for i in itertools.count())
 
     def __call__(self, batch: Any) -> Block:
         block = to_block(batch)
-        ids, sampling, errors = [], [], []
+        request_ids, ids, sampling, errors = [], [], [], []
         for row in rows(block, (*PROMPT_COLUMNS, SAMPLING_PARAMS)):
             parsed = self.parser.parse(row)
             bad = isinstance(parsed, str)
+            request_ids.append(None if bad else next(self._ids))
             ids.append(None if bad else parsed.prompt_token_ids)
-            sampling.append(None if bad else sc.sampling_to_json(parsed.sampling))
+            sampling.append(None if bad else parsed.sampling)
             errors.append(parsed if bad else None)
-        return with_columns(block, {sc.PROMPT_IDS: sc.column(sc.PROMPT_IDS, ids),
-                                    sc.SAMPLING: sc.column(sc.SAMPLING, sampling),
+        return with_columns(block, {**sc.tokenized_columns(request_ids, ids, sampling),
                                     ERROR: pa.array(errors, type=pa.string())})

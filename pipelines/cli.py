@@ -33,7 +33,6 @@ _ACTOR_COUNTS = {
     "--decode-concurrency": "decode engine actors (disaggregated)",
     "--concurrency": "engine actors (single)",
     "--tokenize-concurrency": "tokenizer actors, CPU only (disaggregated)",
-    "--detokenize-concurrency": "detokenizer actors, CPU only (disaggregated)",
 }
 
 

@@ -1,8 +1,9 @@
 """Ready pipelines: Parquet in, generation, Parquet out in input order, resumable.
 
 Two shapes, one job:
-  "disaggregated": read -> tokenize -> prefill -> [KV hand-off store] -> decode -> detokenize -> write,
-                   prefill and decode each their own actor pool with its own concurrency;
+  "disaggregated": read -> tokenize -> prefill -> decode -> write, prefill and decode each their own
+                   actor pool with its own concurrency, each prompt's KV carried to decode in the
+                   prefill stage's output blocks;
   "single":        read -> BatchGen -> write, one engine pool doing both phases.
 
 Every row is numbered by its input position on read (`row_index`) and written into part files
@@ -29,7 +30,6 @@ from typing import Any
 import pyarrow.parquet as pq
 import ray
 
-from batchgen.connectors.handoff_store import RayHandoffStore
 from batchgen.connectors.indexed_parquet import (
     IndexedParquetSource,
     OrderedParquetSink,
@@ -38,7 +38,7 @@ from batchgen.connectors.indexed_parquet import (
 )
 from batchgen.connectors.io import StorageError, check_writable, filesystem
 from batchgen.engine import EngineConfig, SamplingParams
-from batchgen.operators import BatchGen, Decode, Detokenize, Prefill, Tokenize, engine_actor_pool
+from batchgen.operators import BatchGen, Decode, Prefill, Tokenize, engine_actor_pool
 from batchgen.operators.columns import ERROR, check_input_columns
 from batchgen.pipelines.progress import Progress, ProgressTracker, ReportWritten
 from batchgen.pipelines.progress import update as update_progress
@@ -65,7 +65,6 @@ class JobConfig:
     prefill_concurrency: int = 1
     decode_concurrency: int = 1
     tokenize_concurrency: int = 1
-    detokenize_concurrency: int = 1
     engine_num_cpus: float | None = None  # per engine actor; None: a share of the cluster's CPUs
     engine_num_gpus: float = 0.0
     rows_per_block: int = 256
@@ -76,7 +75,7 @@ class JobConfig:
         if self.mode not in MODES:
             raise JobError(f"mode must be one of {MODES}, got {self.mode!r}")
         for name in ("batch_size", "concurrency", "prefill_concurrency", "decode_concurrency",
-                     "tokenize_concurrency", "detokenize_concurrency", "rows_per_block"):
+                     "tokenize_concurrency", "rows_per_block"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise JobError(f"{name} must be an integer >= 1, got {value!r}")
@@ -157,7 +156,7 @@ def execute_job(plan: JobPlan, on_progress: Callable[[Progress], None] | None = 
     return _summarise(config, progress)
 
 
-_CPU_STAGE_CPUS = 0.25  # read, tokenize, detokenize, write: light, and must never starve the engine actors
+_CPU_STAGE_CPUS = 0.25  # read, tokenize, write: light, and must never starve the engine actors
 
 
 def build_dataset(config: JobConfig, source: IndexedParquetSource,
@@ -167,7 +166,7 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource,
     common = {"storage_options": config.storage_options}
     engine_kwargs = {**common, **config.engine}
     finishing = {"progress": progress}  # the last engine stage reports rows as they leave it
-    engine_res = {"num_cpus": _engine_cpus(config), "num_gpus": config.engine_num_gpus}
+    engine_res = {"num_cpus": engine_actor_cpus(config), "num_gpus": config.engine_num_gpus}
     cpu_res = {"num_cpus": _CPU_STAGE_CPUS}
     ds = ray.data.read_datasource(source, num_cpus=_CPU_STAGE_CPUS)
     if config.mode == "single":
@@ -175,37 +174,37 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource,
                               compute=engine_actor_pool(config.concurrency), **engine_res, fn_constructor_kwargs={
                                   "model": config.model, "sampling_params": config.sampling_params,
                                   "list_outputs": config.samples_as_lists, **finishing, **engine_kwargs})
-    store = RayHandoffStore.create()
     ds = ds.map_batches(Tokenize, batch_size=config.batch_size, batch_format="pyarrow",
                         compute=_pool(config.tokenize_concurrency), **cpu_res, fn_constructor_kwargs={
                             "model": config.model, "sampling_params": config.sampling_params,
                             "list_outputs": config.samples_as_lists, **common})
     ds = ds.map_batches(Prefill, batch_size=config.batch_size, batch_format="pyarrow",
                         compute=_pool(config.prefill_concurrency), **engine_res,
-                        fn_constructor_kwargs={"model": config.model, "handoff_store": store, **engine_kwargs})
-    ds = ds.map_batches(Decode, batch_size=config.batch_size, batch_format="pyarrow",
-                        compute=engine_actor_pool(config.decode_concurrency), **engine_res,
-                        fn_constructor_kwargs={"model": config.model, "handoff_store": store, **finishing,
-                                               **engine_kwargs})
-    return ds.map_batches(Detokenize, batch_size=config.batch_size, batch_format="pyarrow",
-                          compute=_pool(config.detokenize_concurrency), **cpu_res, fn_constructor_kwargs={
-                              "model": config.model, "list_outputs": config.samples_as_lists, **common})
+                        fn_constructor_kwargs={"model": config.model, **engine_kwargs})
+    return ds.map_batches(Decode, batch_size=config.batch_size, batch_format="pyarrow",
+                          compute=engine_actor_pool(config.decode_concurrency), **engine_res,
+                          fn_constructor_kwargs={"model": config.model, "list_outputs": config.samples_as_lists,
+                                                 **finishing, **engine_kwargs})
 
 
 def _pool(size: int) -> ray.data.ActorPoolStrategy:
     return ray.data.ActorPoolStrategy(size=size)
 
 
-def _engine_cpus(config: JobConfig) -> float:
-    """Engine actors share half the cluster's CPUs unless told: whole CPUs per actor would leave
-    none for reading and writing on a small machine, and the job would wait forever."""
+def engine_actor_cpus(config: JobConfig) -> float:
+    """Engine actors share what the light stages leave of the cluster's CPUs, unless told: those stages
+    (read, write, and in the disaggregated shape the tokenizer actors) keep one slot
+    each, so they never starve; the engine actors compute with the rest (prepare_engine_process gives
+    them that many torch threads, rounded up), which on a 2-CPU machine means two threads for a single
+    engine, not one."""
     if config.engine_num_cpus is not None:
         return config.engine_num_cpus
     if config.mode == "single":
-        actors = config.concurrency
+        actors, light_slots = config.concurrency, 2
     else:
-        actors = config.prefill_concurrency + config.decode_concurrency
-    return min(1.0, ray.cluster_resources().get("CPU", 1.0) * 0.5 / actors)
+        actors, light_slots = config.prefill_concurrency + config.decode_concurrency, 3
+    free = ray.cluster_resources().get("CPU", 1.0) - light_slots * _CPU_STAGE_CPUS
+    return max(_CPU_STAGE_CPUS, free / actors)
 
 
 def _run_with_progress(write: Callable[[], None], tracker, progress: Progress, started: float,

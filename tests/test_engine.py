@@ -109,10 +109,16 @@ def test_disaggregated_prefill_then_decode_matches_reference(moe_case):
     loaded, batch, expected = moe_case
     prefill = Engine(loaded, page_size=4)
     decode = Engine(loaded, page_size=8, kv_budget_bytes=kv_bytes_per_token(loaded) * 8 * 16, b_attn=2)
-    outputs = PrefillExporter(prefill).prefill(greedy_requests(batch))
-    assert [o.k.shape[1] for o in outputs] == [len(p) for p in batch]
-    for prefilled in outputs:
+    exported = PrefillExporter(prefill).prefill(greedy_requests(batch))
+    geometry = prefill.kv.geometry
+    assert [o.kv.numel() for o in exported.outputs] == [geometry.packed_nbytes(len(p)) for p in batch]
+    # every output's KV is its slice of the one batch buffer, back to back in request order
+    assert exported.kv_buffer.numel() == sum(o.kv.numel() for o in exported.outputs)
+    assert [o.kv.data_ptr() - exported.kv_buffer.data_ptr() for o in exported.outputs] == [
+        sum(o.kv.numel() for o in exported.outputs[:i]) for i in range(len(batch))]
+    for prefilled in exported.outputs:
         decode.add_prefilled(prefilled)
+    assert decode.kv.bytes_moved >= exported.kv_buffer.numel()
     got = {}
     while decode.has_unfinished():
         got.update(tokens_by_id(decode.step()))
