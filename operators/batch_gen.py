@@ -21,6 +21,7 @@ emitted when the whole task finished, so a crash redoes rows without emitting an
 from __future__ import annotations
 
 import itertools
+import time
 import uuid
 from typing import Any
 
@@ -34,7 +35,7 @@ from batchgen.operators.columns import (
     output_columns,
     report_finished,
 )
-from batchgen.operators.engine_actor import prepare_engine_process
+from batchgen.operators.engine_actor import announce_ready, prepare_engine_process
 from batchgen.operators.engine_factory import load_engine
 
 
@@ -46,9 +47,11 @@ class BatchGen:
         model: a local checkpoint directory, an fsspec URI (s3://...) or a preset name ("tiny-moe").
         sampling_params: defaults for every row (SamplingParams fields); a row's own override them.
         list_outputs: one list entry per sample in the output columns (default: when n > 1).
-        progress: an actor with `add_finished(rows, tokens)`, told about every batch as it leaves the
-        engine (how `batchgen run` shows progress before rows are written).
+        progress: the job's tracker (pipelines/progress.py): told when this actor is ready
+        (`actor_ready`) and about every batch as it leaves the engine (`add_finished(rows, tokens)`: how
+        `batchgen run` shows progress before rows are written).
         """
+        init_started = time.perf_counter()
         prepare_engine_process()
         defaults = SamplingParams.from_dict(sampling_params)
         self.list_outputs = defaults.n > 1 if list_outputs is None else bool(list_outputs)
@@ -57,6 +60,7 @@ class BatchGen:
         self.parser = RowParser(self.engine.normalizer, defaults, self.list_outputs)
         self._ids = (f"{uuid.uuid4().hex[:12]}-{i}" for i in itertools.count())
         self.progress = progress
+        announce_ready(progress, "BatchGen", init_started)
 
     async def __call__(self, batch: Any) -> Block:
         block = to_block(batch)

@@ -9,13 +9,14 @@ dropping the hand-off columns.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from batchgen.engine import Engine, EngineLoop, InvalidRequestError, PrefillOutput
 from batchgen.operators import stage_columns as sc
 from batchgen.operators.blocks import Block, column_values, to_block, with_columns, without_columns
 from batchgen.operators.columns import ERROR, RowOutcome, output_columns, report_finished
-from batchgen.operators.engine_actor import prepare_engine_process
+from batchgen.operators.engine_actor import announce_ready, prepare_engine_process
 from batchgen.operators.engine_factory import load_engine
 
 
@@ -23,11 +24,13 @@ class Decode:
     def __init__(self, model: str, *, storage_options: dict[str, Any] | None = None, list_outputs: bool = False,
                  progress: Any = None, **engine_options: Any) -> None:
         """list_outputs, progress: as for BatchGen."""
+        init_started = time.perf_counter()
         prepare_engine_process()
         self.list_outputs = list_outputs
         self.loop = EngineLoop(lambda: load_engine(model, storage_options, **engine_options))
         self.engine = self.loop.engine
         self.progress = progress
+        announce_ready(progress, "Decode", init_started)
 
     async def __call__(self, batch: Any) -> Block:
         block = to_block(batch)

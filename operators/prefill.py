@@ -10,6 +10,7 @@ A sync UDF: `PrefillExporter.prefill` runs a batch to completion, there is no lo
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pyarrow as pa
@@ -18,14 +19,18 @@ from batchgen.engine import PrefillExporter, PrefillOutput
 from batchgen.operators import stage_columns as sc
 from batchgen.operators.blocks import Block, column_values, num_rows, to_block, with_columns
 from batchgen.operators.columns import ERROR
-from batchgen.operators.engine_actor import prepare_engine_process
+from batchgen.operators.engine_actor import announce_ready, prepare_engine_process
 from batchgen.operators.engine_factory import load_engine
 
 
 class Prefill:
-    def __init__(self, model: str, *, storage_options: dict[str, Any] | None = None, **engine_options: Any) -> None:
+    def __init__(self, model: str, *, storage_options: dict[str, Any] | None = None, progress: Any = None,
+                 **engine_options: Any) -> None:
+        """progress: the job's tracker, told when this actor is ready (operators/engine_actor.py)."""
+        init_started = time.perf_counter()
         prepare_engine_process()
         self.exporter = PrefillExporter(load_engine(model, storage_options, with_tokenizer=False, **engine_options))
+        announce_ready(progress, "Prefill", init_started)
 
     def __call__(self, batch: Any) -> Block:
         block = to_block(batch)

@@ -77,6 +77,10 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", type=json_object, help='EngineConfig fields as JSON, e.g. {"max_num_seqs": 512}')
     p.add_argument("--engine-num-cpus", type=float, help="CPUs per engine actor (default: a share of the cluster)")
     p.add_argument("--engine-num-gpus", type=float, help="GPUs per engine actor (default 0)")
+    for stage, actors in (("engine", "BatchGen (single)"), ("prefill", "prefill"), ("decode", "decode")):
+        p.add_argument(f"--{stage}-resources", type=json_object,
+                       help=f'custom Ray resources each {actors} engine actor asks for, to pin it to the nodes '
+                            f'that offer them, as JSON, e.g. {{"{stage}_node": 1}}')
     p.add_argument("--rows-per-block", type=int, help="rows per block read from the input (default 256)")
     p.add_argument("--rows-per-file", type=int, help="rows gathered per output write (default: Ray's choice)")
     p.add_argument("--storage-options", type=json_object,
@@ -219,6 +223,8 @@ def summary_text(s: JobSummary) -> str:
         f"  throughput   {p.tokens_per_s:.1f} generated tokens/s ({p.generated_tokens} tokens)",
         f"  per row      completion time p50 {seconds(s.completion_time_p50_s)}, "
         f"p99 {seconds(s.completion_time_p99_s)}",
+        f"  start-up     engines ready at {seconds(s.engines_ready_s)} ("
+        + (", ".join(f"{a.stage} constructed in {a.init_s:.1f} s" for a in s.engine_actors) or "none started") + ")",
     ])
 
 

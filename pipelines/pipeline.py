@@ -40,6 +40,7 @@ from batchgen.connectors.io import StorageError, check_writable, filesystem
 from batchgen.engine import EngineConfig, SamplingParams
 from batchgen.operators import BatchGen, Decode, Prefill, Tokenize, engine_actor_pool
 from batchgen.operators.columns import ERROR, check_input_columns
+from batchgen.operators.engine_actor import EngineActorReady
 from batchgen.pipelines.progress import Progress, ProgressTracker, ReportWritten
 from batchgen.pipelines.progress import update as update_progress
 
@@ -67,6 +68,11 @@ class JobConfig:
     tokenize_concurrency: int = 1
     engine_num_cpus: float | None = None  # per engine actor; None: a share of the cluster's CPUs
     engine_num_gpus: float = 0.0
+    # custom Ray resources each engine actor asks for, to pin a stage to the nodes that offer them,
+    # e.g. {"decode_node": 1}: `engine_resources` for BatchGen (single), the others per split stage
+    engine_resources: dict[str, float] = field(default_factory=dict)
+    prefill_resources: dict[str, float] = field(default_factory=dict)
+    decode_resources: dict[str, float] = field(default_factory=dict)
     rows_per_block: int = 256
     rows_per_file: int | None = None  # rows gathered per write task; None: Ray's choice
     list_outputs: bool | None = None
@@ -79,6 +85,12 @@ class JobConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise JobError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("engine_resources", "prefill_resources", "decode_resources"):
+            value = getattr(self, name)
+            if not isinstance(value, dict) or not all(
+                    isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+                    for k, v in value.items()):
+                raise JobError(f"{name} must map resource names to amounts >= 0, got {value!r}")
         try:
             defaults = SamplingParams.from_dict(self.sampling_params)
             EngineConfig.from_kwargs(**self.engine)
@@ -102,6 +114,17 @@ class JobSummary:
     files: int
     completion_time_p50_s: float | None
     completion_time_p99_s: float | None
+    engine_actors: list[EngineActorReady] = field(default_factory=list)  # each engine actor started by the run
+    started_at: float = 0.0  # wall clock at the run's start, to place the engine actors' ready times
+
+    @property
+    def engines_ready_s(self) -> float | None:
+        """Seconds from the run's start until its last first-started engine actor was ready: the start-up
+        every job pays (restarted actors after a crash are not counted)."""
+        first: dict[str, float] = {}
+        for actor in sorted(self.engine_actors, key=lambda a: a.ready_at):
+            first.setdefault(actor.stage, actor.ready_at)
+        return max(first.values()) - self.started_at if first else None
 
     @property
     def bct_s(self) -> float:
@@ -144,7 +167,7 @@ def execute_job(plan: JobPlan, on_progress: Callable[[Progress], None] | None = 
     config, source = plan.config, plan.source
     progress = Progress(total_rows=source.num_rows, skipped_rows=source.skip.count)
     tracker = ProgressTracker.remote()
-    started = time.perf_counter()
+    started, started_at = time.perf_counter(), time.time()
     if progress.skipped_rows < progress.total_rows:
         ds = build_dataset(config, source, tracker)
         sink = OrderedParquetSink(config.output, config.storage_options, config.rows_per_file,
@@ -153,7 +176,9 @@ def execute_job(plan: JobPlan, on_progress: Callable[[Progress], None] | None = 
                            tracker, progress, started, on_progress, poll_s)
     progress.elapsed_s = time.perf_counter() - started
     update_progress(progress, tracker)
-    return _summarise(config, progress)
+    summary = _summarise(config, progress)
+    summary.engine_actors, summary.started_at = ray.get(tracker.ready_actors.remote()), started_at
+    return summary
 
 
 _CPU_STAGE_CPUS = 0.25  # read, tokenize, write: light, and must never starve the engine actors
@@ -165,13 +190,17 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource,
     ProgressTracker the engine actors tell about every batch of rows they finish."""
     common = {"storage_options": config.storage_options}
     engine_kwargs = {**common, **config.engine}
-    finishing = {"progress": progress}  # the last engine stage reports rows as they leave it
-    engine_res = {"num_cpus": engine_actor_cpus(config), "num_gpus": config.engine_num_gpus}
+    finishing = {"progress": progress}  # engine actors report when ready; the last stage, rows as they leave it
+
+    def engine_res(resources: dict[str, float]) -> dict[str, Any]:
+        return {"num_cpus": engine_actor_cpus(config), "num_gpus": config.engine_num_gpus, "resources": resources}
+
     cpu_res = {"num_cpus": _CPU_STAGE_CPUS}
     ds = ray.data.read_datasource(source, num_cpus=_CPU_STAGE_CPUS)
     if config.mode == "single":
         return ds.map_batches(BatchGen, batch_size=config.batch_size, batch_format="pyarrow",
-                              compute=engine_actor_pool(config.concurrency), **engine_res, fn_constructor_kwargs={
+                              compute=engine_actor_pool(config.concurrency), **engine_res(config.engine_resources),
+                              fn_constructor_kwargs={
                                   "model": config.model, "sampling_params": config.sampling_params,
                                   "list_outputs": config.samples_as_lists, **finishing, **engine_kwargs})
     ds = ds.map_batches(Tokenize, batch_size=config.batch_size, batch_format="pyarrow",
@@ -179,10 +208,10 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource,
                             "model": config.model, "sampling_params": config.sampling_params,
                             "list_outputs": config.samples_as_lists, **common})
     ds = ds.map_batches(Prefill, batch_size=config.batch_size, batch_format="pyarrow",
-                        compute=_pool(config.prefill_concurrency), **engine_res,
-                        fn_constructor_kwargs={"model": config.model, **engine_kwargs})
+                        compute=_pool(config.prefill_concurrency), **engine_res(config.prefill_resources),
+                        fn_constructor_kwargs={"model": config.model, **finishing, **engine_kwargs})
     return ds.map_batches(Decode, batch_size=config.batch_size, batch_format="pyarrow",
-                          compute=engine_actor_pool(config.decode_concurrency), **engine_res,
+                          compute=engine_actor_pool(config.decode_concurrency), **engine_res(config.decode_resources),
                           fn_constructor_kwargs={"model": config.model, "list_outputs": config.samples_as_lists,
                                                  **finishing, **engine_kwargs})
 
@@ -196,7 +225,7 @@ def engine_actor_cpus(config: JobConfig) -> float:
     (read, write, and in the disaggregated shape the tokenizer actors) keep one slot
     each, so they never starve; the engine actors compute with the rest (prepare_engine_process gives
     them that many torch threads, rounded up), which on a 2-CPU machine means two threads for a single
-    engine, not one."""
+    engine, not one. No actor asks for more than the largest node has."""
     if config.engine_num_cpus is not None:
         return config.engine_num_cpus
     if config.mode == "single":
@@ -204,7 +233,8 @@ def engine_actor_cpus(config: JobConfig) -> float:
     else:
         actors, light_slots = config.prefill_concurrency + config.decode_concurrency, 3
     free = ray.cluster_resources().get("CPU", 1.0) - light_slots * _CPU_STAGE_CPUS
-    return max(_CPU_STAGE_CPUS, free / actors)
+    largest_node = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]), default=1.0)
+    return max(_CPU_STAGE_CPUS, min(free / actors, largest_node))  # an actor must fit on one node
 
 
 def _run_with_progress(write: Callable[[], None], tracker, progress: Progress, started: float,

@@ -7,6 +7,7 @@ Kept free of torch and the engine: every write task unpickles the hook and impor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -47,6 +48,13 @@ class Progress:
 class ProgressTracker:
     def __init__(self) -> None:
         self.rows = self.errors = self.tokens = self.finished_rows = self.finished_tokens = 0
+        self.actors: list[Any] = []  # operators.engine_actor.EngineActorReady, one per engine actor start
+
+    def actor_ready(self, ready: Any) -> None:
+        self.actors.append(ready)
+
+    def ready_actors(self) -> list[Any]:
+        return self.actors
 
     def add(self, rows: int, errors: int, tokens: int) -> None:
         self.rows += rows

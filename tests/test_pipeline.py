@@ -135,6 +135,7 @@ def test_killed_driver_resumes_without_redoing_or_duplicating_rows(ray_cluster, 
     assert summary.progress.skipped_rows == done
     assert summary.progress.rows == len(prompts) - done  # nothing redone
     assert summary.progress.finished_rows == len(prompts) - done  # BatchGen reported each row as it finished
+    assert [a.stage for a in summary.engine_actors] == ["BatchGen"] and summary.engines_ready_s > 0
     for name, (mtime, _) in first_run.items():  # nothing rewritten
         assert (output / name).stat().st_mtime_ns == mtime
     table = read_output(str(output))
