@@ -9,8 +9,11 @@ The subclass is built per test and pickled BY VALUE (this module is registered w
 below), so the attributes set here reach every worker with the class, and a restarted actor, which
 Ray rebuilds from the same pickled class and constructor arguments, gets the same trigger. The first
 worker to see batch K + 1 creates the marker exclusively (open(path, "x")), writes which stage class
-crashed and its pid into it and exits; every other worker, and every restarted one, finds the marker
-and runs on. So exactly one worker process dies per marker.
+crashed, its pid and how many batches were in flight in it, and exits; every other worker, and every
+restarted one, finds the marker and runs on. So exactly one worker process dies per marker.
+`min_in_flight` delays the crash until that many batches are in flight in the actor (with one batch
+per block, that many Ray Data tasks: an engine actor over-subscribed across blocks holds sequences of
+all of them when it dies).
 """
 
 from __future__ import annotations
@@ -30,49 +33,58 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 class _Trigger:
-    """Counts one worker's batches; on batch `after_batches + 1` the first worker to claim the marker dies."""
+    """Counts one worker's batches; from batch `after_batches + 1` on, the first one that arrives while
+    `min_in_flight` batches are in flight (itself included) kills the worker, if it is the first to claim
+    the marker."""
 
-    def __init__(self, stage: str, after_batches: int, marker: str) -> None:
+    def __init__(self, stage: str, after_batches: int, marker: str, min_in_flight: int) -> None:
         self.stage, self.after_batches, self.marker = stage, after_batches, marker
+        self.min_in_flight = min_in_flight
         self.seen = 0
         self.armed = True
 
-    def on_batch(self) -> None:
+    def on_batch(self, in_flight: int) -> None:
         self.seen += 1
-        if not self.armed or self.seen <= self.after_batches:
+        if not self.armed or self.seen <= self.after_batches or in_flight < self.min_in_flight:
             return
         self.armed = False
         try:
             with open(self.marker, "x") as f:
-                f.write(f"{self.stage} pid={os.getpid()} batch={self.seen}\n")
+                f.write(f"{self.stage} pid={os.getpid()} batch={self.seen} in_flight={in_flight}\n")
         except FileExistsError:
             return  # another worker (or this actor before its restart) crashed already
         os._exit(EXIT_CODE)
 
 
-def crashing(stage: type, *, after_batches: int, marker: str | Path) -> type:
+def crashing(stage: type, *, after_batches: int, marker: str | Path, min_in_flight: int = 1) -> type:
     """A subclass of the stage class `stage` (BatchGen, Prefill, Decode) that kills its worker process
-    when its batch number `after_batches + 1` arrives, with earlier batches possibly still in flight.
-    Sync or async like the stage itself, so Ray Data runs it the same way."""
+    when its batch number `after_batches + 1` (or the first after it that finds `min_in_flight` batches in
+    flight) arrives, with earlier batches possibly still in flight. Sync or async like the stage itself,
+    so Ray Data runs it the same way."""
     name, marker = stage.__name__, str(marker)
 
     def init(self, *args: Any, **kwargs: Any) -> None:
-        self._crash = _Trigger(name, after_batches, marker)
+        self._crash = _Trigger(name, after_batches, marker, min_in_flight)
+        self._in_flight = 0
         stage.__init__(self, *args, **kwargs)
 
     if inspect.iscoroutinefunction(stage.__call__):
         async def call(self, batch: Any) -> Any:
-            self._crash.on_batch()
-            return await stage.__call__(self, batch)
+            self._in_flight += 1
+            try:
+                self._crash.on_batch(self._in_flight)
+                return await stage.__call__(self, batch)
+            finally:
+                self._in_flight -= 1
     else:
         def call(self, batch: Any) -> Any:
-            self._crash.on_batch()
+            self._crash.on_batch(1)
             return stage.__call__(self, batch)
 
     return type(f"Crashing{name}", (stage,), {"__init__": init, "__call__": call, "__module__": __name__})
 
 
 def read_marker(marker: str | Path) -> dict[str, str]:
-    """{"stage": "Decode", "pid": "1234", "batch": "3"} from a marker a crashing stage wrote."""
+    """{"stage": "Decode", "pid": "1234", "batch": "3", "in_flight": "1"} from a marker a crashing stage wrote."""
     stage, *fields = Path(marker).read_text().split()
     return {"stage": stage, **dict(field.split("=", 1) for field in fields)}

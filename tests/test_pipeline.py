@@ -106,6 +106,26 @@ def test_split_pipeline_writes_every_row_once_in_order_despite_an_engine_crash(
     assert summary.progress.finished_rows >= ROWS and summary.progress.finished_tokens >= ROWS * SAMPLING["max_tokens"]
 
 
+def test_engine_actor_killed_holding_rows_of_two_tasks_loses_and_repeats_nothing(
+        ray_cluster, tiny_moe_dir, input_dir, expected, tmp_path, monkeypatch):
+    marker = tmp_path / "crashed"
+    monkeypatch.setattr(batchgen.pipelines.pipeline, "BatchGen",
+                        crashing(BatchGen, after_batches=1, marker=marker, min_in_flight=2))
+    output = str(tmp_path / "out")
+    config = JobConfig(model=tiny_moe_dir, input=input_dir, output=output, mode="single", sampling_params=SAMPLING,
+                       engine=ENGINE, batch_size=2, rows_per_block=2, concurrency=1)
+    summary = run_job(config)
+    assert_one_worker_died(marker, "BatchGen")
+    # batch_size == rows_per_block: each batch is a whole block, one Ray Data task; the engine held the rows
+    # of at least two of them when it died
+    assert int(read_marker(marker)["in_flight"]) >= 2
+    table = read_output(output)
+    assert table.column("row_index").to_pylist() == list(range(ROWS))
+    assert table.column("generated_token_ids").to_pylist() == expected
+    assert summary.progress.rows == ROWS and summary.progress.errors == 0
+    assert [a.stage for a in summary.engine_actors] == ["BatchGen", "BatchGen"]  # the restarted actor too
+
+
 def test_killed_driver_resumes_without_redoing_or_duplicating_rows(ray_cluster, tiny_moe_dir, tmp_path):
     prompts = workload(24, seed=11)
     input_dir, output = str(tmp_path / "in"), tmp_path / "out"
