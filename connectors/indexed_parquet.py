@@ -176,24 +176,37 @@ def recover_output_parts(uri: str, storage_options: dict[str, Any] | None = None
     their name, and files overlapping one kept before them (their rows get redone).
     """
     fs, path = filesystem(uri, storage_options)
-    fs.invalidate_cache(path)  # object-store listings are cached per filesystem instance
-    if not fs.exists(path):
-        return []
     kept: list[PartFile] = []
-    for entry in sorted(fs.ls(path, detail=False)):
+    for entry in _listing(fs, path):
         name = posixpath.basename(entry)
         if name.startswith(".part-") and name.endswith(".tmp"):
             fs.rm(entry)
             continue
-        match = _PART.match(name)
-        if match is None:
+        part = _part_file(entry)
+        if part is None:
             continue
-        part = PartFile(entry, int(match.group(1)), int(match.group(2)))
         if not _complete(fs, part) or (kept and part.first <= kept[-1].last):
             fs.rm(entry)
             continue
         kept.append(part)
     return kept
+
+
+def written_parts(uri: str, storage_options: dict[str, Any] | None = None) -> list[PartFile]:
+    """The part files under `uri` by name, sorted, checking and deleting nothing: safe to call while a job
+    is writing there, since a part file appears under its name only once complete."""
+    fs, path = filesystem(uri, storage_options)
+    return [part for part in map(_part_file, _listing(fs, path)) if part is not None]
+
+
+def _listing(fs, path: str) -> list[str]:
+    fs.invalidate_cache(path)  # object-store listings are cached per filesystem instance
+    return sorted(fs.ls(path, detail=False)) if fs.exists(path) else []
+
+
+def _part_file(entry: str) -> PartFile | None:
+    match = _PART.match(posixpath.basename(entry))
+    return None if match is None else PartFile(entry, int(match.group(1)), int(match.group(2)))
 
 
 def _complete(fs, part: PartFile) -> bool:

@@ -40,7 +40,9 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, _system_config={"num_workers_soft_limit": IDLE_WORKERS})
+        # address="local": always a runtime of our own, never one another test's cluster happens to run
+        ray.init(address="local", num_cpus=4, include_dashboard=False,
+                 _system_config={"num_workers_soft_limit": IDLE_WORKERS})
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

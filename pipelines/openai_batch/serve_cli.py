@@ -1,4 +1,5 @@
-"""`batchgen serve`: the OpenAI-compatible Batch API server over one engine."""
+"""`batchgen serve`: the OpenAI-compatible Batch API server, over one in-process engine (`--backend engine`)
+or a Ray job per batch (`--backend ray`)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,17 @@ if TYPE_CHECKING:  # the server's modules load only when `serve` runs
     from fastapi import FastAPI
 
     from batchgen.engine import EngineLoop
+    from batchgen.pipelines.openai_batch.backend import BackendConfig, BatchBackend
     from batchgen.pipelines.openai_batch.store import BatchStore
+    from batchgen.pipelines.pipeline import JobConfig
+
+# JobConfig fields `serve` sets itself from its own options, or per batch
+_SET_BY_SERVE = ("model", "input", "output", "sampling_params", "engine", "storage_options", "list_outputs")
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "serve", help="serve the OpenAI Batch API (files, batches) over one engine",
+        "serve", help="serve the OpenAI Batch API (files, batches) over one engine or a Ray job per batch",
         description="OpenAI-compatible Batch API server. Point the official openai client at "
                     "http://HOST:PORT/v1 and use client.files / client.batches as with OpenAI.")
     p.add_argument("--model", required=True, help="model directory, fsspec URI (s3://...) or preset name")
@@ -50,6 +56,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                                            "whose tokenizer has none")
     p.add_argument("--allow-custom-completion-window", action="store_true",
                    help="accept any completion_window '<n>s|m|h|d', not only '24h' (short windows for tests)")
+    p.add_argument("--backend", choices=("engine", "ray"), default="engine",
+                   help="engine: one in-process engine (default); ray: each batch runs as a `batchgen run` job "
+                        "on Ray engine actors (resumable, input order), shaped by --ray-job")
+    p.add_argument("--ray-job", type=json_object, default={},
+                   help='with --backend ray: the jobs\' `batchgen run` settings as JSON (JobConfig fields), e.g. '
+                        '{"mode": "single", "concurrency": 4, "engine_num_gpus": 1}')
+    p.add_argument("--ray-address", help="with --backend ray: the Ray cluster to join (default: $RAY_ADDRESS, "
+                                         "else a local one)")
     return p
 
 
@@ -60,16 +74,35 @@ def run_serve(args: argparse.Namespace) -> None:
     from batchgen.operators.engine_factory import load_engine
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    loop = None
     try:
         sampling_params(args.sampling_params)  # a bad default fails before the model loads
         store = open_store(args)
-        loop = EngineLoop(lambda: load_engine(args.model, args.storage_options, **args.engine))
+        if args.backend == "ray":
+            ray_job_config(args)  # bad job settings fail before Ray starts
+            _connect_ray(args.ray_address)
+        else:
+            loop = EngineLoop(lambda: load_engine(args.model, args.storage_options, **args.engine))
+        app = create_serve_app(args, loop, store)
     except (ValueError, TypeError) as exc:  # bad options (the engine's own checks), unusable storage or model
+        if loop is not None:
+            loop.close()
         raise SystemExit(f"batchgen serve: error: {exc}") from None
     try:
-        uvicorn.run(create_serve_app(args, loop, store), host=args.host, port=args.port, log_level="info")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
-        loop.close()
+        if loop is not None:
+            loop.close()
+
+
+def _connect_ray(address: str | None) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address or os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.ERROR)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
 
 
 def open_store(args: argparse.Namespace) -> BatchStore:
@@ -78,18 +111,48 @@ def open_store(args: argparse.Namespace) -> BatchStore:
     return BatchStore(args.storage, args.state_dir, args.storage_options)
 
 
-def create_serve_app(args: argparse.Namespace, loop: EngineLoop, store: BatchStore) -> FastAPI:
-    """The server app for parsed `serve` arguments over a running engine loop (the caller closes both)."""
-    from batchgen.pipelines.openai_batch.runner import BatchRunner, RunnerConfig
+def create_serve_app(args: argparse.Namespace, loop: EngineLoop | None, store: BatchStore) -> FastAPI:
+    """The server app for parsed `serve` arguments: over a running engine loop with `--backend engine`, over the
+    Ray runtime this process is connected to with `--backend ray` (`loop` None). The caller closes both."""
+    from batchgen.pipelines.openai_batch.backend import BackendConfig
     from batchgen.pipelines.openai_batch.server import ServerConfig, create_app
 
     served_model = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
     chat_template = args.chat_template
     if chat_template is not None and Path(chat_template).is_file():
         chat_template = Path(chat_template).read_text()
-    runner = BatchRunner(loop, store, RunnerConfig(
+    config = BackendConfig(
         served_model=served_model, default_sampling=args.sampling_params, chat_template=chat_template,
-        max_in_flight=args.max_in_flight, max_batch_requests=args.max_batch_requests))
-    return create_app(store, runner, ServerConfig(
+        max_in_flight=args.max_in_flight, max_batch_requests=args.max_batch_requests)
+    return create_app(store, _backend(args, loop, store, config), ServerConfig(
         served_model=served_model, api_key=args.api_key, max_upload_bytes=args.max_upload_bytes,
         allow_custom_completion_window=args.allow_custom_completion_window))
+
+
+def _backend(args: argparse.Namespace, loop: EngineLoop | None, store: BatchStore,
+             config: BackendConfig) -> BatchBackend:
+    if args.backend == "ray":
+        from batchgen.pipelines.openai_batch.ray_backend import RayBackend
+
+        return RayBackend(store, config, ray_job_config(args), args.storage.rstrip("/") + "/jobs")
+    from batchgen.pipelines.openai_batch.runner import BatchRunner
+
+    return BatchRunner(loop, store, config)
+
+
+def ray_job_config(args: argparse.Namespace) -> JobConfig:
+    """The settings every batch's job runs with: --ray-job over the model, engine and storage options of
+    `serve` itself; raises ValueError naming what is wrong."""
+    from batchgen.pipelines.pipeline import JobConfig, JobError
+
+    clash = sorted(set(args.ray_job) & set(_SET_BY_SERVE))
+    if clash:
+        raise ValueError(f"--ray-job cannot set {clash}: serve sets them from its own options or per batch")
+    try:
+        job = JobConfig(model=args.model, input="", output="", engine=args.engine,
+                        storage_options=args.storage_options or {}, sampling_params=args.sampling_params,
+                        list_outputs=True, **args.ray_job)
+        job.validate()
+    except (TypeError, JobError) as exc:
+        raise ValueError(f"--ray-job: {exc}") from None
+    return job

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible Batch API: files, batches and models routes over a BatchStore and a BatchRunner."""
+"""The OpenAI-compatible Batch API: files, batches and models routes over a BatchStore and a batch backend."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
 from batchgen.engine.sampling_params import InvalidRequestError
-from batchgen.pipelines.openai_batch.runner import BatchRunner
+from batchgen.pipelines.openai_batch.backend import BatchBackend
 from batchgen.pipelines.openai_batch.store import BatchRecord, BatchStore, FileRecord
 from batchgen.pipelines.openai_batch.wire_format import ENDPOINTS, completion_window_seconds, error_object
 
@@ -73,7 +73,7 @@ def _error_response(status: int, message: str, param: str | None = None, code: s
                         headers={"x-should-retry": "false"})
 
 
-def create_app(store: BatchStore, runner: BatchRunner, config: ServerConfig) -> FastAPI:
+def create_app(store: BatchStore, runner: BatchBackend, config: ServerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         runner.start()

@@ -18,7 +18,7 @@ from typing import Any
 
 from batchgen.engine.request import Completion, Request, Result, TokenLogprob
 from batchgen.engine.request_normalizer import RequestNormalizer, sampling_params
-from batchgen.engine.sampling_params import InvalidRequestError
+from batchgen.engine.sampling_params import InvalidRequestError, SamplingParams
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
@@ -136,6 +136,16 @@ def _check_line(raw: bytes, endpoint: str, served_model: str, seen: dict[str, in
     return None
 
 
+@dataclass
+class LineRequest:
+    """A request line as the engine runs it: prompt token ids and sampling values (`sampling`), and the
+    values the line set itself (`own_sampling`, checked and normalised; the defaults fill in the rest)."""
+
+    prompt_token_ids: list[int]
+    own_sampling: dict[str, Any]
+    sampling: SamplingParams
+
+
 class RequestBuilder:
     """Turns a line's body into an engine Request, applying the server's default sampling values.
 
@@ -152,6 +162,12 @@ class RequestBuilder:
 
     def build(self, request_id: str, body: dict[str, Any]) -> Request:
         """Raises InvalidRequestError naming the offending field."""
+        line = self.resolve(body)
+        return Request(request_id, prompt_token_ids=line.prompt_token_ids, sampling=line.sampling)
+
+    def resolve(self, body: dict[str, Any]) -> LineRequest:
+        """Every check `build` runs, keeping apart what the line set itself from the server's defaults (a
+        Ray job takes the former per row and the latter as its defaults). Raises InvalidRequestError."""
         chat = self.endpoint == CHAT_ENDPOINT
         _check_fields(body, chat)
         values = {key: body.get(key) for key in _SAMPLING_FIELDS}
@@ -163,7 +179,9 @@ class RequestBuilder:
         prompt_ids = self.normalizer.prompt_ids(**_prompt(body, chat))
         if chat and values["max_tokens"] is None and not self.default_max_tokens:
             values["max_tokens"] = max(1, self.normalizer.max_model_len - len(prompt_ids))
-        return Request(request_id, prompt_token_ids=prompt_ids, sampling=sampling_params(values, self.defaults))
+        sampling = sampling_params(values, self.defaults)
+        own = {k: v for k, v in sampling.to_dict().items() if values.get(k) is not None}
+        return LineRequest(prompt_ids, own, sampling)
 
 
 def _check_fields(body: dict[str, Any], chat: bool) -> None:
