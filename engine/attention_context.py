@@ -1,8 +1,10 @@
 """AttentionContext implementations over the paged pools (see engine/models/context.py).
 
 Three ways a micro-batch meets its KV:
-- prefill: attention over the batch's own new tokens, then the K/V are written to their pages
-  (device pages, or host pages when the prompt is offloaded right away);
+- prefill: the new tokens' K/V are written to their pages (device pages, or host pages when the prompt
+  is offloaded right away) and attention runs over the batch's own new tokens, or, when a chunk
+  continues a prompt prefilled in earlier steps, over each sequence's whole prefix read back from its
+  pages;
 - resident decode: one new token per sequence against its device pages;
 - staged decode (offloaded COMBINE): the sequence's KV lives in the host store; for each layer
   its pages are copied into a one-layer staging pool, attention runs there, and the new token's
@@ -22,13 +24,21 @@ from batchgen.kernels import ops
 @dataclass
 class PrefillContext:
     positions: torch.Tensor  # [T]
-    cu_seqlens: torch.Tensor  # [B + 1] int32
+    cu_seqlens: torch.Tensor  # [B + 1] int32, of the new tokens
     slots: torch.Tensor  # [T] int64 slots in `pool`
     pool: KVPool
+    # chunked prefill: every sequence's keys are its whole prefix so far, read back from its pages
+    cu_seqlens_k: torch.Tensor | None = None  # [B + 1] int32 over the prefixes (None: = cu_seqlens)
+    context_slots: torch.Tensor | None = None  # [sum of prefixes] int64 slots in `pool`
 
     def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
-        ops.write_kv(k, v, self.pool.k[layer], self.pool.v[layer], self.slots)
-        return ops.prefill_attention(q, k, v, self.cu_seqlens, self.cu_seqlens, scale)
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        ops.write_kv(k, v, k_cache, v_cache, self.slots)
+        if self.context_slots is None:
+            return ops.prefill_attention(q, k, v, self.cu_seqlens, self.cu_seqlens, scale)
+        keys = k_cache.flatten(0, 1)[self.context_slots].to(q.device)
+        values = v_cache.flatten(0, 1)[self.context_slots].to(q.device)
+        return ops.prefill_attention(q, keys, values, self.cu_seqlens, self.cu_seqlens_k, scale)
 
 
 @dataclass

@@ -32,7 +32,10 @@ class EngineConfig:
     b_attn: int = 256  # max sequences per attention micro-batch
     b_moe: int = 8192  # max tokens per MoE (feed-forward) batch
     max_num_seqs: int = 256  # sequences resident in the engine (over-subscription bound)
-    max_prefill_tokens: int = 4096
+    max_prefill_tokens: int = 4096  # prompt tokens per step; a longer prompt is prefilled in chunks
+    # prefill micro-batches join the same step's decode micro-batches in one MoE batch (COMBINE), so a
+    # refill never stalls decoding; False runs prefill steps apart from decode steps
+    mixed_steps: bool = True
     refill_threshold: float = 0.5  # refill prompts when decoding sequences fall under this share
     max_model_len: int | None = None  # None = the checkpoint's context length
     seed: int = 0
@@ -51,6 +54,8 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         _check_int("seed", self.seed, minimum=0)
+        if not isinstance(self.mixed_steps, bool):
+            raise ValueError(f"engine option mixed_steps must be true or false, got {self.mixed_steps!r}")
         if self.stream_host_kv not in (None, True, False):
             raise ValueError(f"engine option stream_host_kv must be true, false or null, got {self.stream_host_kv!r}")
         for name in ("staging_fraction", "refill_threshold"):

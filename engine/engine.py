@@ -90,10 +90,13 @@ class Engine:
     def step(self) -> list[Result]:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
-        if isinstance(plan, PrefillPlan):
-            self._run_prefill(plan)
-        elif isinstance(plan, DecodePlan):
-            self._run_decode(plan)
+        if plan is not None:
+            logits = self._forward(plan.prefill, plan.decode)
+            done = len(plan.prefill.completed) if plan.prefill else 0
+            if plan.prefill:
+                self._first_tokens(plan.prefill, logits[:done])
+            if plan.decode:
+                self._next_tokens(plan.decode, logits[done:])
         self.stats.step_seconds += time.perf_counter() - start
         self.stats.record_step(self.scheduler)
         done, self._ready = self._ready, []
@@ -177,22 +180,34 @@ class Engine:
                         arrival=next(self._arrivals), submitted_at=submitted)
 
     def prefill_logits(self, plan: PrefillPlan) -> torch.Tensor:
-        """Run a planned prefill: last-position logits, one row per prompt."""
-        now = time.perf_counter()
-        for seq in plan.seqs:
-            seq.phase = Phase.PREFILL
-            seq.first_scheduled_at = now
-            self.stats.prompt_tokens += len(seq.prompt_ids)
-        logits = self._timed(self.runner.prefill, plan.seqs)
-        self.stats.prefill_steps += 1
-        self.stats.sequence_steps += len(plan.seqs)
-        return logits
+        """Run a planned prefill alone: last-position logits, one row per prompt it completes."""
+        return self._forward(plan, None)
 
     # ------------------------------------------------------------------ internals
-    def _run_prefill(self, plan: PrefillPlan) -> None:
-        logits = self.prefill_logits(plan)
+    def _forward(self, prefill: PrefillPlan | None, decode: DecodePlan | None) -> torch.Tensor:
+        """One model forward over a step's prefill chunks and decoding sequences (runner.step's rows)."""
+        chunks = prefill.chunks if prefill else []
+        now = time.perf_counter()
+        for chunk in chunks:
+            if chunk.start == 0:
+                chunk.seq.first_scheduled_at = now
+            self.stats.prompt_tokens += chunk.end - chunk.start
+        self.stats.chunked_prefills += sum(1 for c in chunks if not c.completes)
+        self.stats.decoding = decode is not None
+        logits = self._timed(self.runner.step, chunks, decode.resident if decode else [],
+                             decode.staged_groups if decode else [])
+        self.stats.decoding = False
+        self.stats.prefill_steps += prefill is not None
+        self.stats.decode_steps += decode is not None
+        self.stats.mixed_steps += prefill is not None and decode is not None
+        self.stats.sequence_steps += len(chunks) + (len(decode.seqs) if decode else 0)
+        self.stats.staged_decode_batches += len(decode.staged_groups) if decode else 0
+        return logits
+
+    def _first_tokens(self, plan: PrefillPlan, logits: torch.Tensor) -> None:
+        """Prompts whose prefill completed: fork n > 1 samples, draw each sample's first token."""
         rows, seqs = [], []
-        for row, parent in enumerate(plan.seqs):
+        for row, parent in enumerate(plan.completed):
             state = self._requests[parent.request_id]
             for index in range(1, parent.sampling.n):  # forks share the parent's logits row
                 child = self.new_sequence(state.request, index, parent.prompt_ids, parent.submitted_at)
@@ -205,14 +220,8 @@ class Engine:
         for seq, token in zip(seqs, tokens):
             self._continue_or_finish(seq, token)
 
-    def _run_decode(self, plan: DecodePlan) -> None:
-        seqs = plan.resident + [s for group in plan.staged_groups for s in group]
-        self.stats.decoding = True
-        logits = self._timed(self.runner.decode, plan.resident, plan.staged_groups)
-        self.stats.decoding = False
-        self.stats.decode_steps += 1
-        self.stats.sequence_steps += len(seqs)
-        self.stats.staged_decode_batches += len(plan.staged_groups)
+    def _next_tokens(self, plan: DecodePlan, logits: torch.Tensor) -> None:
+        seqs = plan.seqs
         tokens = sample_next_tokens(logits, seqs, self.generator)
         for seq, token in zip(seqs, tokens):
             if self._accept_token(seq, token):

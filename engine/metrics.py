@@ -23,8 +23,10 @@ class EngineMetrics:
     finished_requests: int = 0
     failed_requests: int = 0
     aborted_requests: int = 0
-    prefill_steps: int = 0
+    prefill_steps: int = 0  # steps with prompt tokens (a mixed step counts here and as a decode step)
     decode_steps: int = 0
+    mixed_steps: int = 0  # prefill and decode COMBINE-d in one forward
+    chunked_prefills: int = 0  # prompt chunks that left the rest of their prompt for a later step
     staged_decode_batches: int = 0  # decode micro-batches over host-resident KV (offloaded COMBINE)
     yields: int = 0
     restores: int = 0
@@ -92,6 +94,8 @@ class EngineMetrics:
             "aborted_requests": self.aborted_requests,
             "prefill_steps": self.prefill_steps,
             "decode_steps": self.decode_steps,
+            "mixed_steps": self.mixed_steps,
+            "chunked_prefills": self.chunked_prefills,
             "staged_decode_batches": self.staged_decode_batches,
             "yields": self.yields,
             "restores": self.restores,

@@ -12,6 +12,7 @@ from batchgen.engine.coroutine import CoroutineGroup, ProgramPoint, run_layers
 from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.kv_pool import KVPool
 from batchgen.engine.metrics import EngineMetrics
+from batchgen.engine.scheduler import PrefillChunk
 from batchgen.engine.sequence import Sequence
 
 
@@ -33,27 +34,30 @@ class ModelRunner:
         self.limits = limits
         self.stats = stats  # told every feed-forward batch size and the time spent in the forward itself
 
-    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Prefill prompts whose pages are allocated; returns last-position logits [B, V]."""
-        micro = []
-        for start in range(0, len(seqs), self.limits.b_attn):
-            group = seqs[start : start + self.limits.b_attn]
-            micro.append(self._prefill_micro_batch(group))
-        last = torch.tensor(_cumsum([len(s.prompt_ids) for s in seqs]), device=self.device) - 1
-        for s in seqs:
-            s.kv_len = len(s.prompt_ids)
-        return self._forward(micro, last)
-
-    def decode(self, resident: list[Sequence], staged_groups: list[list[Sequence]]) -> torch.Tensor:
-        """One decode step: resident sequences read device pages, staged ones stream from host."""
-        micro = []
+    def step(self, chunks: list[PrefillChunk], resident: list[Sequence],
+             staged_groups: list[list[Sequence]]) -> torch.Tensor:
+        """One forward over prefill chunks (pages allocated) and decoding sequences (resident ones read
+        device pages, staged ones host pages), all COMBINE-d into the same MoE batches. Returns logits
+        [C + D, V]: the last position of each chunk that completes its prompt, then one row per decoding
+        sequence (resident, then staged)."""
+        micro = [self._prefill_micro_batch(chunks[i : i + self.limits.b_attn])
+                 for i in range(0, len(chunks), self.limits.b_attn)]
         for start in range(0, len(resident), self.limits.b_attn):
             micro.append(self._decode_micro_batch(resident[start : start + self.limits.b_attn], self.kv.device))
         micro.extend(self._staged_micro_batch(group) for group in staged_groups)
-        logits = self._forward(micro, None)
-        for b in micro:
-            for s in b.seqs:
-                s.kv_len += 1
+        ends = _cumsum([c.end - c.start for c in chunks])
+        decoding = len(resident) + sum(len(g) for g in staged_groups)
+        rows = None
+        if chunks:  # pure decode reads every row
+            prefill_tokens = ends[-1]
+            rows = torch.tensor([end - 1 for c, end in zip(chunks, ends) if c.completes]
+                                + list(range(prefill_tokens, prefill_tokens + decoding)),
+                                dtype=torch.long, device=self.device)
+        logits = self._forward(micro, rows)
+        for c in chunks:
+            c.seq.kv_len = c.end
+        for s in [*resident, *(s for group in staged_groups for s in group)]:
+            s.kv_len += 1
         return logits
 
     def _forward(self, micro: list[CoroutineGroup], rows: torch.Tensor | None) -> torch.Tensor:
@@ -67,18 +71,24 @@ class ModelRunner:
     def _embed(self, token_ids: list[int]) -> torch.Tensor:
         return self.model.embed(torch.tensor(token_ids, dtype=torch.long, device=self.device))
 
-    def _prefill_micro_batch(self, seqs: list[Sequence]) -> CoroutineGroup:
-        pool = self.kv.pool(seqs[0].kv_location)
-        lengths = [len(s.prompt_ids) for s in seqs]
-        tokens = [t for s in seqs for t in s.prompt_ids]
-        slots = [slot for s in seqs for slot in self.kv.slots(s, 0, len(s.prompt_ids))]
+    def _prefill_micro_batch(self, chunks: list[PrefillChunk]) -> CoroutineGroup:
+        pool = self.kv.pool(chunks[0].seq.kv_location)
+        lengths = [c.end - c.start for c in chunks]
+        tokens = [t for c in chunks for t in c.seq.prompt_ids[c.start : c.end]]
+        slots = [slot for c in chunks for slot in self.kv.slots(c.seq, c.start, c.end - c.start)]
+        cu_seqlens = torch.tensor([0, *_cumsum(lengths)], dtype=torch.int32, device=self.device)
+        continued = any(c.start for c in chunks)  # then every chunk attends over its whole prefix in pages
         ctx = PrefillContext(
-            positions=torch.cat([torch.arange(n, device=self.device) for n in lengths]),
-            cu_seqlens=torch.tensor([0, *_cumsum(lengths)], dtype=torch.int32, device=self.device),
+            positions=torch.cat([torch.arange(c.start, c.end, device=self.device) for c in chunks]),
+            cu_seqlens=cu_seqlens,
             slots=torch.tensor(slots, dtype=torch.long, device=pool.device),
             pool=pool,
+            cu_seqlens_k=torch.tensor([0, *_cumsum([c.end for c in chunks])], dtype=torch.int32,
+                                      device=self.device) if continued else cu_seqlens,
+            context_slots=torch.tensor([slot for c in chunks for slot in self.kv.slots(c.seq, 0, c.end)],
+                                       dtype=torch.long, device=pool.device) if continued else None,
         )
-        return CoroutineGroup(seqs, self._embed(tokens), ProgramPoint(0, "attn"), ctx)
+        return CoroutineGroup([c.seq for c in chunks], self._embed(tokens), ProgramPoint(0, "attn"), ctx)
 
     def _decode_micro_batch(self, seqs: list[Sequence], pool: KVPool) -> CoroutineGroup:
         """Sequences attending over their pages in `pool` in place (device pages, or host pages when the

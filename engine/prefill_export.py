@@ -51,11 +51,11 @@ class PrefillExporter:
             offset += size
             scheduler.admit(seq)
         by_id = {r.request_id: r for r in requests}
-        while scheduler.waiting:
-            plan = scheduler.schedule()
-            if not isinstance(plan, PrefillPlan):
+        while scheduler.waiting or scheduler.prefilling:
+            plan = scheduler.schedule()  # nothing decodes here, so a plan is prefill alone
+            if plan is None or plan.prefill is None:
                 raise RuntimeError("the prefill engine ran out of KV room; give it a larger kv budget")
-            for prefilled in self._export(plan, by_id, slices):
+            for prefilled in self._export(plan.prefill, by_id, slices):
                 out[prefilled.request.request_id] = prefilled
         return PrefillBatch([out[r.request_id] for r in requests], buffer)
 
@@ -64,14 +64,14 @@ class PrefillExporter:
         engine = self.engine
         logits = engine.prefill_logits(plan)
         rows, samples = [], []
-        for row, prompt in enumerate(plan.seqs):  # each sample draws its first token from the prompt's row
+        for row, prompt in enumerate(plan.completed):  # each sample draws its first token from its prompt's row
             request = by_id[prompt.request_id]
             for index in range(prompt.sampling.n):
                 samples.append(engine.new_sequence(request, index, prompt.prompt_ids, prompt.submitted_at))
                 rows.append(row)
         tokens = sample_next_tokens(logits[rows], samples, engine.generator)
         out, cursor = [], 0
-        for prompt in plan.seqs:
+        for prompt in plan.completed:
             n = prompt.sampling.n
             engine.kv.export(prompt, slices[prompt.request_id])
             engine.scheduler.remove(prompt)

@@ -1,5 +1,10 @@
 """Per-step decisions: refill (prefill), restore, evict, and how decode is cut into micro-batches.
 
+A step holds a prefill part, a decode part, or both: refilled prompts are prefilled in the same
+forward as the resident sequences decode (COMBINE-d into one MoE batch), at most
+`max_prefill_tokens` prompt tokens per step; a longer prompt is prefilled in chunks over several
+steps (its pages are allocated at its first chunk), so one long prompt never stalls decoding.
+
 Two policies share the same queues and KV manager:
 - coroutine: over-subscribed. Sequences that do not fit in device pages are YIELDed to the host
   store (the most progressed first) and keep decoding through the staging pool, so the MoE
@@ -20,16 +25,49 @@ from batchgen.engine.sampling_params import InvalidRequestError
 from batchgen.engine.sequence import KVLocation, Phase, Sequence
 
 
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt positions [start, end) of `seq` to prefill this step (start > 0: earlier chunks' KV is in
+    its pages)."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def completes(self) -> bool:
+        return self.end == len(self.seq.prompt_ids)
+
+
 @dataclass
 class PrefillPlan:
-    seqs: list[Sequence]
+    chunks: list[PrefillChunk]
     location: KVLocation
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [c.seq for c in self.chunks]
+
+    @property
+    def completed(self) -> list[Sequence]:
+        """The sequences whose whole prompt is prefilled after this step: they take a first token."""
+        return [c.seq for c in self.chunks if c.completes]
 
 
 @dataclass
 class DecodePlan:
     resident: list[Sequence]
     staged_groups: list[list[Sequence]] = field(default_factory=list)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return self.resident + [s for group in self.staged_groups for s in group]
+
+
+@dataclass
+class StepPlan:
+    prefill: PrefillPlan | None
+    decode: DecodePlan | None
 
 
 class Scheduler:
@@ -45,6 +83,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()  # prompts, FIFO
         self.running: dict[int, Sequence] = {}  # KV in device pages
         self.suspended: dict[int, Sequence] = {}  # KV in host pages, FIFO
+        self.prefilling: Sequence | None = None  # a prompt part-way through chunked prefill
         self._refilling = True
         self.yields = 0
         self.restores = 0
@@ -57,7 +96,7 @@ class Scheduler:
         return len(self.running) + len(self.suspended)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.suspended)
+        return bool(self.waiting or self.running or self.suspended or self.prefilling)
 
     def check_fits(self, total_tokens: int) -> None:
         """Reject a sequence that could never run, however long it waited (prompt + max_tokens)."""
@@ -69,15 +108,13 @@ class Scheduler:
                 f"a sequence of up to {total_tokens} tokens (prompt + max_tokens) does not fit in the KV "
                 f"budget ({self.kv.device.num_pages} device pages of {self.kv.page_size} tokens)")
 
-    def schedule(self) -> PrefillPlan | DecodePlan | None:
+    def schedule(self) -> StepPlan | None:
         self._restore()
-        if self._should_refill():
-            plan = self._plan_prefill()
-            if plan is not None:
-                return plan
-        if not (self.running or self.suspended):
-            return None
-        return self._plan_decode()
+        prefill = self._plan_prefill() if self.prefilling is not None or self._should_refill() else None
+        decode = None
+        if (self.running or self.suspended) and (prefill is None or self.config.mixed_steps):
+            decode = self._plan_decode()
+        return None if prefill is None and decode is None else StepPlan(prefill, decode)
 
     def _should_refill(self) -> bool:
         if not self.waiting:
@@ -92,33 +129,46 @@ class Scheduler:
         return self._refilling
 
     def _plan_prefill(self) -> PrefillPlan | None:
-        batch: list[Sequence] = []
-        tokens = pages = samples_total = 0
+        budget = self.config.max_prefill_tokens
+        chunks: list[PrefillChunk] = []
         location = None
         room = self.config.max_num_seqs - self.num_decoding()
-        for seq in self.waiting:
+        if self.prefilling is not None:  # the chunked prompt goes on first; its pages are already there
+            seq = self.prefilling
+            chunks.append(PrefillChunk(seq, seq.kv_len, min(len(seq.prompt_ids), seq.kv_len + budget)))
+            location = seq.kv_location
+            room -= seq.sampling.n
+            self.prefilling = None if chunks[0].completes else seq
+        new: list[Sequence] = []
+        tokens = sum(c.end - c.start for c in chunks)
+        pages = samples_total = 0
+        for seq in self.waiting if self.prefilling is None else ():
             samples = seq.sampling.n
-            if batch and (tokens + len(seq.prompt_ids) > self.config.max_prefill_tokens or samples > room):
+            if tokens >= budget or (chunks and samples > room):
                 break
-            if not batch and samples > room and self.num_decoding() > 0:
+            if not chunks and samples > room and self.num_decoding() > 0:
                 break
             seq_pages = self.kv.pages_needed(len(seq.prompt_ids) + 1) * samples
             where = self._prefill_location(pages + seq_pages, samples_total + samples)
             if where is None or (location is not None and where is not location):
                 break
             location = where
-            batch.append(seq)
-            tokens += len(seq.prompt_ids)
+            new.append(seq)
+            chunks.append(PrefillChunk(seq, 0, min(len(seq.prompt_ids), budget - tokens)))
+            tokens += chunks[-1].end
             pages += seq_pages
             samples_total += samples
             room -= samples
-        if not batch:
+            if not chunks[-1].completes:
+                self.prefilling = seq
+                break
+        if not chunks:
             return None
-        for _ in batch:
+        for seq in new:
             self.waiting.popleft()
-        for seq in batch:
             self.kv.allocate(seq, location, len(seq.prompt_ids) + 1)
-        return PrefillPlan(batch, location)
+            seq.phase = Phase.PREFILL
+        return PrefillPlan(chunks, location)
 
     def _prefill_location(self, pages: int, samples: int) -> KVLocation | None:
         """Where a prefill batch needing `pages` for its `samples` sequences can go, if anywhere."""
@@ -213,6 +263,8 @@ class Scheduler:
         frees its KV."""
         if seq.phase is Phase.WAITING:
             self.waiting.remove(seq)
+        elif seq is self.prefilling:
+            self.prefilling = None
         elif seq.phase is Phase.DECODE:
             del self.running[seq.seq_id]
         elif seq.phase is Phase.SUSPENDED:

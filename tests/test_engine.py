@@ -94,6 +94,26 @@ def test_tight_kv_budget_evicts_and_restores_without_changing_tokens(moe_case, m
         assert metrics["staged_decode_batches"] > 0
 
 
+def test_chunked_prefill_mixed_into_decode_steps_keeps_greedy_tokens(arch_case):
+    loaded, batch, expected = arch_case
+    # 7 prompt tokens per step: the 9-, 12-, 17- and 30-token prompts are prefilled in chunks, and at most 3
+    # sequences decode at once, so refills keep landing in steps that also decode
+    engine = Engine(loaded, page_size=4, max_prefill_tokens=7, max_num_seqs=3)
+    assert in_order(tokens_by_id(engine.generate(greedy_requests(batch))), len(batch)) == expected
+    metrics = engine.metrics()
+    assert metrics["chunked_prefills"] > 0 and metrics["mixed_steps"] > 0
+
+
+@pytest.mark.parametrize("mode,mixed", [("lockstep", True), ("coroutine", False)])
+def test_chunked_prefill_in_lockstep_and_without_mixed_steps_keeps_greedy_tokens(moe_case, mode, mixed):
+    loaded, batch, expected = moe_case
+    engine = Engine(loaded, mode=mode, mixed_steps=mixed, page_size=4, max_prefill_tokens=7, max_num_seqs=3)
+    assert in_order(tokens_by_id(engine.generate(greedy_requests(batch))), len(batch)) == expected
+    metrics = engine.metrics()
+    assert metrics["chunked_prefills"] > 0
+    assert (metrics["mixed_steps"] > 0) is mixed
+
+
 def test_n_samples_share_one_prefill(moe_case):
     loaded, batch, expected = moe_case
     engine = Engine(loaded, page_size=4)
@@ -107,9 +127,10 @@ def test_n_samples_share_one_prefill(moe_case):
 
 def test_disaggregated_prefill_then_decode_matches_reference(moe_case):
     loaded, batch, expected = moe_case
-    prefill = Engine(loaded, page_size=4)
+    prefill = Engine(loaded, page_size=4, max_prefill_tokens=8)  # long prompts exported after several chunks
     decode = Engine(loaded, page_size=8, kv_budget_bytes=kv_bytes_per_token(loaded) * 8 * 16, b_attn=2)
     exported = PrefillExporter(prefill).prefill(greedy_requests(batch))
+    assert prefill.metrics()["chunked_prefills"] > 0
     geometry = prefill.kv.geometry
     assert [o.kv.numel() for o in exported.outputs] == [geometry.packed_nbytes(len(p)) for p in batch]
     # every output's KV is its slice of the one batch buffer, back to back in request order

@@ -42,16 +42,18 @@ def test_migrate_round_trip_keeps_kv_bit_exact():
     seq = sequence(0, prompt_len=6)
     kv.allocate(seq, KVLocation.DEVICE, 6)
     seq.kv_len = 6
-    k = torch.randn(SPEC.num_layers, 6, 1, SPEC.k_dim)
-    v = torch.randn(SPEC.num_layers, 6, 1, SPEC.v_dim)
+    packed = torch.empty(kv.geometry.packed_nbytes(6), dtype=torch.uint8)
+    for part in kv.geometry.packed_views(packed, 6):  # k [L, T, Hkv, Dk], v [L, T, Hkv, Dv]
+        part.copy_(torch.randn(part.shape))
     kv.free(seq)
-    kv.load(seq, KVLocation.DEVICE, k, v)
+    kv.load(seq, KVLocation.DEVICE, packed, 6)
     moved = kv.migrate(seq, KVLocation.HOST)
     assert seq.kv_location is KVLocation.HOST and seq.device_pages == [] and len(seq.host_pages) == 2
     assert kv.device.free_pages == 4 and moved == 2 * PAGE_BYTES
     kv.migrate(seq, KVLocation.DEVICE)
-    k2, v2 = kv.export(seq)
-    assert torch.equal(k2, k) and torch.equal(v2, v)
+    exported = torch.empty_like(packed)
+    kv.export(seq, exported)
+    assert torch.equal(exported, packed)
     assert kv.migrations == {"to_host": 1, "to_device": 1}
 
 
@@ -61,7 +63,7 @@ def test_coroutine_mode_yields_the_most_progressed_sequence_first():
     few = decoding(scheduler, kv, sequence(0, prompt_len=2, generated=1))  # 3 tokens: 1 page
     most = decoding(scheduler, kv, sequence(1, prompt_len=1, generated=3))  # 4 tokens: page full
     middle = decoding(scheduler, kv, sequence(2, prompt_len=1, generated=2))
-    plan = scheduler.schedule()
+    plan = scheduler.schedule().decode
     assert isinstance(plan, DecodePlan)
     assert most.phase is Phase.SUSPENDED and most.kv_location is KVLocation.HOST
     assert plan.resident == [few, middle]
@@ -75,7 +77,7 @@ def test_lockstep_mode_preempts_the_newest_and_does_not_run_it():
     oldest = decoding(scheduler, kv, sequence(0, prompt_len=1, generated=3))
     decoding(scheduler, kv, sequence(1, prompt_len=1, generated=1))
     newest = decoding(scheduler, kv, sequence(2, prompt_len=1, generated=1))
-    plan = scheduler.schedule()
+    plan = scheduler.schedule().decode
     assert newest.phase is Phase.SUSPENDED and plan.staged_groups == []
     assert newest not in plan.resident and oldest in plan.resident
 
@@ -85,11 +87,11 @@ def test_suspended_sequences_refill_the_device_in_fifo_order():
     scheduler = Scheduler(EngineConfig(mode="lockstep"), kv)
     first, second, third = (decoding(scheduler, kv, sequence(i), KVLocation.HOST) for i in range(3))
     assert list(scheduler.suspended.values()) == [first, second, third]
-    plan = scheduler.schedule()
+    plan = scheduler.schedule().decode
     assert plan.resident == [first, second]  # two pages: the oldest two come back, in order
     assert list(scheduler.suspended.values()) == [third] and scheduler.restores == 2
     scheduler.remove(first)
-    assert scheduler.schedule().resident == [second, third]
+    assert scheduler.schedule().decode.resident == [second, third]
 
 
 def test_prefill_goes_to_host_when_the_device_is_full_and_refills_below_threshold():
@@ -98,13 +100,44 @@ def test_prefill_goes_to_host_when_the_device_is_full_and_refills_below_threshol
     for i in range(6):
         scheduler.admit(sequence(i, prompt_len=3))
     plan = scheduler.schedule()
-    assert [s.seq_id for s in plan.seqs] == [0]  # the first prompt fits on the device alone
-    assert plan.location is KVLocation.DEVICE
-    for s in plan.seqs:
+    assert [s.seq_id for s in plan.prefill.seqs] == [0]  # the first prompt fits on the device alone
+    assert plan.prefill.location is KVLocation.DEVICE and plan.decode is None
+    for s in plan.prefill.seqs:
         s.kv_len = 3
         scheduler.place_decoding(s)
     plan = scheduler.schedule()
-    assert plan.location is KVLocation.HOST and [s.seq_id for s in plan.seqs] == [1, 2, 3]  # up to max_num_seqs
+    prefill = plan.prefill
+    assert prefill.location is KVLocation.HOST and [s.seq_id for s in prefill.seqs] == [1, 2, 3]  # up to max_num_seqs
+    assert [s.seq_id for s in plan.decode.seqs] == [0]  # and sequence 0 decodes in the same step
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding():
+    kv = manager(device_pages=8)
+    scheduler = Scheduler(EngineConfig(mode="coroutine", max_prefill_tokens=4), kv)
+    running = decoding(scheduler, kv, sequence(0, prompt_len=2, generated=1))
+    long, short = sequence(1, prompt_len=10), sequence(2, prompt_len=3)
+    scheduler.admit(long)
+    scheduler.admit(short)
+    spans = []
+    for _ in range(3):
+        plan = scheduler.schedule()
+        assert plan.decode.resident == [running]  # decoding never waits for the long prompt
+        spans.append([(c.seq.seq_id, c.start, c.end) for c in plan.prefill.chunks])
+        for c in plan.prefill.chunks:
+            c.seq.kv_len = c.end
+    # the chunked prompt goes first in each step, the next prompt only once it is done
+    assert spans == [[(1, 0, 4)], [(1, 4, 8)], [(1, 8, 10), (2, 0, 2)]]
+    assert [s.seq_id for s in scheduler.schedule().prefill.completed] == [2]
+    assert long.kv_location is KVLocation.DEVICE and len(long.device_pages) == kv.pages_needed(11)
+
+
+def test_without_mixed_steps_a_refill_step_prefills_alone():
+    kv = manager(device_pages=8)
+    scheduler = Scheduler(EngineConfig(mode="coroutine", mixed_steps=False), kv)
+    decoding(scheduler, kv, sequence(0, prompt_len=2, generated=1))
+    scheduler.admit(sequence(1, prompt_len=3))
+    plan = scheduler.schedule()
+    assert plan.decode is None and [s.seq_id for s in plan.prefill.seqs] == [1]
 
 
 def test_a_sequence_larger_than_every_pool_is_rejected_up_front():
