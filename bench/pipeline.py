@@ -48,11 +48,13 @@ import torch
 from bct import (
     PAGE_SIZE,
     QUICK,
+    TIE_GAP,
     Workload,
     WorkloadSpec,
     all_contexts_bytes,
     compare,
     engine_config,
+    load_systems,
     make_workload,
     run_engine,
 )
@@ -157,13 +159,13 @@ def _peak_overlap(spans: list[tuple[float, float]]) -> int:
     return peak
 
 
-def pipeline_summary(run: PipelineRun, engine_bct: float, output_tokens: int,
-                     reference: list[list[int]]) -> dict:
+def pipeline_summary(run: PipelineRun, engine_bct: float, output_tokens: int, reference: list[list[int]],
+                     next_logits) -> dict:
     """Overhead = 1 - E/P (E, P: engine and pipeline BCT over the same tokens) = S/P + (P - S - E)/P:
     start-up S's share and the steady-state rest, which a longer run keeps paying."""
     startup = run.timeline["startup_s"]
     overhead = 1 - engine_bct / run.bct_s
-    match = compare(reference, run.tokens)
+    match = compare(reference, run.tokens, next_logits, TIE_GAP["float32"])
     return {
         "bct_s": run.bct_s,
         "tokens_per_s": output_tokens / run.bct_s,
@@ -185,6 +187,20 @@ def pipeline_summary(run: PipelineRun, engine_bct: float, output_tokens: int,
         "outputs_match": match.all_match,
         "match": dataclasses.asdict(match),
     }
+
+
+def reference_logits(model_dir: str, workload: Workload):
+    """The transformers model's next-token logits (loaded on the first divergence only), so a divergence
+    at a near-tie counts as a tie, as in bench/bct.py."""
+    model = []
+
+    @torch.inference_mode()
+    def next_logits(prompt: int, generated: list[int]) -> torch.Tensor:
+        if not model:
+            model.append(load_systems(model_dir, torch.device("cpu"), "float32")[1])
+        return model[0](torch.tensor([workload.prompts[prompt] + generated])).logits[0, -1]
+
+    return next_logits
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -259,11 +275,12 @@ def run(args: argparse.Namespace, workdir: Path, log) -> dict:
     progress_bars = data_context.enable_progress_bars  # process-wide: put back for whoever runs next
     data_context.enable_progress_bars = False
     pipelines = {}
+    next_logits = reference_logits(model_dir, workload)
     try:
         for mode in SHAPES:
             result = run_pipeline(mode, model_dir, input_path, workdir / f"out-{mode}",
                                   dataclasses.asdict(config), args.batch_size)
-            pipelines[mode] = pipeline_summary(result, engine.bct_s, output_tokens, engine.tokens)
+            pipelines[mode] = pipeline_summary(result, engine.bct_s, output_tokens, engine.tokens, next_logits)
             log(describe(mode, pipelines[mode]))
     finally:
         data_context.enable_progress_bars = progress_bars
