@@ -144,6 +144,7 @@ class Engine:
                                       f"engines must run the same model and KV dtype): {exc}") from None
         self.scheduler.check_fits(min(prefilled.num_tokens + prefilled.request.sampling.max_tokens,
                                       self.max_model_len))
+        self.normalizer.check_vocabulary(prefilled.request.sampling)
 
     def add_prefilled(self, prefilled: PrefillOutput) -> None:
         """Adopt a prompt prefilled elsewhere (checked with check_prefilled): place its KV, then decode its
@@ -171,6 +172,7 @@ class Engine:
         ids = self.normalizer.prompt_ids(prompt_token_ids=request.prompt_token_ids, messages=request.messages,
                                          prompt=request.prompt)
         self.normalizer.check_length(len(ids), request.sampling)
+        self.normalizer.check_vocabulary(request.sampling)
         self.scheduler.check_fits(min(len(ids) + request.sampling.max_tokens, self.max_model_len))
         return ids
 

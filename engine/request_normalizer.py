@@ -57,6 +57,17 @@ class RequestNormalizer:
             raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens, over the limit of {limit - 1} "
                                       f"(context length {self.max_model_len})")
 
+    def check_vocabulary(self, sampling: SamplingParams) -> None:
+        """Token ids a request's sampling names (logit_bias, stop_token_ids) must be in the vocabulary."""
+        if self.vocab_size is None:
+            return
+        for name, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]),
+                          ("stop_token_ids", sampling.stop_token_ids)):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{name}: token {bad[0]} is outside the vocabulary "
+                                          f"[0, {self.vocab_size})")
+
     def _token_ids(self, value: Any) -> list[int]:
         value = plain(value)
         if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):

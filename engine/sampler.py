@@ -1,8 +1,11 @@
 """Batched sampling with per-row parameters.
 
-Every row carries its own temperature / top-k / top-p / min-p; the filters run once over the
-whole batch. Seeded rows draw their noise from a generator seeded per (seed, sample, step), so
-a seeded sequence samples the same tokens whatever batch it lands in.
+Every row carries its own temperature / top-k / top-p / min-p, logit bias and penalties; each runs
+once over the rows that use it. Logits are adjusted in this order, before greedy and sampled picks
+alike: logit bias, repetition penalty (prompt and generated tokens), presence and frequency
+penalties (generated tokens), then the min_tokens ban on stop tokens. Seeded rows draw their noise
+from a generator seeded per (seed, sample, step), so a seeded sequence samples the same tokens
+whatever batch it lands in.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ from batchgen.engine.sequence import Sequence
 def sample_next_tokens(logits: torch.Tensor, seqs: SequenceT[Sequence], generator: torch.Generator) -> list[int]:
     """Pick one token per row and record logprobs on sequences that asked for them."""
     logits = logits.float()
+    adjusted = [i for i, s in enumerate(seqs) if s.sampling.adjusts_logits]
+    if adjusted:
+        rows = torch.tensor(adjusted, dtype=torch.long, device=logits.device)
+        logits[rows] = adjust_logits(logits[rows], [seqs[i] for i in adjusted])
     _suppress_early_stop(logits, seqs)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
@@ -31,6 +38,38 @@ def sample_next_tokens(logits: torch.Tensor, seqs: SequenceT[Sequence], generato
     if wants:
         _record_logprobs(logits, wants, seqs, token_list)
     return token_list
+
+
+def adjust_logits(logits: torch.Tensor, seqs: SequenceT[Sequence]) -> torch.Tensor:
+    """Logit bias, then repetition, presence and frequency penalties, for every row at once: one
+    scatter builds the rows' token counts, the rest are elementwise ops."""
+    rows, vocab, device = logits.shape[0], logits.shape[1], logits.device
+    out = logits.clone()
+    bias_rows = [(i, t, b) for i, s in enumerate(seqs) for t, b in s.sampling.logit_bias]
+    if bias_rows:
+        index = torch.tensor([(i, t) for i, t, _ in bias_rows], dtype=torch.long, device=device)
+        out.index_put_((index[:, 0], index[:, 1]),
+                       torch.tensor([b for _, _, b in bias_rows], dtype=out.dtype, device=device), accumulate=True)
+    generated = _token_counts([s.generated for s in seqs], rows, vocab, device)
+    repetition = torch.tensor([s.sampling.repetition_penalty for s in seqs], device=device).unsqueeze(1)
+    if bool((repetition != 1).any()):
+        seen = (generated + _token_counts([s.prompt_ids for s in seqs], rows, vocab, device)) > 0
+        penalised = torch.where(out > 0, out / repetition, out * repetition)
+        out = torch.where(seen, penalised, out)
+    presence = torch.tensor([s.sampling.presence_penalty for s in seqs], device=device).unsqueeze(1)
+    frequency = torch.tensor([s.sampling.frequency_penalty for s in seqs], device=device).unsqueeze(1)
+    return out - presence * (generated > 0) - frequency * generated
+
+
+def _token_counts(token_lists: list[list[int]], rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] float counts of each row's tokens."""
+    counts = torch.zeros(rows, vocab, device=device)
+    lengths = [len(tokens) for tokens in token_lists]
+    if sum(lengths):
+        row_ids = torch.repeat_interleave(torch.arange(rows, device=device), torch.tensor(lengths, device=device))
+        ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long, device=device)
+        counts.index_put_((row_ids, ids), torch.ones(len(ids), device=device), accumulate=True)
+    return counts
 
 
 def _suppress_early_stop(logits: torch.Tensor, seqs: SequenceT[Sequence]) -> None:

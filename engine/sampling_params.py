@@ -29,10 +29,16 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     max_prompt_tokens: int | None = None
+    presence_penalty: float = 0.0  # minus this from a token's logit once it has been generated (OpenAI)
+    frequency_penalty: float = 0.0  # minus this per time a token has been generated (OpenAI)
+    repetition_penalty: float = 1.0  # a token in the prompt or output: positive logit / p, negative * p (vLLM)
+    # added to a token's logit; given as {token id: bias} (OpenAI: string ids, biases in [-100, 100])
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name)
             if not isinstance(value, (list, tuple)):
@@ -44,6 +50,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether penalties or a logit bias change this row's logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> InvalidRequestError:
@@ -71,6 +83,12 @@ class SamplingParams:
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise bad(name, f"must be a number in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"must be a number > 0, got {self.repetition_penalty!r}")
         if self.max_prompt_tokens is not None and (
             not _is_int(self.max_prompt_tokens) or self.max_prompt_tokens < 1
         ):
@@ -79,16 +97,19 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None, defaults: SamplingParams | None = None) -> SamplingParams:
         """Build from a user dict (a Parquet struct, a JSON body) over `defaults`; None values are unset,
-        unknown keys are an error."""
-        base = dataclasses.asdict(defaults) if defaults is not None else {}
+        unknown keys are an error. Nothing set over `defaults` returns `defaults` itself (frozen): a job
+        calls this once per row, and most rows override nothing."""
         known = {f.name for f in dataclasses.fields(cls)}
+        changes = {}
         for key, value in (values or {}).items():
             if key not in known:
                 raise InvalidRequestError(f"unknown sampling parameter '{key}'")
             if value is not None:
-                base[key] = value
+                changes[key] = value
+        if defaults is not None and not changes:
+            return defaults
         try:
-            return cls(**base)
+            return dataclasses.replace(defaults, **changes) if defaults is not None else cls(**changes)
         except TypeError as exc:
             raise InvalidRequestError(f"invalid sampling parameters: {exc}") from exc
 
@@ -96,7 +117,32 @@ class SamplingParams:
         out = dataclasses.asdict(self)
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        out["logit_bias"] = dict(self.logit_bias)
         return out
+
+
+def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (ids as ints or digit strings, as OpenAI sends them) or (id, bias) pairs, as
+    sorted (int, float) pairs; InvalidRequestError naming the bad entry."""
+    items = value.items() if isinstance(value, dict) else value
+    if not isinstance(items, (list, tuple, type({}.items()))):
+        raise InvalidRequestError(f"invalid sampling parameter 'logit_bias': must map token ids to biases, got "
+                                  f"{type(value).__name__}")
+    pairs = {}
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise InvalidRequestError(f"invalid sampling parameter 'logit_bias': bad entry {item!r}")
+        token, bias = item
+        if isinstance(token, str) and token.isdigit():
+            token = int(token)
+        if not _is_int(token) or token < 0:
+            raise InvalidRequestError(f"invalid sampling parameter 'logit_bias': token id {token!r} is not an "
+                                      "integer >= 0")
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise InvalidRequestError(f"invalid sampling parameter 'logit_bias': bias {bias!r} for token {token} "
+                                      "is not a number in [-100, 100]")
+        pairs[token] = float(bias)
+    return tuple(sorted(pairs.items()))
 
 
 def _is_int(value: Any) -> bool:

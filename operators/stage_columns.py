@@ -40,6 +40,7 @@ SUBMITTED_AT = "__batchgen_submitted_at"  # float64: when the prefill engine adm
 _ARROW_OF_ANNOTATION = {
     "int": pa.int64(), "int | None": pa.int64(), "float": pa.float64(), "bool": pa.bool_(),
     "tuple[str, ...]": pa.list_(pa.string()), "tuple[int, ...]": pa.list_(pa.int64()),
+    "tuple[tuple[int, float], ...]": pa.map_(pa.int64(), pa.float64()),
 }
 SAMPLING_TYPE = pa.struct([(f.name, _ARROW_OF_ANNOTATION[f.type]) for f in dataclasses.fields(SamplingParams)])
 LOGPROB_TYPE = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64()),

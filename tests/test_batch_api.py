@@ -298,6 +298,22 @@ def test_completions_batch_matches_engine(client, engine, loop):
     assert batch.usage.input_tokens == sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in out)
 
 
+def test_penalties_and_logit_bias_reach_the_engine(client, engine, loop):
+    """OpenAI's logit_bias (string token ids), frequency_penalty and presence_penalty, and vLLM's
+    repetition_penalty, give what the engine gives for the same sampling params."""
+    steering = [{"logit_bias": {"11": 100}}, {"frequency_penalty": 1.5, "presence_penalty": 0.5},
+                {"repetition_penalty": 3.0}]
+    lines = [_line(f"s{i}", {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, **extra})
+             for i, extra in enumerate(steering)]
+    batch = _wait(client, _submit(client, lines).id)
+    assert batch.status == "completed" and batch.request_counts.completed == 3, batch.errors
+    texts = [x["response"]["body"]["choices"][0]["text"] for x in _read_lines(client, batch.output_file_id)]
+    expected = [_greedy(loop, [PROMPTS[0]], max_tokens=8, **extra)[0].text for extra in steering]
+    assert texts == expected
+    assert expected[0] == engine.tokenizer.decode([11] * 8, skip_special_tokens=True)
+    assert expected[1] != _greedy(loop, [PROMPTS[0]], max_tokens=8)[0].text  # the penalties changed the output
+
+
 def test_greedy_output_equals_batchgen_run(client, batch_gen):
     """The Parquet pipeline's engine stage (BatchGen: parse rows, generate, output columns, as `batchgen run
     --mode single --max-tokens 6 --temperature 0` runs it per block) and the Batch API agree."""
@@ -360,7 +376,9 @@ def test_per_request_errors_go_to_error_file(client, engine):
     bad = {
         "bad-temperature": ({"prompt": "x", "temperature": -1}, "temperature"),
         "too-long": ({"prompt": too_long, "max_tokens": 2}, "prompt has"),
-        "logit-bias": ({"prompt": "x", "logit_bias": {"5": 3}}, "logit_bias"),
+        "logit-bias": ({"prompt": "x", "logit_bias": {"5": 300}}, "logit_bias': bias 300"),
+        "bias-outside-vocab": ({"prompt": "x", "logit_bias": {str(engine.normalizer.vocab_size): 1}},
+                               "logit_bias: token"),
         "bad-prompt": ({"prompt": {"text": "x"}}, "prompt: expected text, got dict"),
         "no-prompt": ({"max_tokens": 2}, "missing required parameter 'prompt'"),
         "two-prompts": ({"prompt": ["x", "y"]}, "one prompt per request line"),

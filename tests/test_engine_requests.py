@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import random
+from collections import Counter
 
 import pytest
+import torch
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, InvalidRequestError, Request, SamplingParams
 from batchgen.engine.reference import ReferenceRunner
+from batchgen.engine.sampler import adjust_logits
+from batchgen.engine.sequence import Sequence
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +33,9 @@ def greedy(**overrides) -> SamplingParams:
 @pytest.mark.parametrize("field,value,message", [
     ("max_tokens", 0, "max_tokens"), ("top_p", 0.0, "top_p"), ("top_p", 1.5, "top_p"),
     ("temperature", -0.5, "temperature"), ("logprobs", 50, "logprobs"), ("n", 0, "'n'"),
-    ("min_tokens", 40, "min_tokens"), ("frequency_penalty", 0.5, "unknown sampling parameter 'frequency_penalty'"),
+    ("min_tokens", 40, "min_tokens"), ("frequency_penalty", 2.5, "frequency_penalty"),
+    ("presence_penalty", float("nan"), "presence_penalty"), ("repetition_penalty", 0, "repetition_penalty"),
+    ("logit_bias", {"x": 1}, "token id 'x'"), ("logit_bias", [3, 4], "bad entry 3"), ("best_of", 2, "unknown"),
 ])
 def test_invalid_sampling_fields_are_named(field, value, message):
     with pytest.raises(InvalidRequestError, match=message):
@@ -132,3 +139,50 @@ def test_abort_drops_a_request_and_frees_its_kv(engine):
 def test_non_finite_and_wrongly_typed_sampling_values_are_rejected_by_name(field, value):
     with pytest.raises(InvalidRequestError, match=f"invalid sampling parameter '{field}'"):
         SamplingParams.from_dict({field: value})
+
+
+def reference_adjust(row: torch.Tensor, prompt: list[int], generated: list[int], params: SamplingParams):
+    """Plain per-token loops, in the sampler's documented order."""
+    out = row.clone()
+    for token, bias in params.logit_bias:
+        out[token] += bias
+    if params.repetition_penalty != 1.0:
+        p = params.repetition_penalty
+        for token in set(prompt) | set(generated):
+            out[token] = out[token] / p if out[token] > 0 else out[token] * p
+    for token, count in Counter(generated).items():
+        out[token] -= params.presence_penalty + params.frequency_penalty * count
+    return out
+
+
+def test_penalties_and_logit_bias_match_a_plain_reference_on_the_same_logits():
+    rng = random.Random(0)
+    vocab = 50
+    options = [{}, {"presence_penalty": 1.5}, {"frequency_penalty": -0.7}, {"repetition_penalty": 1.3},
+               {"repetition_penalty": 0.8, "presence_penalty": -2, "frequency_penalty": 2},
+               {"logit_bias": {"3": 100, 7: -4.5}, "frequency_penalty": 0.4}]
+    seqs = []
+    for i, option in enumerate(options * 3):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+        seq = Sequence(seq_id=i, request_id=str(i), sample_index=0, prompt_ids=prompt,
+                       sampling=SamplingParams.from_dict(option), eos_token_ids=frozenset(), arrival=i,
+                       generated=[rng.randrange(vocab) for _ in range(rng.randrange(0, 20))])
+        seqs.append(seq)
+    logits = torch.randn(len(seqs), vocab, generator=torch.Generator().manual_seed(1)) * 3
+    got = adjust_logits(logits, seqs)
+    want = torch.stack([reference_adjust(logits[i], s.prompt_ids, s.generated, s.sampling) for i, s in enumerate(seqs)])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert not torch.equal(got, logits)
+
+
+def test_logit_bias_and_penalties_steer_greedy_decoding(engine, demo):
+    prompt = ReferenceRunner(demo.model).generate([[5, 6, 7]], 1)[0]  # any prompt; its first greedy token
+    forced = Request("forced", prompt_token_ids=[5, 6, 7], sampling=greedy(max_tokens=6, logit_bias={"11": 100}))
+    plain = Request("plain", prompt_token_ids=[5, 6, 7], sampling=greedy(max_tokens=12))
+    no_repeat = Request("no-repeat", prompt_token_ids=[5, 6, 7], sampling=greedy(max_tokens=12, presence_penalty=2,
+                                                                                repetition_penalty=5.0))
+    out = {r.request_id: r.outputs[0].token_ids for r in engine.generate([forced, plain, no_repeat])}
+    assert out["forced"] == [11] * 6
+    assert out["plain"][0] == prompt[0]
+    assert len(set(out["plain"])) < len(out["plain"])  # the random tiny model repeats itself greedily...
+    assert len(set(out["no-repeat"])) == len(out["no-repeat"])  # ...but not under these penalties

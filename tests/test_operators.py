@@ -147,9 +147,10 @@ def test_split_stages_give_what_batchgen_gives(batchgen, split_stages, prompts):
     table = pa.table({
         "prompt": [*prompts[:3], None, prompts[3]],
         "prompt_token_ids": [None, None, None, None, [5] * (MAX_MODEL_LEN + 1)],
-        "sampling_params": [None, None, {"stop": [stop_word]}, None, None],
+        "sampling_params": [None, {"logit_bias": {"11": 100.0}}, {"stop": [stop_word]}, None, None],
     })
     direct = call(batchgen, table)
+    assert direct.column("generated_token_ids")[1].as_py() == [11] * SAMPLING["max_tokens"]
     tokenized = call(tokenize, table)
     assert tokenized.schema.field(sc.SAMPLING).type == sc.SAMPLING_TYPE  # typed, not JSON text
     prefilled = call(prefill, tokenized)

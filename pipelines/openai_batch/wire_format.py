@@ -25,18 +25,15 @@ COMPLETIONS_ENDPOINT = "/v1/completions"
 ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
 MAX_REPORTED_ERRORS = 100
 
-# Body fields copied one to one into SamplingParams (the last five are vLLM extensions).
-_SAMPLING_FIELDS = ("temperature", "top_p", "n", "seed", "stop", "top_k", "min_p", "min_tokens", "ignore_eos",
-                    "stop_token_ids")
+# Body fields copied one to one into SamplingParams (from top_k on, vLLM extensions).
+_SAMPLING_FIELDS = ("temperature", "top_p", "n", "seed", "stop", "frequency_penalty", "presence_penalty", "logit_bias",
+                    "top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "repetition_penalty")
 # Fields accepted and ignored: they change nothing about what is generated.
 _IGNORED_FIELDS = ("model", "user", "store", "metadata", "service_tier", "stream_options",
                    "parallel_tool_calls")
 # Fields accepted only at their neutral value: anything else would silently change the output.
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "stream": (None, False),
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
