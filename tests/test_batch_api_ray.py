@@ -99,6 +99,8 @@ def test_chat_batch_matches_the_engine_backend(engine_server, ray_server):
         _chat("sampled", {"messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 5, "n": 2,
                           "seed": 7, "temperature": 1.0}),
         _chat("logprobs", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "logprobs": True}),
+        _chat("steered", {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 5, "temperature": 0,
+                          "logit_bias": {"11": 5}, "frequency_penalty": 1.0}),
     ]
     batches, output, errors = {}, {}, {}
     for name, srv in (("engine", engine_server), ("ray", ray_server)):
@@ -109,13 +111,15 @@ def test_chat_batch_matches_the_engine_backend(engine_server, ray_server):
 
     batch = batches["ray"]
     assert batch.status == "completed", batch.errors
-    assert _counts(batch) == (7, 4, 3) and _counts(batches["engine"]) == (7, 5, 2)  # Ray refuses logprobs
-    assert [x["custom_id"] for x in output["ray"]] == ["greedy-0", "greedy-1", "default-max-tokens", "sampled"]
+    assert _counts(batch) == (8, 5, 3) and _counts(batches["engine"]) == (8, 6, 2)  # Ray refuses logprobs
+    assert [x["custom_id"] for x in output["ray"]] == ["greedy-0", "greedy-1", "default-max-tokens", "sampled",
+                                                       "steered"]
     engine_out = [_comparable(x) for x in output["engine"] if x["custom_id"] != "logprobs"]
     assert [_comparable(x) for x in output["ray"]] == engine_out  # greedy text, seeded samples, usage: all equal
     assert output["ray"][2]["response"]["body"]["usage"]["completion_tokens"] == 4  # the server's default
     assert len(output["ray"][3]["response"]["body"]["choices"]) == 2
-    logprobs_prompt = output["engine"][-1]["response"]["body"]["usage"]["prompt_tokens"]
+    logprobs_prompt = next(x for x in output["engine"] if x["custom_id"] == "logprobs")["response"]["body"][
+        "usage"]["prompt_tokens"]
     assert batch.usage.input_tokens == batches["engine"].usage.input_tokens - logprobs_prompt
 
     assert [x["custom_id"] for x in errors["ray"]] == ["bad-temperature", "too-long", "logprobs"]

@@ -43,6 +43,7 @@ from batchgen.connectors.indexed_parquet import written_parts
 from batchgen.connectors.io import filesystem
 from batchgen.engine import Completion, EngineConfig, InvalidRequestError, RequestNormalizer, Result, SamplingParams
 from batchgen.operators.columns import ERROR, PROMPT_TOKEN_IDS, SAMPLING_PARAMS
+from batchgen.operators.stage_columns import SAMPLING_TYPE
 from batchgen.pipelines.job_stop import JobStopper
 from batchgen.pipelines.openai_batch.backend import BackendConfig, BatchBackendBase, QueuedBatch
 from batchgen.pipelines.openai_batch.store import TERMINAL, BatchRecord, BatchStore, ResultRow
@@ -57,6 +58,9 @@ SETTINGS, INPUT, OUTPUT = "job.json", "input.parquet", "output"
 NO_LOGPROBS = "logprobs are not available with this server's Ray backend (batchgen serve --backend ray)"
 _RESULT_COLUMNS = [LINE_INDEX, PROMPT_TOKEN_IDS, "generated_text", "generated_token_ids", "finish_reason", ERROR]
 _SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]
+# typed, as the split stages carry sampling params: a field no line sets stays typed, and logit_bias is a map
+_INPUT_SCHEMA = pa.schema([(LINE_INDEX, pa.int64()), (CUSTOM_ID, pa.string()),
+                           (PROMPT_TOKEN_IDS, pa.list_(pa.int64())), (SAMPLING_PARAMS, SAMPLING_TYPE)])
 _POLL_S = 0.5  # how often the running job reports progress (and a cancel is noticed)
 
 
@@ -213,7 +217,8 @@ class RayBackend(BatchBackendBase):
         if rows:  # the settings first: an input file means a prepared job
             settings = {"sampling_defaults": self.config.default_sampling}
             self._write_atomically(f"{files.path}/{SETTINGS}", json.dumps(settings).encode())
-            self._write_atomically(input_path, _parquet_bytes(pa.Table.from_pylist(rows), self.job.rows_per_block))
+            table = pa.Table.from_pylist(rows, schema=_INPUT_SCHEMA)
+            self._write_atomically(input_path, _parquet_bytes(table, self.job.rows_per_block))
         return self.config.default_sampling, len(rows)
 
     def _record_parts(self, batch: RayBatch, files: JobFiles) -> None:
