@@ -58,7 +58,7 @@ from bct import (
     make_workload,
     run_engine,
 )
-from process_account import ProcessAccount
+from process_account import ProcessAccount, cpu_text
 from roofline import MoEShape
 
 from batchgen.connectors.checkpoint import load_model
@@ -66,6 +66,7 @@ from batchgen.connectors.presets import build_preset
 from batchgen.engine import EngineConfig
 from batchgen.operators.engine_actor import engine_threads
 from batchgen.pipelines.pipeline import JobConfig, engine_actor_cpus, run_job
+from batchgen.pipelines.ray_runtime import init_ray
 
 DEFAULT_PROMPTS = 1024
 SHAPES = {"single": ("BatchGen",), "disaggregated": ("Prefill", "Decode")}  # engine stages per shape
@@ -263,7 +264,7 @@ def run(args: argparse.Namespace, workdir: Path, log) -> dict:
     if own_ray and args.ray_address:
         ray.init(address=args.ray_address, log_to_driver=False)
     elif own_ray:
-        ray.init(include_dashboard=False, log_to_driver=False)  # the machine's CPUs, as `batchgen run` does
+        init_ray(include_dashboard=False, log_to_driver=False)  # the machine's CPUs, as `batchgen run` does
     if not own_ray or args.ray_address:
         log(f"using the running Ray runtime at {ray.get_runtime_context().gcs_address}")
     ray_init_s = time.perf_counter() - init_start
@@ -321,10 +322,6 @@ def describe(mode: str, summary: dict) -> str:
     if summary["match"]["first_mismatch"]:
         line += f", first difference {summary['match']['first_mismatch']}"
     return line
-
-
-def cpu_text(seconds: dict[str, float]) -> str:
-    return "CPU-s " + ", ".join(f"{who} {spent:.1f}" for who, spent in seconds.items())
 
 
 def main(argv: list[str] | None = None) -> None:

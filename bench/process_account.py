@@ -8,6 +8,7 @@ every process of the tree tells them apart.
 from __future__ import annotations
 
 import os
+import re
 import threading
 
 import psutil
@@ -81,12 +82,17 @@ class ProcessAccount:
                 self.by_process[name] = self.by_process.get(name, 0.0) + spent
 
 
+def cpu_text(seconds: dict[str, float]) -> str:
+    return "CPU-s " + ", ".join(f"{who} {spent:.1f}" for who, spent in seconds.items())
+
+
 def _process_name(cmdline: list[str]) -> str:
     """'ray::MapWorker(MapBatches(Decode)).submit' -> 'MapWorker(MapBatches(Decode))',
-    'ray::KVOwner.put' -> 'KVOwner', '.../python -u .../raylet/raylet ...' -> 'raylet'."""
+    'ray::KVOwner.put' -> 'KVOwner', '.../python -u .../raylet/raylet ...' -> 'raylet',
+    'ray::ReadX->SplitBlocks(13)' -> 'ReadX' (the split factor changes with the input's size)."""
     title = " ".join(cmdline)
     if title.startswith("ray::"):
-        name = title[len("ray::"):].split(" ")[0]
+        name = re.sub(r"->SplitBlocks\(\d+\)", "", title[len("ray::"):].split(" ")[0])
         head, cut, _ = name.rpartition(").")
         return head + ")" if cut else name.split(".")[0]
     script = next((arg for arg in cmdline[1:] if arg.endswith(".py")), cmdline[0] if cmdline else "?")

@@ -60,12 +60,29 @@ class EngineLoop:
         return list(futures.values())
 
     async def run(self, request_ids: list[str], admit: Callable[[Engine], None]) -> list[Result]:
-        """Wait for room under `max_outstanding`, `submit`, then await the Results in request order."""
+        """Wait for room under `max_outstanding`, `submit`, then await the Results in request order. The
+        caller's event loop is woken once, when the last of them is done: an asyncio future per request
+        (and a wake-up per row) cost a job of short rows as much host time as the rest of the batch."""
         await asyncio.to_thread(self._reserve, len(request_ids))
         futures = self.submit(request_ids, admit)
+        loop = asyncio.get_running_loop()
+        all_done = loop.create_future()
+        remaining = [len(futures)]
+        counting = threading.Lock()  # done callbacks run on the engine thread, or here if already done
+
+        def one_done(future: Future) -> None:
+            self._release(future)
+            with counting:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last and not loop.is_closed():
+                loop.call_soon_threadsafe(lambda: all_done.done() or all_done.set_result(None))
+
         for future in futures:
-            future.add_done_callback(self._release)
-        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+            future.add_done_callback(one_done)
+        if futures:
+            await all_done
+        return [future.result() for future in futures]
 
     def _reserve(self, count: int) -> None:
         """Block until `count` more requests fit (a submission larger than the bound goes in alone)."""

@@ -1,4 +1,5 @@
-"""Engine counters, cheap enough to leave on: appends and bincounts, summarised on demand."""
+"""Engine counters, cheap enough to leave on: sums, bincounts and a quantile sketch (no per-request list:
+an engine actor may serve millions of requests), summarised on demand."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from batchgen.engine.quantile_sketch import QuantileSketch
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -44,7 +47,7 @@ class EngineMetrics:
     max_ffn_tokens: int = 0  # largest feed-forward (MoE) batch of any step
     peak_active: int = 0  # most sequences decoding from device pages at once
     peak_suspended: int = 0  # most sequences whose KV sat in host pages at once
-    completion_times: list[float] = field(default_factory=list)  # one per finished request
+    completion_times: QuantileSketch = field(default_factory=QuantileSketch)  # of every finished request
 
     def mark_start(self) -> None:
         if self.started_at is None:
@@ -71,7 +74,7 @@ class EngineMetrics:
     def record_finished(self, finished_at: float, completion_time: float) -> None:
         self.finished_requests += 1
         self.last_finished_at = finished_at
-        self.completion_times.append(completion_time)
+        self.completion_times.add(completion_time)
 
     def _host_overhead(self) -> dict:
         """Engine time outside the model forward (admission, scheduling, batch building, sampling, stop
@@ -107,9 +110,9 @@ class EngineMetrics:
             "expert_histogram": [] if self.expert_histogram is None else self.expert_histogram.tolist(),
             "scheduler_share": 1 - self.model_seconds / self.step_seconds if self.step_seconds else 0.0,
             **self._host_overhead(),
-            "completion_time_p50": percentile(self.completion_times, 50),
-            "completion_time_p95": percentile(self.completion_times, 95),
-            "completion_time_p99": percentile(self.completion_times, 99),
+            "completion_time_p50": self.completion_times.quantile(0.50),
+            "completion_time_p95": self.completion_times.quantile(0.95),
+            "completion_time_p99": self.completion_times.quantile(0.99),
             "max_ffn_tokens": self.max_ffn_tokens,
             "peak_active": self.peak_active,
             "peak_suspended": self.peak_suspended,

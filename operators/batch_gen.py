@@ -26,6 +26,7 @@ import uuid
 from typing import Any
 
 from batchgen.engine import Engine, EngineLoop, Request, SamplingParams
+from batchgen.operators.actor_ready import announce_ready
 from batchgen.operators.blocks import Block, num_rows, rows, to_block, with_columns
 from batchgen.operators.columns import (
     PROMPT_COLUMNS,
@@ -35,7 +36,7 @@ from batchgen.operators.columns import (
     output_columns,
     report_finished,
 )
-from batchgen.operators.engine_actor import announce_ready, prepare_engine_process
+from batchgen.operators.engine_actor import prepare_engine_process
 from batchgen.operators.engine_factory import load_engine
 
 
@@ -58,7 +59,8 @@ class BatchGen:
         self.loop = EngineLoop(lambda: load_engine(model, storage_options, **engine_options))
         self.engine = self.loop.engine
         self.parser = RowParser(self.engine.normalizer, defaults, self.list_outputs)
-        self._ids = (f"{uuid.uuid4().hex[:12]}-{i}" for i in itertools.count())
+        prefix = uuid.uuid4().hex[:12]  # once per actor: a uuid per row costs an os.urandom call
+        self._ids = (f"{prefix}-{i}" for i in itertools.count())
         self.progress = progress
         announce_ready(progress, "BatchGen", init_started)
 

@@ -14,9 +14,10 @@ from typing import Any
 
 from batchgen.engine import Engine, EngineLoop, InvalidRequestError, PrefillOutput
 from batchgen.operators import stage_columns as sc
+from batchgen.operators.actor_ready import announce_ready
 from batchgen.operators.blocks import Block, column_values, to_block, with_columns, without_columns
 from batchgen.operators.columns import ERROR, RowOutcome, output_columns, report_finished
-from batchgen.operators.engine_actor import announce_ready, prepare_engine_process
+from batchgen.operators.engine_actor import prepare_engine_process
 from batchgen.operators.engine_factory import load_engine
 
 

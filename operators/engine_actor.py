@@ -13,9 +13,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
-from dataclasses import dataclass
-from typing import Any
 
 import ray
 import torch
@@ -52,20 +49,3 @@ def prepare_engine_process() -> int:
             log.warning("engine actor keeps niceness %d: %s", os.getpriority(os.PRIO_PROCESS, 0), exc)
     return torch.get_num_threads()
 
-
-@dataclass(frozen=True)
-class EngineActorReady:
-    """An engine actor that finished its constructor: where, when, and how long the constructor took."""
-
-    stage: str  # BatchGen, Prefill or Decode
-    node_id: str
-    ready_at: float  # wall clock (time.time()) on the actor's node
-    init_s: float  # the constructor: model load, KV pools, engine loop
-
-
-def announce_ready(progress: Any, stage: str, init_started: float) -> None:
-    """From an engine actor's constructor (`init_started`: its time.perf_counter() at the start): tell the
-    job's progress tracker (`actor_ready`), fire and forget. Outside Ray, or with no tracker, nothing."""
-    if progress is not None and ray.is_initialized():
-        progress.actor_ready.remote(EngineActorReady(stage, ray.get_runtime_context().get_node_id(), time.time(),
-                                                     time.perf_counter() - init_started))

@@ -17,9 +17,10 @@ import pyarrow as pa
 
 from batchgen.engine import PrefillExporter, PrefillOutput
 from batchgen.operators import stage_columns as sc
+from batchgen.operators.actor_ready import announce_ready
 from batchgen.operators.blocks import Block, column_values, num_rows, to_block, with_columns
 from batchgen.operators.columns import ERROR
-from batchgen.operators.engine_actor import announce_ready, prepare_engine_process
+from batchgen.operators.engine_actor import prepare_engine_process
 from batchgen.operators.engine_factory import load_engine
 
 

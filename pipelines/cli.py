@@ -24,6 +24,7 @@ from batchgen.pipelines.cli_args import json_object, parse_json_object
 from batchgen.pipelines.openai_batch.serve_cli import add_serve_parser, run_serve
 from batchgen.pipelines.pipeline import JobConfig, JobError, JobSummary, execute_job, plan_job
 from batchgen.pipelines.progress import Progress
+from batchgen.pipelines.ray_runtime import init_ray
 
 # command-line shortcuts for the most used sampling parameters (full set: --sampling-params JSON)
 _SAMPLING_FLAGS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "n": int, "seed": int}
@@ -172,7 +173,7 @@ def _run(config: JobConfig, args: argparse.Namespace) -> JobSummary:
     if not ray.is_initialized():
         address = args.ray_address or os.environ.get("RAY_ADDRESS")
         # worker log lines and Ray's own warnings only with --verbose; a failing task still raises here
-        ray.init(address=address, include_dashboard=False, log_to_driver=args.verbose,
+        init_ray(address, include_dashboard=False, log_to_driver=args.verbose,
                  logging_level=logging.INFO if args.verbose else logging.ERROR)
     ray.data.DataContext.get_current().enable_progress_bars = False
     logging.getLogger("ray.data").setLevel(logging.INFO if args.verbose else logging.ERROR)

@@ -38,9 +38,10 @@ from batchgen.connectors.indexed_parquet import (
 )
 from batchgen.connectors.io import StorageError, check_writable, filesystem
 from batchgen.engine import EngineConfig, SamplingParams
+from batchgen.engine.quantile_sketch import QuantileSketch
 from batchgen.operators import BatchGen, Decode, Prefill, Tokenize, engine_actor_pool
+from batchgen.operators.actor_ready import EngineActorReady
 from batchgen.operators.columns import ERROR, check_input_columns
-from batchgen.operators.engine_actor import EngineActorReady
 from batchgen.pipelines.progress import Progress, ProgressTracker, ReportWritten
 from batchgen.pipelines.progress import update as update_progress
 
@@ -112,7 +113,7 @@ class JobSummary:
     progress: Progress
     output: str
     files: int
-    completion_time_p50_s: float | None
+    completion_time_p50_s: float | None  # over every row in the output, within QuantileSketch's 0.5 %
     completion_time_p99_s: float | None
     engine_actors: list[EngineActorReady] = field(default_factory=list)  # each engine actor started by the run
     started_at: float = 0.0  # wall clock at the run's start, to place the engine actors' ready times
@@ -196,7 +197,7 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource,
         return {"num_cpus": engine_actor_cpus(config), "num_gpus": config.engine_num_gpus, "resources": resources}
 
     cpu_res = {"num_cpus": _CPU_STAGE_CPUS}
-    ds = ray.data.read_datasource(source, num_cpus=_CPU_STAGE_CPUS)
+    ds = source.read_dataset(num_cpus=_CPU_STAGE_CPUS)
     if config.mode == "single":
         return ds.map_batches(BatchGen, batch_size=config.batch_size, batch_format="pyarrow",
                               compute=engine_actor_pool(config.concurrency), **engine_res(config.engine_resources),
@@ -301,14 +302,8 @@ def _summarise(config: JobConfig, progress: Progress) -> JobSummary:
         raise JobError(f"the job ended with {written.count} of {progress.total_rows} rows in "
                        f"{config.output!r}; run it again to finish the rest")
     fs, _ = filesystem(config.output, config.storage_options)
-    times = []
+    times = QuantileSketch()  # one part file's column in memory at a time, not every row's value
     for part in parts:
         with fs.open(part.path, "rb") as f:
-            times.extend(t for t in pq.read_table(f, columns=["completion_time_s"]).column(0).to_pylist()
-                         if t is not None)
-    times.sort()
-
-    def quantile(q: float) -> float | None:
-        return times[min(len(times) - 1, int(q * len(times)))] if times else None
-
-    return JobSummary(progress, config.output, len(parts), quantile(0.5), quantile(0.99))
+            times.add_many(pq.read_table(f, columns=["completion_time_s"]).column(0).to_numpy())
+    return JobSummary(progress, config.output, len(parts), times.quantile(0.5), times.quantile(0.99))

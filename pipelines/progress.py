@@ -48,7 +48,7 @@ class Progress:
 class ProgressTracker:
     def __init__(self) -> None:
         self.rows = self.errors = self.tokens = self.finished_rows = self.finished_tokens = 0
-        self.actors: list[Any] = []  # operators.engine_actor.EngineActorReady, one per engine actor start
+        self.actors: list[Any] = []  # operators.actor_ready.EngineActorReady, one per engine actor start
 
     def actor_ready(self, ready: Any) -> None:
         self.actors.append(ready)

@@ -83,3 +83,13 @@ def test_raw_ray_data_job_keeps_input_order_without_preserve_order(ray_cluster, 
     assert table.column("doubled").to_pylist() == [2 * v for v in range(30)]
     # a second run resumes from the output: nothing left to read
     assert read_parquet_indexed(str(source), resume_from=str(out)).count() == 0
+
+
+def test_blocks_are_rows_per_block_rows_however_many_rows_are_read(ray_cluster, tmp_path):
+    # one row group per file, so one read task each: Ray Data joins what a task yields and splits it to
+    # the block count it picks from the input's size, which makes blocks grow with the input
+    for f, rows in enumerate((3000, 1000)):
+        pq.write_table(pa.table({"v": list(range(rows))}), tmp_path / f"in-{f}.parquet")
+    ds = read_parquet_indexed(str(tmp_path), rows_per_block=100)
+    sizes = [entry.metadata.num_rows for bundle in ds.iter_internal_ref_bundles() for entry in bundle.blocks]
+    assert sum(sizes) == 4000 and max(sizes) <= 100 and len(sizes) <= 60

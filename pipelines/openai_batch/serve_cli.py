@@ -98,8 +98,10 @@ def run_serve(args: argparse.Namespace) -> None:
 def _connect_ray(address: str | None) -> None:
     import ray
 
+    from batchgen.pipelines.ray_runtime import init_ray
+
     if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
+        init_ray(address or os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
                  logging_level=logging.ERROR)
     ray.data.DataContext.get_current().enable_progress_bars = False
     logging.getLogger("ray.data").setLevel(logging.WARNING)
