@@ -236,6 +236,46 @@ def run_transformers(hf_model, workload: Workload, device_bytes: int, host_bytes
 
 # Reference top-2 logit gap under which a divergence is a near-tie (fp32 1e-4; half types round far coarser).
 TIE_GAP = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
+# The router margin (k-th minus (k+1)-th expert logit) under which a routing pick is a near-tie. Tighter than
+# TIE_GAP: the margin is the minimum over every position and MoE layer of the prefix (thousands of them), so
+# a loose bound would excuse real divergences; the flips seen in fp32 had margins of 6e-7 to 3e-6.
+ROUTING_TIE_GAP = {"float32": 1e-5, "float16": 5e-4, "bfloat16": 3e-3}
+
+Probe = Callable[[int, list[int]], tuple[torch.Tensor, float | None]]
+
+
+def reference_probe(hf_model, prompts: list[list[int]]) -> Probe:
+    """The transformers model as the judge of a divergence: for prompt `i` followed by `generated`, its
+    next-token logits and its smallest routing margin, over every position and MoE layer, between the
+    router's k-th and (k+1)-th expert logit (None for a dense model). A near-zero margin is a routing
+    near-tie: float rounding that depends on batch composition picks either expert there, and the
+    sequence's hidden states, and soon its tokens, follow the pick."""
+    config = hf_model.config
+    experts = next((getattr(config, n) for n in ("num_local_experts", "n_routed_experts", "num_experts")
+                    if getattr(config, n, None)), None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    # a router: a module named "gate" with an [experts, hidden] weight (nn.Linear, or transformers' router
+    # modules, which return the router logits first)
+    gates = [m for name, m in hf_model.named_modules() if name.rsplit(".", 1)[-1] == "gate" and experts
+             and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.shape[0] == experts]
+
+    @torch.inference_mode()
+    def probe(prompt: int, generated: list[int]) -> tuple[torch.Tensor, float | None]:
+        routed: list[torch.Tensor] = []
+        hooks = [g.register_forward_hook(lambda module, args, out: routed.append(
+            (out if isinstance(out, torch.Tensor) else out[0]).detach().float())) for g in gates]
+        try:
+            ids = torch.tensor([prompts[prompt] + generated], device=hf_model.device)
+            logits = hf_model(ids).logits[0, -1]
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if not routed or not top_k:
+            return logits, None
+        ranked = [r.reshape(-1, experts).sort(dim=-1, descending=True).values for r in routed]
+        return logits, min(float((r[:, top_k - 1] - r[:, top_k]).min()) for r in ranked)
+
+    return probe
 
 
 @dataclass
@@ -245,7 +285,7 @@ class MatchReport:
     mean_prefix: float  # tokens matching before the first difference, averaged over prompts
     mean_prefix_share: float  # the same as a share of each output's length
     first_mismatch: dict | None  # prompt index, position and both tokens of the first difference
-    ties: int = 0  # divergent sequences whose first difference is at a near-tie of the reference's logits
+    ties: int = 0  # divergent sequences whose first difference is at a near-tie of the reference's logits or routing
     divergences: list[dict] = dataclasses.field(default_factory=list)  # each: where, the gap, the other's rank
 
     @property
@@ -254,13 +294,13 @@ class MatchReport:
         return self.exact + self.ties == self.total
 
 
-def compare(reference: list[list[int]], other: list[list[int]],
-            next_logits: Callable[[int, list[int]], torch.Tensor] | None = None, tie_gap: float = 0.0
-            ) -> MatchReport:
-    """Token-for-token comparison. With `next_logits(prompt index, generated prefix)` (the reference
-    model's logits for the next token), each divergence reports the reference's top-2 logit gap at the
-    first differing position, how far the other system's token trails the top logit and its rank
-    there; a divergence whose token trails by less than `tie_gap` is a tie."""
+def compare(reference: list[list[int]], other: list[list[int]], probe: Probe | None = None, tie_gap: float = 0.0,
+            routing_tie_gap: float = 0.0) -> MatchReport:
+    """Token-for-token comparison. With `probe` (reference_probe), each divergence reports the reference
+    model's top-2 logit gap at the first differing position, how far the other system's token trails the
+    top logit and its rank there, and the smallest routing margin over the shared prefix; a divergence
+    whose token trails by less than `tie_gap`, or whose prefix routes through a margin under
+    `routing_tie_gap`, is a tie (`tie_kind` "logits" or "routing")."""
     prefixes, first, divergences = [], None, []
     for index, (a, b) in enumerate(zip(reference, other)):
         prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -270,13 +310,17 @@ def compare(reference: list[list[int]], other: list[list[int]],
         where = {"prompt": index, "position": prefix, "reference": a[prefix] if prefix < len(a) else None,
                  "other": b[prefix] if prefix < len(b) else None}
         first = first or where
-        if next_logits is not None and where["reference"] is not None and where["other"] is not None:
-            logits = next_logits(index, a[:prefix]).float()
+        if probe is not None and where["reference"] is not None and where["other"] is not None:
+            logits, margin = probe(index, a[:prefix])
+            logits = logits.float()
             top2 = logits.topk(2).values
             where["top2_gap"] = float(top2[0] - top2[1])
             where["other_gap"] = float(top2[0] - logits[where["other"]])  # how far the other's pick trails
             where["other_rank"] = int((logits > logits[where["other"]]).sum())
-            where["tie"] = where["other_gap"] < tie_gap
+            where["router_margin"] = margin
+            where["tie_kind"] = ("logits" if where["other_gap"] < tie_gap else
+                                 "routing" if margin is not None and margin < routing_tie_gap else None)
+            where["tie"] = where["tie_kind"] is not None
         divergences.append(where)
     exact = sum(a == b for a, b in zip(reference, other))
     return MatchReport(exact=exact, total=len(reference), mean_prefix=statistics.mean(p for p, _ in prefixes),
@@ -285,11 +329,11 @@ def compare(reference: list[list[int]], other: list[list[int]],
 
 
 def scenario_summary(runs: dict[str, SystemRun], output_tokens: int, bound_s: float,
-                     next_logits: Callable[[int, list[int]], torch.Tensor], tie_gap: float) -> dict:
-    """`next_logits`: the reference (transformers) model's next-token logits, to judge divergences."""
+                     probe: Probe, tie_gap: float, routing_tie_gap: float) -> dict:
+    """`probe`: the reference (transformers) model's judgement of a divergence (reference_probe)."""
     batchgen, lockstep, hf = runs["batchgen"], runs["lockstep"], runs["transformers"]
-    vs_lockstep = compare(lockstep.tokens, batchgen.tokens, next_logits, tie_gap)
-    vs_hf = compare(hf.tokens, batchgen.tokens, next_logits, tie_gap)
+    vs_lockstep = compare(lockstep.tokens, batchgen.tokens, probe, tie_gap, routing_tie_gap)
+    vs_hf = compare(hf.tokens, batchgen.tokens, probe, tie_gap, routing_tie_gap)
     engine_keys = ("scheduler_share", "yields", "restores", "bytes_moved", "peak_active", "peak_suspended",
                    "prefill_steps", "decode_steps", "moe_calls")
     return {
@@ -385,10 +429,7 @@ def run(args: argparse.Namespace, log) -> dict:
 
     loaded, hf_model = load_systems(model_dir, device, args.dtype)
 
-    @torch.inference_mode()
-    def next_logits(prompt: int, generated: list[int]) -> torch.Tensor:
-        ids = torch.tensor([workload.prompts[prompt] + generated], device=device)
-        return hf_model(ids).logits[0, -1]
+    probe = reference_probe(hf_model, workload.prompts)
 
     host_bytes = all_contexts_bytes(shape, workload)
     constrained = budget_bytes(shape, workload, spec.budget_seqs)
@@ -412,7 +453,8 @@ def run(args: argparse.Namespace, log) -> dict:
         if args.profile:
             log(f"[{scenario}] BatchGen profile:\n"
                 + profile_engine(loaded, "coroutine", workload, device_bytes, host_bytes))
-        summary = scenario_summary(runs, output_tokens, bound.seconds, next_logits, TIE_GAP[args.dtype])
+        summary = scenario_summary(runs, output_tokens, bound.seconds, probe, TIE_GAP[args.dtype],
+                                   ROUTING_TIE_GAP[args.dtype])
         scenarios[scenario] = {"kv_budget_bytes": device_bytes, **summary}
         log(describe(scenario, summary))
 

@@ -48,7 +48,9 @@ import torch
 from bct import (
     PAGE_SIZE,
     QUICK,
+    ROUTING_TIE_GAP,
     TIE_GAP,
+    Probe,
     Workload,
     WorkloadSpec,
     all_contexts_bytes,
@@ -56,6 +58,7 @@ from bct import (
     engine_config,
     load_systems,
     make_workload,
+    reference_probe,
     run_engine,
 )
 from process_account import ProcessAccount, cpu_text
@@ -161,12 +164,12 @@ def _peak_overlap(spans: list[tuple[float, float]]) -> int:
 
 
 def pipeline_summary(run: PipelineRun, engine_bct: float, output_tokens: int, reference: list[list[int]],
-                     next_logits) -> dict:
+                     probe: Probe) -> dict:
     """Overhead = 1 - E/P (E, P: engine and pipeline BCT over the same tokens) = S/P + (P - S - E)/P:
     start-up S's share and the steady-state rest, which a longer run keeps paying."""
     startup = run.timeline["startup_s"]
     overhead = 1 - engine_bct / run.bct_s
-    match = compare(reference, run.tokens, next_logits, TIE_GAP["float32"])
+    match = compare(reference, run.tokens, probe, TIE_GAP["float32"], ROUTING_TIE_GAP["float32"])
     return {
         "bct_s": run.bct_s,
         "tokens_per_s": output_tokens / run.bct_s,
@@ -190,18 +193,17 @@ def pipeline_summary(run: PipelineRun, engine_bct: float, output_tokens: int, re
     }
 
 
-def reference_logits(model_dir: str, workload: Workload):
-    """The transformers model's next-token logits (loaded on the first divergence only), so a divergence
-    at a near-tie counts as a tie, as in bench/bct.py."""
-    model = []
+def reference_logits(model_dir: str, workload: Workload) -> Probe:
+    """bct.reference_probe over the transformers model, loaded on the first divergence only."""
+    probe: list[Probe] = []
 
-    @torch.inference_mode()
-    def next_logits(prompt: int, generated: list[int]) -> torch.Tensor:
-        if not model:
-            model.append(load_systems(model_dir, torch.device("cpu"), "float32")[1])
-        return model[0](torch.tensor([workload.prompts[prompt] + generated])).logits[0, -1]
+    def lazy(prompt: int, generated: list[int]):
+        if not probe:
+            probe.append(reference_probe(load_systems(model_dir, torch.device("cpu"), "float32")[1],
+                                         workload.prompts))
+        return probe[0](prompt, generated)
 
-    return next_logits
+    return lazy
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -276,12 +278,12 @@ def run(args: argparse.Namespace, workdir: Path, log) -> dict:
     progress_bars = data_context.enable_progress_bars  # process-wide: put back for whoever runs next
     data_context.enable_progress_bars = False
     pipelines = {}
-    next_logits = reference_logits(model_dir, workload)
+    probe = reference_logits(model_dir, workload)
     try:
         for mode in SHAPES:
             result = run_pipeline(mode, model_dir, input_path, workdir / f"out-{mode}",
                                   dataclasses.asdict(config), args.batch_size)
-            pipelines[mode] = pipeline_summary(result, engine.bct_s, output_tokens, engine.tokens, next_logits)
+            pipelines[mode] = pipeline_summary(result, engine.bct_s, output_tokens, engine.tokens, probe)
             log(describe(mode, pipelines[mode]))
     finally:
         data_context.enable_progress_bars = progress_bars
