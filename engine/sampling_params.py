@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -51,9 +52,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
-    @property
+    @functools.cached_property
     def adjusts_logits(self) -> bool:
-        """Whether penalties or a logit bias change this row's logits before sampling."""
+        """Whether penalties or a logit bias change this row's logits before sampling (asked of every
+        decoding sequence at every step: computed once)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias)
 
