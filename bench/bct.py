@@ -41,7 +41,6 @@ from roofline import MoEShape, measure_peaks, workload_bound
 from batchgen.connectors.checkpoint import load_model
 from batchgen.connectors.presets import build_preset
 from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
-from batchgen.engine.metrics import percentile
 
 SYSTEMS = ("batchgen", "lockstep", "transformers")
 ENGINE_MODES = {"batchgen": "coroutine", "lockstep": "lockstep"}
@@ -232,6 +231,13 @@ def run_transformers(hf_model, workload: Workload, device_bytes: int, host_bytes
     ids = [f"p{i}" for i in range(len(workload.prompts))]
     return SystemRun(tokens=[tokens[i] for i in ids], bct_s=bct,
                      completion_times=[finished[i] - start for i in ids], mean_expert_batch=counter.mean)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (linear interpolation) of per-request completion times; None when empty."""
+    if not values:
+        return None
+    return float(torch.tensor(values, dtype=torch.float64).quantile(q / 100))
 
 
 # Reference top-2 logit gap under which a divergence is a near-tie (fp32 1e-4; half types round far coarser).

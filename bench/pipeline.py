@@ -193,7 +193,7 @@ def pipeline_summary(run: PipelineRun, engine_bct: float, output_tokens: int, re
     }
 
 
-def reference_logits(model_dir: str, workload: Workload) -> Probe:
+def lazy_reference_probe(model_dir: str, workload: Workload) -> Probe:
     """bct.reference_probe over the transformers model, loaded on the first divergence only."""
     probe: list[Probe] = []
 
@@ -278,7 +278,7 @@ def run(args: argparse.Namespace, workdir: Path, log) -> dict:
     progress_bars = data_context.enable_progress_bars  # process-wide: put back for whoever runs next
     data_context.enable_progress_bars = False
     pipelines = {}
-    probe = reference_logits(model_dir, workload)
+    probe = lazy_reference_probe(model_dir, workload)
     try:
         for mode in SHAPES:
             result = run_pipeline(mode, model_dir, input_path, workdir / f"out-{mode}",

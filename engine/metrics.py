@@ -11,12 +11,6 @@ import torch
 from batchgen.engine.quantile_sketch import QuantileSketch
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    return float(torch.tensor(values, dtype=torch.float64).quantile(q / 100))
-
-
 @dataclass
 class EngineMetrics:
     started_at: float | None = None
