@@ -3,7 +3,8 @@
 A preset is built deterministically from a seed with transformers (random weights: its text is
 random words), saved in HF format (config, safetensors, tokenizer files) into a cache directory on
 first use and then loaded by the same loader as any checkpoint. The tokenizer is built locally too:
-a word-level vocabulary over the demo word list plus seeded pseudo-words, sized to the model.
+a byte-level BPE trained on a seeded corpus (the demo prompts, JSON, code-like text, pseudo-words),
+sized to the model, so it spells any text: structured outputs (JSON, regexes) run for real.
 
 Names: "tiny-moe", "preset://tiny-moe", "bench-moe?experts=32&top_k=4" (overrides change the
 expert count / top-k and get their own cache directory).
@@ -11,6 +12,7 @@ expert count / top-k and get their own cache directory).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl
 
-from batchgen.connectors.demo_data import WORDS
+from batchgen.connectors.demo_data import WORDS, demo_prompts
 
 CACHE_ENV = "BATCHGEN_CACHE"
 SCHEME = "preset://"
@@ -27,9 +29,6 @@ SCHEME = "preset://"
 PAD, BOS, EOS, UNK = "<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # the first vocabulary ids, in this order
 ROLES = ("system", "user", "assistant")
-SPACE = "\u2581"  # marks a word start, as in SentencePiece vocabularies
-PUNCTUATION = tuple(".,!?;:'\"()-")
-DIGITS = tuple("0123456789")
 _CONSONANTS = tuple("bcdfghjklmnprstvz")
 _VOWELS = tuple("aeiou")
 
@@ -69,7 +68,7 @@ PRESETS: dict[str, Preset] = {
     for preset in (
         Preset(
             name="tiny-moe",
-            version=2,
+            version=3,
             seed=1234,
             description="demo model: 4 layers, 8 experts top-2, hidden 128 (~4M params), runs fast on CPU",
             config=dict(
@@ -80,7 +79,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             name="bench-moe",
-            version=2,
+            version=3,
             seed=4321,
             description="benchmark workload: 6 layers, 16 experts top-2, hidden 512, fp32 (~159M params)",
             config=dict(
@@ -188,24 +187,25 @@ def default_cache_dir() -> Path:
 
 
 def build_tokenizer(vocab_size: int, seed: int, max_length: int):
-    """A word-level tokenizer with exactly `vocab_size` tokens and a chat template.
+    """A byte-level BPE tokenizer of exactly `vocab_size` tokens (specials first) with a chat template.
 
-    Words carry a leading SPACE mark; punctuation and digits are tokens of their own, so text made
-    of listed words decodes back to itself.
+    Byte-level: every string encodes without unknown tokens and decodes back to itself. Trained on
+    `_training_corpus(seed)`, so the same arguments build the same tokenizer.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: index for index, token in enumerate(_vocabulary(vocab_size, seed))}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="always", split=True),
-        pre_tokenizers.Punctuation(behavior="isolated"),
-        pre_tokenizers.Digits(individual_digits=True),
-    ])
-    backend.decoder = decoders.Metaspace(replacement=SPACE, prepend_scheme="always", split=True)
+    specials = [*SPECIAL_TOKENS, *(_role_token(role) for role in ROLES)]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(_training_corpus(seed), trainer)
+    if backend.get_vocab_size() != vocab_size:
+        raise PresetError(f"vocab_size {vocab_size}: the training corpus yields {backend.get_vocab_size()} tokens")
     backend.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, backend.token_to_id(BOS))]
     )
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token=BOS, eos_token=EOS, unk_token=UNK, pad_token=PAD,
@@ -214,20 +214,25 @@ def build_tokenizer(vocab_size: int, seed: int, max_length: int):
     )
 
 
-def _vocabulary(size: int, seed: int) -> list[str]:
-    tokens = [*SPECIAL_TOKENS, *(_role_token(role) for role in ROLES), SPACE, *PUNCTUATION, *DIGITS]
-    tokens += [SPACE + word for word in WORDS] + [SPACE + word.capitalize() for word in WORDS]
-    if len(tokens) > size:
-        raise PresetError(f"vocab_size {size} is smaller than the {len(tokens)} built-in tokens")
-    seen = set(tokens)
+def _training_corpus(seed: int) -> list[str]:
+    """Demo prompts, JSON records, code-like lines and seeded pseudo-words: enough distinct pairs for
+    a few thousand merges, with the demo words and JSON punctuation among the first."""
     rng = random.Random(seed)
-    while len(tokens) < size:
-        syllables = (rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(rng.randint(1, 3)))
-        word = SPACE + "".join(syllables)
-        if word not in seen:
-            seen.add(word)
-            tokens.append(word)
-    return tokens
+    corpus = demo_prompts(400, seed=seed)
+    for _ in range(300):
+        record = {rng.choice(WORDS): rng.choice([rng.randint(-999, 9999), rng.random() < 0.5, None,
+                                                 rng.choice(WORDS), round(rng.uniform(-50, 50), 2)])
+                  for _ in range(rng.randint(1, 5))}
+        corpus.append(json.dumps(record) if rng.random() < 0.5 else json.dumps(record, indent=2))
+        corpus.append(f"{rng.choice(WORDS)}_{rng.choice(WORDS)}({rng.randint(0, 99)}) = [{rng.choice(WORDS)}];")
+    seen: set[str] = set()
+    while len(seen) < 6000:
+        syllables = (rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(rng.randint(1, 4)))
+        seen.add("".join(syllables))
+    words = sorted(seen)
+    rng.shuffle(words)
+    corpus += [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
+    return corpus
 
 
 def _role_token(role: str) -> str:

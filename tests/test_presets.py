@@ -129,16 +129,30 @@ def test_tokenizer_round_trips_the_demo_prompts(cache_env):
         assert tokenizer.decode(ids, skip_special_tokens=True) == prompt
 
 
+@pytest.mark.parametrize("text", [
+    '{"name": "Ann", "tags": ["a", "b"], "n": -12.5e3, "ok": true, "x": null}',
+    "regex: ^[A-Z]{2,3}-\\d+$ | <tag attr='1'>", "caf\u00e9 \u00fcber \u65e5\u672c \U0001f600", "tab\tnew\nline",
+])
+def test_tokenizer_spells_any_text(cache_env, text):
+    """Byte-level: JSON, punctuation, digits and any Unicode round-trip, with no unknown token."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve_preset("tiny-moe"))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.unk_token_id not in ids
+    assert tokenizer.decode(ids) == text
+    assert len(ids) < len(text.encode("utf-8"))  # merges learnt, not bytes alone
+
+
 def test_chat_template(cache_env):
     tokenizer = AutoTokenizer.from_pretrained(resolve_preset("tiny-moe"))
     messages = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Tell me a story."}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text == f"{BOS}<|system|>Be kind.{EOS}<|user|>Tell me a story.{EOS}<|assistant|>"
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-    assert tokenizer.convert_ids_to_tokens(ids) == [
-        BOS, "<|system|>", "\u2581Be", "\u2581kind", ".", EOS,
-        "<|user|>", "\u2581Tell", "\u2581me", "\u2581a", "\u2581story", ".", EOS, "<|assistant|>",
-    ]
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    assert [t for t in tokens if t in tokenizer.all_special_tokens] == [
+        BOS, "<|system|>", EOS, "<|user|>", EOS, "<|assistant|>"]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "Be kind.Tell me a story."
+    assert "\u0120story" in tokens  # byte-level BPE: a word and its leading space are one token
     with pytest.raises(Exception, match="unknown chat role: robot"):
         tokenizer.apply_chat_template([{"role": "robot", "content": "hi"}], tokenize=False)
 
