@@ -52,17 +52,15 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     storage_options: dict[str, Any] | None = None,
-    with_tokenizer: bool = True,
 ) -> LoadedModel:
-    """Load the checkpoint at `uri` (local path, s3://, memory://, or a preset name such as "tiny-moe").
-    `with_tokenizer=False` skips the tokenizer, for an engine that is only ever given token ids."""
+    """Load the checkpoint at `uri` (local path, s3://, memory://, or a preset name such as "tiny-moe")."""
     torch_dtype = parse_dtype(dtype)
     uri = resolve_preset(str(uri)) or str(uri)
     fs, root = filesystem(uri, storage_options)
     files = list_checkpoint_files(fs, root, uri)
     with metadata_dir(fs, root, files) as meta_dir:
         config, family = _read_config(meta_dir, uri)
-        tokenizer = read_tokenizer(meta_dir, files, uri) if with_tokenizer else None
+        tokenizer = read_tokenizer(meta_dir, files, uri)
         eos_token_ids = _eos_token_ids(meta_dir, files, config, tokenizer)
     shards = _shard_paths(fs, root, files, uri)
     model = _build_empty(family, config, torch_dtype, torch.device(device))

@@ -13,7 +13,7 @@ _EXPORTS = {
     "Engine": "batchgen.engine.engine",
     "EngineConfig": "batchgen.engine.config",
     "EngineLoop": "batchgen.engine.engine_loop",
-    "InvalidRequestError": "batchgen.engine.sampling_params",
+    "InvalidRequestError": "batchgen.engine.errors",
     "LoadedModel": "batchgen.engine.models.loaded_model",
     "PrefillExporter": "batchgen.engine.prefill_export",
     "PrefillBatch": "batchgen.engine.prefill_output",
@@ -22,6 +22,7 @@ _EXPORTS = {
     "RequestNormalizer": "batchgen.engine.request_normalizer",
     "Result": "batchgen.engine.request",
     "SamplingParams": "batchgen.engine.sampling_params",
+    "StructuredOutputs": "batchgen.engine.structured_outputs",
     "TokenLogprob": "batchgen.engine.request",
 }
 

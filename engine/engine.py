@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.grammar import GrammarBackend
 from batchgen.engine.kv_budget import plan_kv_budget
 from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.metrics import EngineMetrics
@@ -68,6 +69,7 @@ class Engine:
         self._ready: list[Result] = []
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
+        self._grammars: GrammarBackend | None = None
 
     # ----------------------------------------------------------------- public API
     def add_request(self, request: Request) -> None:
@@ -145,6 +147,7 @@ class Engine:
         self.scheduler.check_fits(min(prefilled.num_tokens + prefilled.request.sampling.max_tokens,
                                       self.max_model_len))
         self.normalizer.check_vocabulary(prefilled.request.sampling)
+        self._check_structured(prefilled.request.sampling)
 
     def add_prefilled(self, prefilled: PrefillOutput) -> None:
         """Adopt a prompt prefilled elsewhere (checked with check_prefilled): place its KV, then decode its
@@ -173,13 +176,24 @@ class Engine:
                                          prompt=request.prompt)
         self.normalizer.check_length(len(ids), request.sampling)
         self.normalizer.check_vocabulary(request.sampling)
+        self._check_structured(request.sampling)
         self.scheduler.check_fits(min(len(ids) + request.sampling.max_tokens, self.max_model_len))
         return ids
 
     def new_sequence(self, request: Request, index: int, prompt_ids: list[int], submitted: float) -> Sequence:
+        spec = request.sampling.structured_outputs
         return Sequence(seq_id=next(self._seq_ids), request_id=request.request_id, sample_index=index,
                         prompt_ids=prompt_ids, sampling=request.sampling, eos_token_ids=self.eos_token_ids,
-                        arrival=next(self._arrivals), submitted_at=submitted)
+                        arrival=next(self._arrivals), submitted_at=submitted,
+                        grammar=None if spec is None else self.grammars.matcher(spec))
+
+    @property
+    def grammars(self) -> GrammarBackend:
+        """The structured-output grammars, set up on the first structured request."""
+        if self._grammars is None:
+            eos = self.eos_token_ids or ({self.tokenizer.eos_token_id} - {None} if self.tokenizer else set())
+            self._grammars = GrammarBackend(self.tokenizer, self.model.vocab_size, sorted(eos))
+        return self._grammars
 
     def prefill_logits(self, plan: PrefillPlan) -> torch.Tensor:
         """Run a planned prefill alone: last-position logits, one row per prompt it completes."""
@@ -237,6 +251,11 @@ class Engine:
         else:
             self.scheduler.place_decoding(seq)
 
+    def _check_structured(self, sampling) -> None:
+        """InvalidRequestError if the request's structured-output spec does not compile for this model."""
+        if sampling.structured_outputs is not None:
+            self.grammars.compile(sampling.structured_outputs)
+
     def _timed(self, fn, *args):
         start = time.perf_counter()
         out = fn(*args)
@@ -247,6 +266,8 @@ class Engine:
         """Append a token; True when it finished the sequence (the caller frees its KV)."""
         seq.generated.append(token)
         self.stats.generated_tokens += 1
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            raise RuntimeError(f"sequence {seq.seq_id} sampled token {token}, which its grammar's mask forbids")
         reason = finish_reason(seq, self.tokenizer, self.max_model_len)
         if reason is None:
             return False

@@ -3,7 +3,8 @@
 Every row carries its own temperature / top-k / top-p / min-p, logit bias and penalties; each runs
 once over the rows that use it. Logits are adjusted in this order, before greedy and sampled picks
 alike: logit bias, repetition penalty (prompt and generated tokens), presence and frequency
-penalties (generated tokens), then the min_tokens ban on stop tokens. Seeded rows draw their noise
+penalties (generated tokens), the min_tokens ban on stop tokens, then a structured-output row's
+grammar mask (every token its grammar forbids next is -inf). Seeded rows draw their noise
 from a generator seeded per (seed, sample, step), so a seeded sequence samples the same tokens
 whatever batch it lands in.
 """
@@ -14,6 +15,7 @@ from collections.abc import Sequence as SequenceT
 
 import torch
 
+from batchgen.engine.grammar import mask_logits
 from batchgen.engine.request import TokenLogprob
 from batchgen.engine.sequence import Sequence
 
@@ -26,6 +28,7 @@ def sample_next_tokens(logits: torch.Tensor, seqs: SequenceT[Sequence], generato
         rows = torch.tensor(adjusted, dtype=torch.long, device=logits.device)
         logits[rows] = adjust_logits(logits[rows], [seqs[i] for i in adjusted])
     _suppress_early_stop(logits, seqs)
+    mask_logits(logits, [s.grammar for s in seqs])
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
     if random_rows:

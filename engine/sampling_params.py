@@ -8,9 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-
-class InvalidRequestError(ValueError):
-    """A request that cannot run; the message names the offending field."""
+from batchgen.engine.errors import InvalidRequestError
+from batchgen.engine.structured_outputs import StructuredOutputs
 
 
 @dataclass(frozen=True)
@@ -35,11 +34,14 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # a token in the prompt or output: positive logit / p, negative * p (vLLM)
     # added to a token's logit; given as {token id: bias} (OpenAI: string ids, biases in [-100, 100])
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # the output follows a JSON schema, a regex, a choice list or a grammar (vLLM's field and names)
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        object.__setattr__(self, "structured_outputs", StructuredOutputs.from_value(self.structured_outputs))
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name)
             if not isinstance(value, (list, tuple)):
@@ -91,6 +93,9 @@ class SamplingParams:
                 raise bad(name, f"must be a number in [-2, 2], got {value!r}")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise bad("repetition_penalty", f"must be a number > 0, got {self.repetition_penalty!r}")
+        if self.structured_outputs is not None and self.min_tokens:
+            raise bad("min_tokens", "cannot be combined with structured_outputs: the grammar decides where the "
+                      "output ends")
         if self.max_prompt_tokens is not None and (
             not _is_int(self.max_prompt_tokens) or self.max_prompt_tokens < 1
         ):
@@ -120,6 +125,7 @@ class SamplingParams:
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
         out["logit_bias"] = dict(self.logit_bias)
+        out["structured_outputs"] = None if self.structured_outputs is None else self.structured_outputs.to_dict()
         return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from batchgen.engine.request import TokenLogprob
 from batchgen.engine.sampling_params import SamplingParams
@@ -51,6 +52,7 @@ class Sequence:
     kv_len: int = 0  # tokens whose K/V are stored
     finish_reason: str | None = None
     stop_text_end: int | None = None  # character offset where a stop string cut the text
+    grammar: Any = None  # structured outputs: the xgrammar matcher over `generated` (engine/grammar.py)
     submitted_at: float = field(default_factory=time.perf_counter)
     first_scheduled_at: float | None = None
     finished_at: float | None = None

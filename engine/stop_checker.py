@@ -15,6 +15,8 @@ def finish_reason(seq: Sequence, tokenizer, max_model_len: int) -> str | None:
     """Check the newest token; returns "stop", "length" or None to keep going."""
     params = seq.sampling
     token = seq.generated[-1]
+    if seq.grammar is not None and seq.grammar.is_terminated():  # the grammar took its end token
+        return "stop"
     if len(seq.generated) >= params.min_tokens:
         if not params.ignore_eos and token in seq.eos_token_ids:
             return "stop"

@@ -9,11 +9,8 @@ from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, EngineConfig
 
 
-def load_engine(model: str, storage_options: dict[str, Any] | None = None, *, with_tokenizer: bool = True,
-                **engine_options: Any) -> Engine:
-    """`model`: a checkpoint directory, an fsspec URI or a preset name; `engine_options`: EngineConfig fields;
-    `with_tokenizer=False` for an engine only ever given token ids (a prefill stage)."""
+def load_engine(model: str, storage_options: dict[str, Any] | None = None, **engine_options: Any) -> Engine:
+    """`model`: a checkpoint directory, an fsspec URI or a preset name; `engine_options`: EngineConfig fields."""
     config = EngineConfig.from_kwargs(**engine_options)
-    loaded = load_model(model, dtype=config.dtype, device=config.torch_device(), storage_options=storage_options,
-                        with_tokenizer=with_tokenizer)
+    loaded = load_model(model, dtype=config.dtype, device=config.torch_device(), storage_options=storage_options)
     return Engine(loaded, config)

@@ -3,8 +3,9 @@
 Its own actor pool (compute-bound: scale it for prompt tokens). The engine gathers every prompt's
 KV from its pages into one host buffer per batch, and the block's KV column is a view of that
 buffer (operators/stage_columns.py), so the hand-off to decode makes one host copy of the pages
-before Ray stores the block. The engine loads no tokenizer: its rows arrive as token ids. A prompt
-the engine rejects (over the context length, a token outside the vocabulary) gets its `error` here.
+before Ray stores the block. Its rows arrive as token ids; the tokenizer is loaded for the grammar
+of structured outputs, which constrains the first token too. A prompt the engine rejects (over the
+context length, a token outside the vocabulary, a schema that does not compile) gets its `error` here.
 A sync UDF: `PrefillExporter.prefill` runs a batch to completion, there is no loop to keep fed.
 """
 
@@ -30,7 +31,7 @@ class Prefill:
         """progress: the job's tracker, told when this actor is ready (operators/engine_actor.py)."""
         init_started = time.perf_counter()
         prepare_engine_process()
-        self.exporter = PrefillExporter(load_engine(model, storage_options, with_tokenizer=False, **engine_options))
+        self.exporter = PrefillExporter(load_engine(model, storage_options, **engine_options))
         announce_ready(progress, "Prefill", init_started)
 
     def __call__(self, batch: Any) -> Block:

@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from batchgen.engine.request import Request, TokenLogprob
 from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.structured_outputs import StructuredOutputs
 from batchgen.operators.blocks import Block, arrow_column, column_values
 
 if TYPE_CHECKING:  # torch and the engine runtime load only in the engine stages, not in tokenize
@@ -38,11 +39,18 @@ FIRST_LOGPROBS = "__batchgen_first_logprobs"  # list<struct>: each sample's firs
 SUBMITTED_AT = "__batchgen_submitted_at"  # float64: when the prefill engine admitted the row
 
 _ARROW_OF_ANNOTATION = {
-    "int": pa.int64(), "int | None": pa.int64(), "float": pa.float64(), "bool": pa.bool_(),
-    "tuple[str, ...]": pa.list_(pa.string()), "tuple[int, ...]": pa.list_(pa.int64()),
-    "tuple[tuple[int, float], ...]": pa.map_(pa.int64(), pa.float64()),
+    "int": pa.int64(), "int | None": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str | None": pa.string(),
+    "tuple[str, ...]": pa.list_(pa.string()), "tuple[str, ...] | None": pa.list_(pa.string()),
+    "tuple[int, ...]": pa.list_(pa.int64()), "tuple[tuple[int, float], ...]": pa.map_(pa.int64(), pa.float64()),
 }
-SAMPLING_TYPE = pa.struct([(f.name, _ARROW_OF_ANNOTATION[f.type]) for f in dataclasses.fields(SamplingParams)])
+
+
+def _struct_of(cls: type) -> pa.StructType:
+    return pa.struct([(f.name, _ARROW_OF_ANNOTATION[f.type]) for f in dataclasses.fields(cls)])
+
+
+_ARROW_OF_ANNOTATION["StructuredOutputs | None"] = _struct_of(StructuredOutputs)
+SAMPLING_TYPE = _struct_of(SamplingParams)
 LOGPROB_TYPE = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64()),
                           ("top", pa.map_(pa.int64(), pa.float64()))])
 

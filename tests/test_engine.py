@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from tiny_models import ALL_ARCHITECTURES, prompts, save_tiny_checkpoint
+from tiny_models import ALL_ARCHITECTURES, kv_bytes_per_token, prompts, save_tiny_checkpoint
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, PrefillExporter, Request, SamplingParams
@@ -33,11 +33,6 @@ def arch_case(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def moe_case(tmp_path_factory):
     return build_case("mixtral", tmp_path_factory.mktemp("mixtral"))
-
-
-def kv_bytes_per_token(loaded) -> int:
-    spec = loaded.model.kv_spec()
-    return spec.num_layers * spec.num_kv_heads * (spec.k_dim + spec.v_dim) * 4
 
 
 def greedy_requests(batch, order=None, params=GREEDY):

@@ -110,3 +110,9 @@ def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int) -> lis
     out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=0)
     return out[:, width:].tolist()
+
+
+def kv_bytes_per_token(loaded) -> int:
+    """fp32 K and V bytes one token takes over all layers (to size KV budgets in pages)."""
+    spec = loaded.model.kv_spec()
+    return spec.num_layers * spec.num_kv_heads * (spec.k_dim + spec.v_dim) * 4

@@ -27,7 +27,8 @@ MAX_REPORTED_ERRORS = 100
 
 # Body fields copied one to one into SamplingParams (from top_k on, vLLM extensions).
 _SAMPLING_FIELDS = ("temperature", "top_p", "n", "seed", "stop", "frequency_penalty", "presence_penalty", "logit_bias",
-                    "top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "repetition_penalty")
+                    "top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "repetition_penalty",
+                    "structured_outputs")
 # Fields accepted and ignored: they change nothing about what is generated.
 _IGNORED_FIELDS = ("model", "user", "store", "metadata", "service_tier", "stream_options",
                    "parallel_tool_calls")
@@ -36,7 +37,6 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "stream": (None, False),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -170,6 +170,11 @@ class RequestBuilder:
         values = {key: body.get(key) for key in _SAMPLING_FIELDS}
         values["max_tokens"] = _max_tokens(body, chat)
         values["logprobs"] = _logprobs(body, chat)
+        structured = _response_format(body.get("response_format"))
+        if structured is not None:
+            if values["structured_outputs"] is not None:
+                raise InvalidRequestError("give one of 'response_format' and 'structured_outputs', not both")
+            values["structured_outputs"] = structured
         best_of = body.get("best_of")
         if best_of is not None and best_of != body.get("n", 1):
             raise InvalidRequestError("unsupported parameter 'best_of': only best_of equal to n is supported")
@@ -192,9 +197,29 @@ def _check_fields(body: dict[str, Any], chat: bool) -> None:
             raise InvalidRequestError(f"unsupported parameter '{key}': only {neutral!r} is supported")
         known = (key in _SAMPLING_FIELDS or key in _IGNORED_FIELDS or key in _NEUTRAL_VALUES
                  or key in ("messages", "prompt", "max_tokens", "max_completion_tokens", "logprobs",
-                            "top_logprobs", "best_of"))
+                            "top_logprobs", "best_of", "response_format"))
         if not known:
             raise InvalidRequestError(f"unrecognized request parameter '{key}'")
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's response_format as structured_outputs: text -> None, json_object -> any JSON object,
+    json_schema -> its schema (enforced whether or not `strict` is set, as vLLM does)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise InvalidRequestError("invalid 'response_format': type 'json_schema' needs "
+                                      "'json_schema': {'name': ..., 'schema': {...}}")
+        return {"json": spec["schema"]}
+    raise InvalidRequestError(f"invalid 'response_format': 'type' must be 'text', 'json_object' or 'json_schema', "
+                              f"got {kind!r}")
 
 
 def _max_tokens(body: dict[str, Any], chat: bool) -> Any:

@@ -1,0 +1,216 @@
+"""Structured outputs in the engine: every output follows its JSON schema, regex, choice list or grammar,
+on random-weight models of two architectures, greedy and sampled, whatever the batch, evictions or the
+prefill/decode split; a spec that cannot compile fails its row alone."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pyarrow as pa
+import pytest
+import torch
+from tiny_models import kv_bytes_per_token, save_tiny_checkpoint
+
+from batchgen.connectors.checkpoint import load_model
+from batchgen.connectors.presets import build_tokenizer
+from batchgen.engine import Engine, InvalidRequestError, PrefillExporter, Request, SamplingParams
+from batchgen.engine.grammar import MAX_JSON_WHITESPACE, GrammarBackend, mask_logits
+from batchgen.engine.structured_outputs import StructuredOutputs
+from batchgen.operators import stage_columns as sc
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z ]{1,10}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pet": {"enum": ["cat", "dog", "bird"]},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    },
+    "required": ["name", "age", "pet", "tags"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"
+CHOICES = ["yes", "no", "not sure"]
+GRAMMAR = 'root ::= "(" num (op num){0,3} ")"\nop ::= "+" | "*"\nnum ::= [1-9] [0-9]{0,2}'
+GRAMMAR_TEXT = re.compile(r"\([1-9][0-9]{0,2}([+*][1-9][0-9]{0,2}){0,3}\)")
+SPECS = {
+    "json": StructuredOutputs(json=SCHEMA, disable_any_whitespace=True),
+    "regex": StructuredOutputs(regex=REGEX),
+    "choice": StructuredOutputs(choice=tuple(CHOICES)),
+    "grammar": StructuredOutputs(grammar=GRAMMAR),
+}
+PROMPTS = ["Tell me about the old river.", "Write a poem about a cat.", "What would you do?",
+           "Give 3 ideas for a game about the moon.", "Describe a day on the farm with your friend."]
+
+
+def follows(kind: str, text: str) -> bool:
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    if kind == "choice":
+        return text in CHOICES
+    return GRAMMAR_TEXT.fullmatch(text) is not None
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3"])
+def model(request, tmp_path_factory):
+    """The tiny-moe preset (Mixtral) and a tiny Qwen3 saved with a byte-level BPE tokenizer."""
+    if request.param == "mixtral":
+        return load_model("tiny-moe")
+    directory = tmp_path_factory.mktemp("qwen3")
+    save_tiny_checkpoint("qwen3", directory, vocab_size=512, eos_token_id=2)
+    build_tokenizer(512, seed=5, max_length=512).save_pretrained(directory)
+    return load_model(directory)
+
+
+def requests(sampling: dict, n: int = 1, max_tokens: int = 200) -> list[Request]:
+    return [Request(f"{kind}-{i}", prompt=prompt,
+                    sampling=SamplingParams(max_tokens=max_tokens, n=n, seed=i, structured_outputs=spec, **sampling))
+            for kind, spec in SPECS.items() for i, prompt in enumerate(PROMPTS)]
+
+
+@pytest.mark.parametrize("sampling,n", [({"temperature": 0.0}, 1), ({"temperature": 1.0, "top_p": 0.95}, 2)],
+                         ids=["greedy", "sampled"])
+def test_every_output_follows_its_spec(model, sampling, n):
+    engine = Engine(model, page_size=16)
+    results = engine.generate(requests(sampling, n))
+    for result in results:
+        assert result.error is None, result.error
+        kind = result.request_id.split("-")[0]
+        assert len(result.outputs) == n
+        for out in result.outputs:
+            assert out.finish_reason == "stop", (result.request_id, out.text)
+            assert follows(kind, out.text), (result.request_id, out.text)
+            assert out.token_ids[-1] in engine.eos_token_ids  # the grammar ended on the end token
+    assert engine.grammars.compilations == len(SPECS)  # compiled once per spec, shared by every row
+
+
+def test_json_whitespace_is_free_but_capped(model):
+    """Without disable_any_whitespace the JSON may hold whitespace between tokens, at most
+    MAX_JSON_WHITESPACE characters per gap: a random model cannot spend max_tokens on blank lines."""
+    spec = StructuredOutputs(json_object=True)
+    batch = [Request(str(i), prompt=p, sampling=SamplingParams(max_tokens=48, temperature=0.7, seed=i,
+                                                             structured_outputs=spec)) for i, p in enumerate(PROMPTS)]
+    texts = [r.outputs[0] for r in Engine(model, page_size=16).generate(batch)]
+    gaps = [len(m) for out in texts for m in re.findall(r"[ \t\r\n]+", out.text)]
+    assert gaps and max(gaps) <= MAX_JSON_WHITESPACE
+    assert all(out.text.startswith("{") for out in texts)
+    for out in texts:
+        if out.finish_reason == "stop":
+            assert isinstance(json.loads(out.text), dict)
+
+
+def test_grammar_mask_forbids_exactly_what_the_matcher_rejects(model):
+    """The batched mask against a one-token-at-a-time reference: accept each token, roll it back."""
+    engine = Engine(model, page_size=16)
+    vocab = model.model.vocab_size
+    grammars = engine.grammars
+    matchers = [grammars.matcher(StructuredOutputs(json=SCHEMA)), None, grammars.matcher(SPECS["regex"])]
+    for token in model.tokenizer.encode('{"name": "Al', add_special_tokens=False):
+        assert matchers[0].accept_token(token)
+    logits = torch.zeros(3, vocab)
+    mask_logits(logits, matchers)
+    assert bool((logits[1] == 0).all())
+    for row in (0, 2):
+        allowed = []
+        for token in range(vocab):
+            if matchers[row].accept_token(token):
+                matchers[row].rollback(1)
+                allowed.append(token)
+        assert torch.isfinite(logits[row]).nonzero().flatten().tolist() == allowed
+        assert 0 < len(allowed) < vocab
+
+
+def test_greedy_structured_outputs_do_not_depend_on_batch_or_evictions(model):
+    """Each request alone, against all together in a KV budget that forces YIELD and restore."""
+    batch = requests({"temperature": 0.0}, max_tokens=40)
+    single = Engine(model, page_size=16)
+    alone = {r.request_id: single.generate([r])[0].outputs[0].token_ids for r in batch[::4]}
+    engine = Engine(model, page_size=4, kv_budget_bytes=kv_bytes_per_token(model) * 4 * 40, stream_host_kv=True)
+    results = engine.generate(batch)
+    assert all(r.error is None for r in results), results[0].error
+    together = {r.request_id: r.outputs[0].token_ids for r in results}
+    assert engine.metrics()["yields"] > 0
+    assert {k: together[k] for k in alone} == alone
+
+
+def test_prefill_and_decode_engines_give_what_one_engine_gives(model):
+    """Disaggregated: the prefill engine draws the first token under the mask, the decode engine rebuilds
+    the matcher from it; seeded sampling continues with the same tokens."""
+    batch = requests({"temperature": 0.8}, n=2)
+    expected = {r.request_id: [o.token_ids for o in r.outputs] for r in Engine(model, page_size=16).generate(batch)}
+    exported = PrefillExporter(Engine(model, page_size=16)).prefill(batch)
+    decode = Engine(model, page_size=16)
+    for prefilled in exported.outputs:
+        decode.add_prefilled(prefilled)
+    got = {}
+    while decode.has_unfinished():
+        got.update({r.request_id: [o.token_ids for o in r.outputs] for r in decode.step()})
+    assert got == expected
+
+
+def test_bad_specs_fail_their_row_alone(model):
+    choice = SamplingParams(temperature=0, structured_outputs=SPECS["choice"])
+    good = Request("good", prompt=PROMPTS[0], sampling=choice)
+    bad = {
+        "regex": StructuredOutputs(regex="(ab"),
+        "type": StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "strnig"}}}),
+        "rule": StructuredOutputs(grammar="root ::= missing"),
+    }
+    rows = [Request(k, prompt=PROMPTS[1], sampling=SamplingParams(structured_outputs=s)) for k, s in bad.items()]
+    results = {r.request_id: r for r in Engine(model, page_size=16).generate([rows[0], good, *rows[1:]])}
+    assert results["good"].error is None and results["good"].outputs[0].text in CHOICES
+    assert "regex does not compile: Regex parsing error" in results["regex"].error
+    assert 'json does not compile: Unsupported type "strnig"' in results["type"].error
+    assert 'grammar does not compile' in results["rule"].error and '"missing" is not defined' in results["rule"].error
+
+
+@pytest.mark.parametrize("value,message", [
+    ({}, "set exactly one of"), ({"regex": "a", "choice": ["b"]}, "got regex, choice"),
+    ({"json": "{x"}, "'json' is not valid JSON"), ({"choice": []}, "'choice' must be a non-empty list"),
+    ({"regex": "a", "color": 1}, "unknown field 'color'"), ("a+", "expected an object"),
+])
+def test_malformed_specs_are_named(value, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(structured_outputs=value)
+
+
+def test_min_tokens_is_refused_with_structured_outputs():
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_outputs={"regex": "a+"})
+
+
+def test_max_tokens_and_stop_strings_cut_structured_outputs(model):
+    engine = Engine(model, page_size=16)
+    cut = Request("cut", prompt=PROMPTS[0],
+                  sampling=SamplingParams(temperature=0, max_tokens=2, structured_outputs={"regex": "[a-z]{40}"}))
+    stop = Request("stop", prompt=PROMPTS[0],
+                   sampling=SamplingParams(temperature=0, stop=["@"], structured_outputs={"regex": REGEX}))
+    results = {r.request_id: r.outputs[0] for r in engine.generate([cut, stop])}
+    assert results["cut"].finish_reason == "length" and len(results["cut"].token_ids) == 2
+    assert re.fullmatch("[a-z]+", results["cut"].text)
+    assert results["stop"].finish_reason == "stop" and re.fullmatch("[a-z]{2,6}", results["stop"].text)
+
+
+def test_model_without_tokenizer_refuses_structured_rows(model):
+    engine = Engine(model, page_size=16)
+    engine.tokenizer = None
+    result = engine.generate([Request("r", prompt_token_ids=[5, 6], sampling=SamplingParams(
+        structured_outputs={"regex": "a"}))])[0]
+    assert "needs the model's tokenizer" in result.error
+
+
+def test_specs_travel_between_stages_as_an_arrow_struct():
+    params = [SamplingParams(structured_outputs=spec) for spec in SPECS.values()] + [SamplingParams()]
+    columns = sc.tokenized_columns([str(i) for i in range(len(params))], [[1]] * len(params), params)
+    assert [r.sampling for r in sc.requests(pa.table(columns))] == params
+
+
+def test_backend_without_end_token_names_it(model):
+    backend = GrammarBackend(model.tokenizer, model.model.vocab_size, [])
+    with pytest.raises(InvalidRequestError, match="no end-of-sequence token"):
+        backend.compile(SPECS["regex"])
