@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pandas as pd
 import pyarrow as pa
@@ -312,6 +313,49 @@ def test_penalties_and_logit_bias_reach_the_engine(client, engine, loop):
     assert texts == expected
     assert expected[0] == engine.tokenizer.decode([11] * 8, skip_special_tokens=True)
     assert expected[1] != _greedy(loop, [PROMPTS[0]], max_tokens=8)[0].text  # the penalties changed the output
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"enum": ["Ann", "Bo"]}, "age": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+def test_response_format_gives_json_that_follows_the_schema(client, engine, loop):
+    """OpenAI's response_format (json_schema, json_object) on chat lines, vLLM's structured_outputs on
+    completions lines, greedy and seeded; a schema that does not compile fails its line alone."""
+    chat = "/v1/chat/completions"
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    messages = [{"role": "user", "content": p} for p in PROMPTS]
+    lines = [_line(f"s{i}", {"messages": [m], "max_tokens": 200, "temperature": t, "seed": i,
+                             "response_format": schema}, url=chat)
+             for i, (m, t) in enumerate(zip(messages, (0, 0, 1.0, 1.0)))]
+    lines.append(_line("object", {"messages": messages[:1], "max_tokens": 200, "temperature": 0,
+                                  "response_format": {"type": "json_object"}}, url=chat))
+    lines.append(_line("bad-schema", {"messages": messages[:1], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}}, url=chat))
+    lines.append(_line("bad-type", {"messages": messages[:1], "response_format": {"type": "xml"}}, url=chat))
+    batch = _wait(client, _submit(client, lines, endpoint=chat).id)
+    assert _counts(batch) == (7, 5, 2), batch.errors
+    out = {x["custom_id"]: x["response"]["body"]["choices"][0] for x in _read_lines(client, batch.output_file_id)}
+    for i in range(4):
+        assert out[f"s{i}"]["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(out[f"s{i}"]["message"]["content"]), PERSON)
+    reference = _greedy(loop, [_chat_ids(engine, messages[:1])], max_tokens=200,
+                        structured_outputs={"json": PERSON})[0]
+    assert out["s0"]["message"]["content"] == reference.text
+    if out["object"]["finish_reason"] == "stop":
+        assert isinstance(json.loads(out["object"]["message"]["content"]), dict)
+    assert out["object"]["message"]["content"].startswith("{")
+    errors = {x["custom_id"]: x["response"]["body"]["error"]["message"]
+              for x in _read_lines(client, batch.error_file_id)}
+    assert 'does not compile: Unsupported type "strnig"' in errors["bad-schema"]
+    assert "'type' must be 'text', 'json_object' or 'json_schema', got 'xml'" in errors["bad-type"]
+
+    regex = {"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}
+    lines = [_line(f"r{i}", {"prompt": p, "max_tokens": 20, "temperature": 1.0, "seed": i, **regex})
+             for i, p in enumerate(PROMPTS)]
+    batch = _wait(client, _submit(client, lines).id)
+    texts = [x["response"]["body"]["choices"][0]["text"] for x in _read_lines(client, batch.output_file_id)]
+    assert len(texts) == len(PROMPTS) and all(re.fullmatch("[0-9]{3}-[a-z]{2}", t) for t in texts), texts
 
 
 def test_greedy_output_equals_batchgen_run(client, batch_gen):
