@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import ray
@@ -20,8 +22,10 @@ from pipeline_helpers import ENGINE, SAMPLING, engine_outputs, read_output, work
 import batchgen.pipelines.pipeline
 from batchgen.connectors.checkpoint import load_model
 from batchgen.connectors.checkpoint_files import load_tokenizer
+from batchgen.engine import Request, SamplingParams
 from batchgen.engine.reference import ReferenceRunner
 from batchgen.operators import BatchGen, Decode, Prefill
+from batchgen.operators.engine_factory import load_engine
 from batchgen.pipelines.pipeline import JobConfig, run_job
 
 ROWS = 20
@@ -176,3 +180,45 @@ def settled_parts(output: Path) -> dict[str, tuple[int, object]]:
         if now == before:
             return {name: (mtime, pq.read_table(output / name)) for name, mtime in now.items()}
         before = now
+
+
+def test_structured_rows_follow_their_spec_through_map_batches_and_the_split_pipeline(
+        ray_cluster, tiny_moe_dir, prompts, tmp_path):
+    """Per-row `sampling_params.structured_outputs` (a Parquet struct) through map_batches(BatchGen) and the
+    disaggregated job: the same tokens as the engine alone, every output follows its spec, and a schema
+    that does not compile is that row's error."""
+    specs = [{"json": json.dumps({"type": "object", "additionalProperties": False, "required": ["ok", "n"],
+                                  "properties": {"ok": {"type": "boolean"},
+                                                 "n": {"type": "integer", "minimum": 0, "maximum": 9}}}),
+              "disable_any_whitespace": True},
+             {"regex": "[a-z]{3}-[0-9]{2}"}, {"choice": ["red", "green", "blue"]}, None,
+             {"json": json.dumps({"type": "strnig"})}]
+    rows = [{"max_tokens": 60, "seed": i, "temperature": 0.0 if i % 2 else 0.9, "structured_outputs": specs[i % 5]}
+            for i in range(10)]
+    table = pa.table({"id": list(range(10)), "prompt": prompts[:10], "sampling_params": rows})
+    input_dir = tmp_path / "input"
+    input_dir.mkdir()
+    pq.write_table(table, input_dir / "part-0.parquet", row_group_size=3)
+    engine = load_engine(tiny_moe_dir, **ENGINE)
+    results = engine.generate([Request(str(i), prompt=p, sampling=SamplingParams.from_dict(
+        {k: v for k, v in r.items() if v is not None}, SamplingParams.from_dict(SAMPLING)))
+        for i, (p, r) in enumerate(zip(prompts, rows))])
+    expected = [r.outputs[0].token_ids if r.error is None else None for r in results]
+    assert [e is None for e in expected] == [i % 5 == 4 for i in range(10)]
+
+    ds = ray.data.read_parquet(str(input_dir)).map_batches(
+        BatchGen, batch_size=3, batch_format="pyarrow", num_cpus=0.5, compute=ray.data.ActorPoolStrategy(size=1),
+        fn_constructor_kwargs={"model": tiny_moe_dir, "sampling_params": SAMPLING, **ENGINE})
+    mapped = sorted(ds.take_all(), key=lambda r: r["id"])
+    output = str(tmp_path / "out")
+    run_job(JobConfig(model=tiny_moe_dir, input=str(input_dir), output=output, mode="disaggregated",
+                      sampling_params=SAMPLING, engine=ENGINE, batch_size=3, rows_per_block=3))
+    split = read_output(output).to_pylist()
+    for out in (mapped, split):
+        assert [r["id"] for r in out] == list(range(10))
+        assert [None if r["error"] else list(r["generated_token_ids"]) for r in out] == expected
+        assert all("does not compile" in r["error"] for r in out[4::5])
+        texts = [r["generated_text"] for r in out]
+        assert all(isinstance(json.loads(t)["ok"], bool) for t in texts[0::5])
+        assert all(re.fullmatch("[a-z]{3}-[0-9]{2}", t) for t in texts[1::5])
+        assert all(t in ("red", "green", "blue") for t in texts[2::5])
