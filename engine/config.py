@@ -36,6 +36,8 @@ class EngineConfig:
     # prefill micro-batches join the same step's decode micro-batches in one MoE batch (COMBINE), so a
     # refill never stalls decoding; False runs prefill steps apart from decode steps
     mixed_steps: bool = True
+    # prompts sharing whole pages of a prefix reuse those pages' KV instead of prefilling them again
+    prefix_caching: bool = True
     refill_threshold: float = 0.5  # refill prompts when decoding sequences fall under this share
     max_model_len: int | None = None  # None = the checkpoint's context length
     seed: int = 0
@@ -54,8 +56,9 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         _check_int("seed", self.seed, minimum=0)
-        if not isinstance(self.mixed_steps, bool):
-            raise ValueError(f"engine option mixed_steps must be true or false, got {self.mixed_steps!r}")
+        for name in ("mixed_steps", "prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"engine option {name} must be true or false, got {getattr(self, name)!r}")
         if self.stream_host_kv not in (None, True, False):
             raise ValueError(f"engine option stream_host_kv must be true, false or null, got {self.stream_host_kv!r}")
         for name in ("staging_fraction", "refill_threshold"):

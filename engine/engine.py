@@ -56,7 +56,8 @@ class Engine:
         if stream_host is None:
             stream_host = self.device.type != "cpu"
         budget = plan_kv_budget(self.config, spec, loaded.dtype, self.max_model_len, self.device, stream_host)
-        self.kv = KVManager(spec, self.config.page_size, loaded.dtype, budget, self.device, stream_host)
+        self.kv = KVManager(spec, self.config.page_size, loaded.dtype, budget, self.device, stream_host,
+                            self.config.prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv)
         coroutine = self.config.mode == "coroutine"
         limits = MicroBatchLimits(self.config.b_attn if coroutine else _UNBOUNDED,
@@ -131,7 +132,7 @@ class Engine:
             yield from self.step()
 
     def metrics(self) -> dict:
-        return self.stats.summary(self.kv.bytes_moved)
+        return self.stats.summary(self.kv)
 
     @torch.inference_mode()
     def check_prefilled(self, prefilled: PrefillOutput) -> None:
@@ -212,6 +213,8 @@ class Engine:
         self.stats.decoding = decode is not None
         logits = self._timed(self.runner.step, chunks, decode.resident if decode else [],
                              decode.staged_groups if decode else [])
+        for chunk in chunks:  # their pages now hold the KV: index the whole prompt pages for sharers
+            self.kv.cache_prompt(chunk.seq, chunk.end)
         self.stats.decoding = False
         self.stats.prefill_steps += prefill is not None
         self.stats.decode_steps += decode is not None

@@ -3,16 +3,23 @@
 The device pool is bounded by the user's KV budget; the host pool is the overflow where
 YIELDed sequences keep their KV. In coroutine mode a slice of the device budget becomes a
 one-layer staging pool through which host-resident sequences keep decoding (offloaded COMBINE).
+
+With prefix caching, both pools index the whole pages of prompt tokens they hold (engine/page_cache.py):
+a new prompt starts from the pages of its longest cached prefix, a MIGRATE shares the pages the
+target pool already caches instead of copying them, and an n > 1 fork shares its parent's full pages
+and copies only the last, partly filled one (copy on write: every write lands past the shared pages).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
 
 import torch
 
 from batchgen.engine.kv_pool import KVPool, PoolGeometry, copy_pages, slot_mapping
 from batchgen.engine.models.context import KVSpec
+from batchgen.engine.page_cache import ROOT, PageKey
 from batchgen.engine.sequence import KVLocation, Sequence
 
 
@@ -25,19 +32,22 @@ class KVBudget:
 
 class KVManager:
     def __init__(self, spec: KVSpec, page_size: int, dtype: torch.dtype, budget: KVBudget,
-                 device: torch.device, stream_host: bool, reserve_pages: int = 2):
+                 device: torch.device, stream_host: bool, prefix_caching: bool, reserve_pages: int = 2):
         self.geometry = PoolGeometry(spec, page_size, dtype)
         self.page_size = page_size
         self.reserve_pages = reserve_pages
         resident_bytes = budget.device_bytes - budget.staging_bytes
-        self.device = KVPool(self.geometry, self.geometry.pages_in_budget(resident_bytes), device)
+        self.device = KVPool(self.geometry, self.geometry.pages_in_budget(resident_bytes), device,
+                             cache=prefix_caching)
         self.host = KVPool(self.geometry, self.geometry.pages_in_budget(budget.host_bytes),
-                           torch.device("cpu"), pin=True)
+                           torch.device("cpu"), pin=True, cache=prefix_caching)
         stage_geometry = PoolGeometry(KVSpec(1, spec.num_kv_heads, spec.k_dim, spec.v_dim), page_size, dtype)
         self.stage = KVPool(stage_geometry, stage_geometry.pages_in_budget(budget.staging_bytes), device)
         self.stream_host = stream_host  # host-resident KV decodes through `stage` (else on host pages in place)
         self.bytes_moved = 0
         self.migrations = {"to_host": 0, "to_device": 0}
+        self.prefix_query_tokens = 0  # prompt tokens of the prompts looked up in a prefix cache
+        self.prefix_hit_tokens = 0  # of those, tokens whose KV came from cached pages (prefill saved)
 
     @property
     def host_decode_pages(self) -> int:
@@ -58,6 +68,46 @@ class KVManager:
         pages = self.pool(location).allocate(self.pages_needed(num_tokens))
         seq.kv_location = location
         self._set_pages(seq, location, pages)
+
+    def allocate_prompt(self, seq: Sequence, location: KVLocation) -> int:
+        """Pages for a new prompt (and its first generated token): its longest cached prefix shared, the rest
+        allocated. Returns the number of prompt tokens whose KV is already there (`seq.kv_len`). At least
+        the last prompt token is left to compute: its logits give the first generated token."""
+        pool = self.pool(location)
+        cached = []
+        if pool.cache is not None:
+            prompt = seq.prompt_ids
+            cached = pool.cache.match(prompt, self.page_size, (len(prompt) - 1) // self.page_size)
+            pool.share(cached)
+            self.prefix_query_tokens += len(prompt)
+            self.prefix_hit_tokens += len(cached) * self.page_size
+        pages = cached + pool.allocate(self.pages_needed(len(seq.prompt_ids) + 1) - len(cached))
+        seq.kv_location = location
+        self._set_pages(seq, location, pages)
+        seq.kv_len = len(cached) * self.page_size
+        return seq.kv_len
+
+    def next_prompt_page(self, seq: Sequence, location: KVLocation) -> PageKey | None:
+        """The cache key of the first reusable prompt page the pool at `location` does not cache yet (None:
+        no such page, or no cache): two prompts with the same key would compute the same page."""
+        pool = self.pool(location)
+        if pool.cache is None:
+            return None
+        prompt, size = seq.prompt_ids, self.page_size
+        reusable = (len(prompt) - 1) // size
+        cached = pool.cache.match(prompt, size, reusable)
+        if len(cached) == reusable:
+            return None
+        start = len(cached) * size
+        return (cached[-1] if cached else ROOT, tuple(prompt[start : start + size]))
+
+    def cache_prompt(self, seq: Sequence, num_tokens: int) -> None:
+        """Index the whole prompt pages among the first `num_tokens` of the sequence's KV (just written)."""
+        pool = self.pool(seq.kv_location)
+        if pool.cache is not None:
+            size, prompt = self.page_size, seq.prompt_ids
+            whole = min(num_tokens, len(prompt)) // size
+            _register(pool, self.pages_of(seq), [prompt[i * size : (i + 1) * size] for i in range(whole)])
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make room for `num_tokens` KV entries, taking up to `reserve_pages` ahead on the device."""
@@ -85,9 +135,14 @@ class KVManager:
             return 0
         count = self.pages_needed(seq.kv_len)
         src_pages = self.pages_of(seq)
-        dst_pages = self.pool(to).allocate(max(count, 1))
-        moved = copy_pages(self.pool(src_loc), src_pages[:count], self.pool(to), dst_pages[:count])
-        self.pool(src_loc).release(src_pages)
+        src, dst = self.pool(src_loc), self.pool(to)
+        shared = _cached_in(dst, src, src_pages[:count])  # the prefix the target pool already holds
+        dst.share(shared)
+        dst_pages = shared + dst.allocate(max(count, 1) - len(shared))
+        moved = copy_pages(src, src_pages[len(shared) : count], dst, dst_pages[len(shared) : count])
+        if dst.cache is not None:
+            _register(dst, dst_pages, _cached_tokens(src, src_pages[:count]))
+        src.release(src_pages)
         self._set_pages(seq, src_loc, [])
         self._set_pages(seq, to, dst_pages)
         seq.kv_location = to
@@ -96,12 +151,18 @@ class KVManager:
         return moved
 
     def fork(self, parent: Sequence, child: Sequence, location: KVLocation) -> None:
-        """Give an n > 1 sample its own copy of the shared prompt KV."""
+        """An n > 1 sample's prompt KV. Beside its parent it shares the parent's whole pages and gets a copy
+        of the last, partly filled one, where both write next; in the other tier, a copy of every page."""
         count = self.pages_needed(parent.kv_len)
-        self.allocate(child, location, parent.kv_len)
+        src, dst = self.pool(parent.kv_location), self.pool(location)
+        parent_pages = self.pages_of(parent)[:count]
+        shared = parent_pages[: parent.kv_len // self.page_size] if location is parent.kv_location else []
+        dst.share(shared)
+        pages = shared + dst.allocate(count - len(shared))
+        child.kv_location = location
+        self._set_pages(child, location, pages)
         child.kv_len = parent.kv_len
-        self.bytes_moved += copy_pages(self.pool(parent.kv_location), self.pages_of(parent)[:count],
-                                       self.pool(location), self.pages_of(child)[:count])
+        self.bytes_moved += copy_pages(src, parent_pages[len(shared):], dst, pages[len(shared):])
 
     def slots(self, seq: Sequence, start: int, count: int) -> list[int]:
         return slot_mapping(self.pages_of(seq), start, count, self.page_size)
@@ -119,17 +180,27 @@ class KVManager:
                 out.copy_(flat.index_select(1, slots))
 
     def load(self, seq: Sequence, location: KVLocation, packed: torch.Tensor, num_tokens: int) -> None:
-        """Inverse of `export`: place packed KV into freshly allocated pages."""
+        """Inverse of `export`: place packed KV into pages. With prefix caching, the whole prompt pages the
+        pool already caches are shared instead of written, and the new ones are indexed."""
         k, v = self.geometry.packed_views(packed, num_tokens)
-        self.allocate(seq, location, num_tokens)
-        seq.kv_len = num_tokens
         pool = self.pool(location)
-        slots = torch.tensor(self.slots(seq, 0, num_tokens), device=pool.device)
+        cached = []
+        if pool.cache is not None:
+            whole = min(num_tokens, len(seq.prompt_ids)) // self.page_size
+            cached = pool.cache.match(seq.prompt_ids, self.page_size, whole)
+            pool.share(cached)
+        pages = cached + pool.allocate(self.pages_needed(num_tokens) - len(cached))
+        seq.kv_location = location
+        self._set_pages(seq, location, pages)
+        seq.kv_len = num_tokens
+        start = len(cached) * self.page_size
+        slots = torch.tensor(self.slots(seq, start, num_tokens - start), device=pool.device)
         flat_k = pool.k.view(pool.k.shape[0], -1, *pool.k.shape[3:])
         flat_v = pool.v.view(pool.v.shape[0], -1, *pool.v.shape[3:])
-        flat_k[:, slots] = k.to(pool.device)
-        flat_v[:, slots] = v.to(pool.device)
-        self.bytes_moved += packed.numel()
+        flat_k[:, slots] = k[:, start:].to(pool.device)
+        flat_v[:, slots] = v[:, start:].to(pool.device)
+        self.bytes_moved += self.geometry.packed_nbytes(num_tokens - start)
+        self.cache_prompt(seq, num_tokens)
 
     def pages_of(self, seq: Sequence) -> list[int]:
         """The page ids of the tier the sequence's KV is in."""
@@ -141,3 +212,39 @@ class KVManager:
             seq.device_pages = pages
         elif location is KVLocation.HOST:
             seq.host_pages = pages
+
+
+def _cached_tokens(pool: KVPool, pages: list[int]) -> list[tuple[int, ...]]:
+    """The tokens of the leading `pages` that `pool` caches (a sequence's cached prompt pages come first)."""
+    out = []
+    for page in pages:
+        tokens = pool.cache.tokens_of(page) if pool.cache is not None else None
+        if tokens is None:
+            break
+        out.append(tokens)
+    return out
+
+
+def _cached_in(dst: KVPool, src: KVPool, pages: list[int]) -> list[int]:
+    """The pages of `dst` that already hold the cached prefix `pages` of `src` holds (its longest part)."""
+    found: list[int] = []
+    if dst.cache is None:
+        return found
+    parent = ROOT
+    for tokens in _cached_tokens(src, pages):
+        page = dst.cache.lookup(parent, tokens)
+        if page is None:
+            break
+        found.append(page)
+        parent = page
+    return found
+
+
+def _register(pool: KVPool, pages: list[int], page_tokens: list[SequenceT[int]]) -> None:
+    """Index pages[i] as holding page_tokens[i] under pages[i - 1], in order; stops at the first prefix
+    another page already caches (a page under an unindexed parent would be unreachable)."""
+    parent = ROOT
+    for page, tokens in zip(pages, page_tokens):
+        if pool.cache.lookup(parent, tokens) != page and not pool.cache.insert(page, parent, tokens):
+            return
+        parent = page

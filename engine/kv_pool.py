@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.engine.models.context import KVSpec
+from batchgen.engine.page_cache import PageCache
 
 
 class OutOfPagesError(RuntimeError):
@@ -54,9 +55,15 @@ class PoolGeometry:
 
 
 class KVPool:
-    """k/v tensors [L, P, page, Hkv, D] on one device plus a free list of page ids."""
+    """k/v tensors [L, P, page, Hkv, D] on one device, a free list of page ids and each page's holder count.
 
-    def __init__(self, geometry: PoolGeometry, num_pages: int, device: torch.device, pin: bool = False):
+    A page may be held by several sequences (a shared prompt prefix, an n > 1 fork's prompt pages) and
+    is free once none holds it; with a `PageCache`, a freed page that caches a prefix stays readable
+    (idle) until an allocation needs it back.
+    """
+
+    def __init__(self, geometry: PoolGeometry, num_pages: int, device: torch.device, pin: bool = False,
+                 cache: bool = False):
         spec = geometry.spec
         self.geometry = geometry
         self.num_pages = num_pages
@@ -66,18 +73,42 @@ class KVPool:
         self.k = torch.zeros(*shape, spec.k_dim, dtype=geometry.dtype, device=device, pin_memory=pin)
         self.v = torch.zeros(*shape, spec.v_dim, dtype=geometry.dtype, device=device, pin_memory=pin)
         self._free = list(range(num_pages - 1, -1, -1))
+        self.holders = [0] * num_pages
+        self.cache = PageCache() if cache else None
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages an allocation can take: never held, or held no more (idle cached pages included)."""
+        return len(self._free) + (len(self.cache.idle) if self.cache is not None else 0)
 
     def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise OutOfPagesError(f"need {count} pages, {len(self._free)} free of {self.num_pages}")
-        return [self._free.pop() for _ in range(count)]
+        if count > self.free_pages:
+            raise OutOfPagesError(f"need {count} pages, {self.free_pages} free of {self.num_pages}")
+        while len(self._free) < count:
+            self._free.extend(reversed(self.cache.evict()))
+        pages = [self._free.pop() for _ in range(count)]
+        for page in pages:
+            self.holders[page] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """One more holder for each of `pages` (an idle cached page is taken back into use)."""
+        for page in pages:
+            if self.holders[page] == 0:
+                del self.cache.idle[page]
+            self.holders[page] += 1
 
     def release(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        """One holder less for each of `pages`; a page nobody holds is free, or idle if it caches a prefix.
+        Pages go last first, so a prefix's tail is taken back before its head."""
+        for page in reversed(pages):
+            self.holders[page] -= 1
+            if self.holders[page]:
+                continue
+            if self.cache is not None and self.cache.cached(page):
+                self.cache.idle[page] = None
+            else:
+                self._free.append(page)
 
     def nbytes(self, num_pages: int) -> int:
         return num_pages * self.geometry.page_bytes

@@ -78,7 +78,8 @@ class EngineMetrics:
         return {"host_share": host_s / engine_s if engine_s else 0.0,
                 "host_us_per_sequence_step": host_s * 1e6 / self.sequence_steps if self.sequence_steps else 0.0}
 
-    def summary(self, bytes_moved: int) -> dict:
+    def summary(self, kv) -> dict:
+        """Everything recorded, with the KV manager's own counters (`kv`: engine/kv_manager.KVManager)."""
         end = self.last_finished_at or time.perf_counter()
         bct = (end - self.started_at) if self.started_at is not None else 0.0
         return {
@@ -96,7 +97,9 @@ class EngineMetrics:
             "staged_decode_batches": self.staged_decode_batches,
             "yields": self.yields,
             "restores": self.restores,
-            "bytes_moved": bytes_moved,
+            "bytes_moved": kv.bytes_moved,
+            "prefill_tokens_saved": kv.prefix_hit_tokens,  # prompt tokens whose KV came from cached pages
+            "prefix_hit_rate": kv.prefix_hit_tokens / kv.prefix_query_tokens if kv.prefix_query_tokens else 0.0,
             "moe_calls": self.moe_calls,
             "mean_expert_batch": self.expert_tokens_sum / self.moe_calls if self.moe_calls else 0.0,
             "mean_decode_expert_batch": (self.decode_expert_tokens_sum / self.decode_moe_calls

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_manager import KVManager
+from batchgen.engine.page_cache import PageKey
 from batchgen.engine.sampling_params import InvalidRequestError
 from batchgen.engine.sequence import KVLocation, Phase, Sequence
 
@@ -139,39 +140,42 @@ class Scheduler:
             location = seq.kv_location
             room -= seq.sampling.n
             self.prefilling = None if chunks[0].completes else seq
-        new: list[Sequence] = []
         tokens = sum(c.end - c.start for c in chunks)
-        pages = samples_total = 0
-        for seq in self.waiting if self.prefilling is None else ():
+        samples_total = 0
+        computing: set[PageKey] = set()  # the first prefix page each prompt of this step computes
+        while self.waiting and self.prefilling is None:
+            seq = self.waiting[0]
             samples = seq.sampling.n
             if tokens >= budget or (chunks and samples > room):
                 break
             if not chunks and samples > room and self.num_decoding() > 0:
                 break
-            seq_pages = self.kv.pages_needed(len(seq.prompt_ids) + 1) * samples
-            where = self._prefill_location(pages + seq_pages, samples_total + samples)
+            pages = self.kv.pages_needed(len(seq.prompt_ids) + 1) * samples
+            where = self._prefill_location(pages, samples_total + samples)
             if where is None or (location is not None and where is not location):
                 break
+            next_page = self.kv.next_prompt_page(seq, where)
+            if next_page in computing:
+                break  # a prompt of this step computes its next prefix page: from the next step it is cached
+            if next_page is not None:
+                computing.add(next_page)
+            self.waiting.popleft()
             location = where
-            new.append(seq)
-            chunks.append(PrefillChunk(seq, 0, min(len(seq.prompt_ids), budget - tokens)))
-            tokens += chunks[-1].end
-            pages += seq_pages
+            start = self.kv.allocate_prompt(seq, where)  # past its cached prefix
+            seq.phase = Phase.PREFILL
+            chunks.append(PrefillChunk(seq, start, min(len(seq.prompt_ids), start + budget - tokens)))
+            tokens += chunks[-1].end - start
             samples_total += samples
             room -= samples
             if not chunks[-1].completes:
                 self.prefilling = seq
-                break
         if not chunks:
             return None
-        for seq in new:
-            self.waiting.popleft()
-            self.kv.allocate(seq, location, len(seq.prompt_ids) + 1)
-            seq.phase = Phase.PREFILL
         return PrefillPlan(chunks, location)
 
     def _prefill_location(self, pages: int, samples: int) -> KVLocation | None:
-        """Where a prefill batch needing `pages` for its `samples` sequences can go, if anywhere."""
+        """Where a prompt needing `pages` can go, if anywhere, beside the step's other prompts (already
+        allocated; `samples` sequences in all, this one's included)."""
         reserve = self.kv.reserve_pages * samples if self.running else 0
         if pages + reserve <= self.kv.device.free_pages:
             return KVLocation.DEVICE

@@ -18,10 +18,12 @@ PAGE = 4
 PAGE_BYTES = SPEC.num_layers * PAGE * (SPEC.k_dim + SPEC.v_dim) * 4
 
 
-def manager(device_pages: int, host_pages: int = 64, stage_pages: int = 0, reserve: int = 0) -> KVManager:
+def manager(device_pages: int, host_pages: int = 64, stage_pages: int = 0, reserve: int = 0,
+            prefix_caching: bool = False) -> KVManager:
     budget = KVBudget(device_bytes=(device_pages * PAGE_BYTES + stage_pages * PAGE_BYTES // SPEC.num_layers),
                       host_bytes=host_pages * PAGE_BYTES, staging_bytes=stage_pages * PAGE_BYTES // SPEC.num_layers)
-    return KVManager(SPEC, PAGE, torch.float32, budget, torch.device("cpu"), stream_host=True, reserve_pages=reserve)
+    return KVManager(SPEC, PAGE, torch.float32, budget, torch.device("cpu"), stream_host=True,
+                     prefix_caching=prefix_caching, reserve_pages=reserve)
 
 
 def sequence(seq_id: int, prompt_len: int = 3, generated: int = 0) -> Sequence:
