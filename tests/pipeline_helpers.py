@@ -54,3 +54,9 @@ def engine_outputs(model: str, prompts: list[str], sampling: dict = SAMPLING) ->
     results = engine.generate([Request(str(i), prompt=p, sampling=params) for i, p in enumerate(prompts)])
     assert all(r.error is None for r in results)
     return [r.outputs[0].token_ids for r in results]
+
+
+def stop_string(text: str) -> str:
+    """Two characters from the second half of a generated `text` (none of them a replacement character
+    of a partly decoded byte sequence): a stop string that cuts that text part-way."""
+    return next(text[i : i + 2] for i in range(len(text) // 2, len(text) - 1) if "\ufffd" not in text[i : i + 2])

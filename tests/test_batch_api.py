@@ -28,6 +28,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 import uvicorn
+from pipeline_helpers import stop_string
 
 from batchgen.engine import Completion, Engine, EngineLoop, Request, SamplingParams
 from batchgen.operators import BatchGen
@@ -263,7 +264,7 @@ def test_completions_batch_matches_engine(client, engine, loop):
              for i, p in enumerate(PROMPTS)]
     lines.append(_line("tokens", {"prompt": token_prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2}))
     expected = _greedy(loop, [*PROMPTS, token_prompt], max_tokens=6)
-    stop_word = expected[0].text.split()[2]
+    stop_word = stop_string(expected[0].text)
     lines.append(_line("stop", {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "stop": [stop_word]}))
     created = _submit(client, lines, metadata={"job": "nightly"})
     assert created.status == "validating" and created.metadata == {"job": "nightly"}
