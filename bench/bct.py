@@ -284,6 +284,18 @@ def reference_probe(hf_model, prompts: list[list[int]]) -> Probe:
     return probe
 
 
+def lazy_reference_probe(model_dir: str, prompts: list[list[int]]) -> Probe:
+    """reference_probe over the transformers model, loaded on the first divergence only."""
+    probe: list[Probe] = []
+
+    def lazy(prompt: int, generated: list[int]):
+        if not probe:
+            probe.append(reference_probe(load_systems(model_dir, torch.device("cpu"), "float32")[1], prompts))
+        return probe[0](prompt, generated)
+
+    return lazy
+
+
 @dataclass
 class MatchReport:
     exact: int

@@ -56,9 +56,8 @@ from bct import (
     all_contexts_bytes,
     compare,
     engine_config,
-    load_systems,
+    lazy_reference_probe,
     make_workload,
-    reference_probe,
     run_engine,
 )
 from process_account import ProcessAccount, cpu_text
@@ -193,19 +192,6 @@ def pipeline_summary(run: PipelineRun, engine_bct: float, output_tokens: int, re
     }
 
 
-def lazy_reference_probe(model_dir: str, workload: Workload) -> Probe:
-    """bct.reference_probe over the transformers model, loaded on the first divergence only."""
-    probe: list[Probe] = []
-
-    def lazy(prompt: int, generated: list[int]):
-        if not probe:
-            probe.append(reference_probe(load_systems(model_dir, torch.device("cpu"), "float32")[1],
-                                         workload.prompts))
-        return probe[0](prompt, generated)
-
-    return lazy
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -278,7 +264,7 @@ def run(args: argparse.Namespace, workdir: Path, log) -> dict:
     progress_bars = data_context.enable_progress_bars  # process-wide: put back for whoever runs next
     data_context.enable_progress_bars = False
     pipelines = {}
-    probe = lazy_reference_probe(model_dir, workload)
+    probe = lazy_reference_probe(model_dir, workload.prompts)
     try:
         for mode in SHAPES:
             result = run_pipeline(mode, model_dir, input_path, workdir / f"out-{mode}",

@@ -7,7 +7,11 @@ long system prompt or few-shot block) plus a unique suffix of 16-64 tokens, `--m
 output tokens each (ignore_eos). The same requests run in two fresh engines, prefix caching off then
 on, with the same KV budget. JSON keys: `bct_s.cached`, `bct_s.uncached`, `speedup` (uncached /
 cached; goal at least 3), `prefill_tokens_saved`, `prefix_hit_rate`, `prompt_tokens` (computed, per
-run), `outputs_match` (every token equal). With --json the last line printed is one JSON object.
+run), `outputs_match` (every token equal), and `match`: for each output that differs, the transformers
+model judges the first difference as in bench/bct.py (a near-tie of its logits or of its routing
+anywhere in the prefix, where float rounding that depends on the batch picks either way:
+`match.ties`; `match.all_match` when every difference is such a tie). With --json the last line
+printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import random
 import time
 
 import torch
+from bct import ROUTING_TIE_GAP, TIE_GAP, compare, lazy_reference_probe
 
 from batchgen.connectors.checkpoint import load_model
+from batchgen.connectors.presets import resolve_preset
 from batchgen.engine import Engine, Request, SamplingParams
 
 ENGINE = {"kv_budget_bytes": 3 << 30, "host_kv_budget_bytes": 3 << 30}
@@ -59,6 +65,8 @@ def main() -> None:
     for mode, caching in (("uncached", False), ("cached", True)):
         walls[mode], outputs[mode], metrics[mode] = run(loaded, batch, caching)
         print(f"{mode}: {walls[mode]:.1f} s, {metrics[mode]['prompt_tokens']} prompt tokens computed", flush=True)
+    probe = lazy_reference_probe(resolve_preset(args.model) or args.model, [r.prompt_token_ids for r in batch])
+    match = compare(outputs["uncached"], outputs["cached"], probe, TIE_GAP["float32"], ROUTING_TIE_GAP["float32"])
     report = {
         "workload": {"model": args.model, "prompts": args.prompts, "prefix_len": args.prefix_len,
                      "suffix_len": "16-64", "max_tokens": args.max_tokens, "engine": ENGINE},
@@ -68,12 +76,15 @@ def main() -> None:
         "prefix_hit_rate": metrics["cached"]["prefix_hit_rate"],
         "prompt_tokens": {mode: m["prompt_tokens"] for mode, m in metrics.items()},
         "outputs_match": outputs["cached"] == outputs["uncached"],
+        "match": {"exact": match.exact, "total": match.total, "ties": match.ties, "all_match": match.all_match,
+                  "divergences": match.divergences},
         "machine": {"torch_threads": torch.get_num_threads(), "load_avg_start": load_start,
                     "load_avg_end": os.getloadavg()[0]},
     }
     print(f"BCT {walls['uncached']:.1f} s -> {walls['cached']:.1f} s with prefix caching "
           f"({report['speedup']:.2f}x); {report['prefill_tokens_saved']} prompt tokens saved "
-          f"(hit rate {report['prefix_hit_rate']:.1%}); outputs match: {report['outputs_match']}", flush=True)
+          f"(hit rate {report['prefix_hit_rate']:.1%}); outputs identical {match.exact}/{match.total}, the other "
+          f"{match.total - match.exact} near-ties: {match.ties}", flush=True)
     if args.json:
         print(json.dumps(report))
 

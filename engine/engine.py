@@ -39,6 +39,9 @@ class _RequestState:
     request: Request
     samples: list[Sequence] = field(default_factory=list)
     pending: int = 0
+    # an adopted prompt whose carried prefix was not in the page cache: prefilled here again, its samples
+    # keep the first tokens the prefill engine drew
+    prefilled: PrefillOutput | None = None
 
 
 class Engine:
@@ -141,7 +144,7 @@ class Engine:
         if prefilled.request.request_id in self._requests:
             raise InvalidRequestError(f"duplicate request_id {prefilled.request.request_id!r}")
         try:
-            self.kv.geometry.packed_views(prefilled.kv, prefilled.num_tokens)
+            self.kv.geometry.packed_views(prefilled.kv, prefilled.num_tokens - prefilled.kv_start)
         except ValueError as exc:
             raise InvalidRequestError(f"the prefilled KV does not fit this decode engine (prefill and decode "
                                       f"engines must run the same model and KV dtype): {exc}") from None
@@ -152,18 +155,25 @@ class Engine:
 
     def add_prefilled(self, prefilled: PrefillOutput) -> None:
         """Adopt a prompt prefilled elsewhere (checked with check_prefilled): place its KV, then decode its
-        samples like any other."""
+        samples like any other. A prompt whose KV leaves out a prefix (`kv_start`) takes it from the page
+        cache, where the batch's earlier prompt carrying it left it; if that prompt went elsewhere (a
+        batch split between engines), this engine prefills the prompt itself and keeps the first tokens."""
         self.check_prefilled(prefilled)
         self.stats.mark_start()
         request = prefilled.request
         state = _RequestState(request, pending=request.sampling.n)
         self._requests[request.request_id] = state
+        location = self.scheduler.import_location(prefilled.num_tokens)
         for index, logprob in enumerate(prefilled.first_logprobs):
             seq = self.new_sequence(request, index, list(request.prompt_token_ids), prefilled.submitted_at)
+            if not self.kv.load(seq, location, prefilled.kv, prefilled.num_tokens, prefilled.kv_start):
+                state.prefilled = prefilled  # only the first sample can miss: later ones find its pages
+                state.samples.append(seq)
+                self.scheduler.admit(seq)
+                self.stats.handoff_prefills += 1
+                return
             seq.first_scheduled_at = time.perf_counter()
             seq.logprobs = None if logprob is None else [logprob]
-            self.kv.load(seq, self.scheduler.import_location(prefilled.num_tokens), prefilled.kv,
-                         prefilled.num_tokens)
             state.samples.append(seq)
         for seq in list(state.samples):
             self._continue_or_finish(seq, prefilled.first_token_ids[seq.sample_index])
@@ -233,9 +243,15 @@ class Engine:
                 child.first_scheduled_at = parent.first_scheduled_at
                 self.kv.fork(parent, child, self.scheduler.fork_location(parent, plan.location))
                 state.samples.append(child)
+            if state.prefilled is not None:  # prefilled again here: the first tokens were drawn already
+                for seq in state.samples:
+                    logprob = state.prefilled.first_logprobs[seq.sample_index]
+                    seq.logprobs = None if logprob is None else [logprob]
+                    self._continue_or_finish(seq, state.prefilled.first_token_ids[seq.sample_index])
+                continue
             rows.extend([row] * len(state.samples))
             seqs.extend(state.samples)
-        tokens = sample_next_tokens(logits[rows], seqs, self.generator)
+        tokens = sample_next_tokens(logits[rows], seqs, self.generator) if seqs else []
         for seq, token in zip(seqs, tokens):
             self._continue_or_finish(seq, token)
 

@@ -87,19 +87,23 @@ class KVManager:
         seq.kv_len = len(cached) * self.page_size
         return seq.kv_len
 
-    def next_prompt_page(self, seq: Sequence, location: KVLocation) -> PageKey | None:
-        """The cache key of the first reusable prompt page the pool at `location` does not cache yet (None:
-        no such page, or no cache): two prompts with the same key would compute the same page."""
+    @property
+    def caches_prefixes(self) -> bool:
+        return self.device.cache is not None
+
+    def prefix_state(self, seq: Sequence, location: KVLocation) -> tuple[int, PageKey | None]:
+        """(how many of the prompt's pages the pool at `location` caches, the cache key of its first reusable
+        page not cached yet, None if none): two prompts with the same key would compute the same page."""
         pool = self.pool(location)
         if pool.cache is None:
-            return None
+            return 0, None
         prompt, size = seq.prompt_ids, self.page_size
         reusable = (len(prompt) - 1) // size
         cached = pool.cache.match(prompt, size, reusable)
         if len(cached) == reusable:
-            return None
+            return len(cached), None
         start = len(cached) * size
-        return (cached[-1] if cached else ROOT, tuple(prompt[start : start + size]))
+        return len(cached), (cached[-1] if cached else ROOT, tuple(prompt[start : start + size]))
 
     def cache_prompt(self, seq: Sequence, num_tokens: int) -> None:
         """Index the whole prompt pages among the first `num_tokens` of the sequence's KV (just written)."""
@@ -167,40 +171,47 @@ class KVManager:
     def slots(self, seq: Sequence, start: int, count: int) -> list[int]:
         return slot_mapping(self.pages_of(seq), start, count, self.page_size)
 
-    def export(self, seq: Sequence, packed: torch.Tensor) -> None:
-        """Write the sequence's KV into `packed` (a uint8 host buffer of geometry.packed_nbytes(kv_len)
-        bytes) for the prefill/decode split: one gather from the pages, the hand-off's one host copy."""
+    def export(self, seq: Sequence, packed: torch.Tensor, start: int = 0) -> None:
+        """Write the KV of the sequence's tokens [start, kv_len) into `packed` (a uint8 host buffer of
+        geometry.packed_nbytes(kv_len - start) bytes) for the prefill/decode split: one gather from the
+        pages, the hand-off's one host copy."""
         pool = self.pool(seq.kv_location)
-        slots = torch.tensor(self.slots(seq, 0, seq.kv_len), device=pool.device)
-        for pages, out in zip((pool.k, pool.v), self.geometry.packed_views(packed, seq.kv_len)):
+        slots = torch.tensor(self.slots(seq, start, seq.kv_len - start), device=pool.device)
+        for pages, out in zip((pool.k, pool.v), self.geometry.packed_views(packed, seq.kv_len - start)):
             flat = pages.view(pages.shape[0], -1, *pages.shape[3:])
             if flat.device == out.device:
                 torch.index_select(flat, 1, slots, out=out)
             else:
                 out.copy_(flat.index_select(1, slots))
 
-    def load(self, seq: Sequence, location: KVLocation, packed: torch.Tensor, num_tokens: int) -> None:
-        """Inverse of `export`: place packed KV into pages. With prefix caching, the whole prompt pages the
-        pool already caches are shared instead of written, and the new ones are indexed."""
-        k, v = self.geometry.packed_views(packed, num_tokens)
+    def load(self, seq: Sequence, location: KVLocation, packed: torch.Tensor, num_tokens: int,
+             start: int = 0) -> bool:
+        """Inverse of `export`: place the packed KV of tokens [start, num_tokens) into pages, the tokens
+        before `start` coming from whole prompt pages the pool caches. With prefix caching, every cached
+        prompt page is shared instead of written, and the new ones are indexed. False, with nothing
+        changed, when the pool does not cache the pages before `start`."""
         pool = self.pool(location)
         cached = []
         if pool.cache is not None:
             whole = min(num_tokens, len(seq.prompt_ids)) // self.page_size
             cached = pool.cache.match(seq.prompt_ids, self.page_size, whole)
-            pool.share(cached)
+        written = len(cached) * self.page_size  # the first token to write
+        if written < start:
+            return False
+        k, v = self.geometry.packed_views(packed, num_tokens - start)
+        pool.share(cached)
         pages = cached + pool.allocate(self.pages_needed(num_tokens) - len(cached))
         seq.kv_location = location
         self._set_pages(seq, location, pages)
         seq.kv_len = num_tokens
-        start = len(cached) * self.page_size
-        slots = torch.tensor(self.slots(seq, start, num_tokens - start), device=pool.device)
+        slots = torch.tensor(self.slots(seq, written, num_tokens - written), device=pool.device)
         flat_k = pool.k.view(pool.k.shape[0], -1, *pool.k.shape[3:])
         flat_v = pool.v.view(pool.v.shape[0], -1, *pool.v.shape[3:])
-        flat_k[:, slots] = k[:, start:].to(pool.device)
-        flat_v[:, slots] = v[:, start:].to(pool.device)
-        self.bytes_moved += self.geometry.packed_nbytes(num_tokens - start)
+        flat_k[:, slots] = k[:, written - start :].to(pool.device)
+        flat_v[:, slots] = v[:, written - start :].to(pool.device)
+        self.bytes_moved += self.geometry.packed_nbytes(num_tokens - written)
         self.cache_prompt(seq, num_tokens)
+        return True
 
     def pages_of(self, seq: Sequence) -> list[int]:
         """The page ids of the tier the sequence's KV is in."""

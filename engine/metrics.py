@@ -24,6 +24,7 @@ class EngineMetrics:
     decode_steps: int = 0
     mixed_steps: int = 0  # prefill and decode COMBINE-d in one forward
     chunked_prefills: int = 0  # prompt chunks that left the rest of their prompt for a later step
+    handoff_prefills: int = 0  # adopted prompts prefilled again: their carried prefix was not cached here
     staged_decode_batches: int = 0  # decode micro-batches over host-resident KV (offloaded COMBINE)
     yields: int = 0
     restores: int = 0
@@ -94,6 +95,7 @@ class EngineMetrics:
             "decode_steps": self.decode_steps,
             "mixed_steps": self.mixed_steps,
             "chunked_prefills": self.chunked_prefills,
+            "handoff_prefills": self.handoff_prefills,
             "staged_decode_batches": self.staged_decode_batches,
             "yields": self.yields,
             "restores": self.restores,

@@ -2,7 +2,10 @@
 
 Each prompt is prefilled in the engine's pages, its samples' first tokens are drawn from the last
 position's logits, and its KV is gathered from the pages straight into the batch's one host buffer
-(its slice becomes the `PrefillOutput`'s `kv`) and freed: nothing decodes here.
+(its slice becomes the `PrefillOutput`'s `kv`) and freed: nothing decodes here. With prefix caching,
+the whole prompt pages an earlier prompt of the batch already carries are left out of a prompt's
+slice (`kv_start`): the decode engine finds them in its own page cache, having adopted that earlier
+prompt first.
 The engine's scheduler still plans the prefill batches (token budget, KV room).
 """
 
@@ -43,11 +46,13 @@ class PrefillExporter:
                 continue
             admitted.append(engine.new_sequence(request, 0, ids, submitted))
         geometry = engine.kv.geometry
-        buffer = torch.empty(sum(geometry.packed_nbytes(len(s.prompt_ids)) for s in admitted), dtype=torch.uint8)
+        starts = _carried_prefixes([s.prompt_ids for s in admitted], engine.kv.page_size,
+                                   engine.kv.caches_prefixes)
+        sizes = [geometry.packed_nbytes(len(s.prompt_ids) - start) for s, start in zip(admitted, starts)]
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
         slices, offset = {}, 0
-        for seq in admitted:  # request order, as the batch's KV leaves
-            size = geometry.packed_nbytes(len(seq.prompt_ids))
-            slices[seq.request_id] = buffer[offset : offset + size]
+        for seq, start, size in zip(admitted, starts, sizes):  # request order, as the batch's KV leaves
+            slices[seq.request_id] = (start, buffer[offset : offset + size])
             offset += size
             scheduler.admit(seq)
         by_id = {r.request_id: r for r in requests}
@@ -60,7 +65,7 @@ class PrefillExporter:
         return PrefillBatch([out[r.request_id] for r in requests], buffer)
 
     def _export(self, plan: PrefillPlan, by_id: dict[str, Request],
-                slices: dict[str, torch.Tensor]) -> list[PrefillOutput]:
+                slices: dict[str, tuple[int, torch.Tensor]]) -> list[PrefillOutput]:
         engine = self.engine
         logits = engine.prefill_logits(plan)
         rows, samples = [], []
@@ -73,13 +78,29 @@ class PrefillExporter:
         out, cursor = [], 0
         for prompt in plan.completed:
             n = prompt.sampling.n
-            engine.kv.export(prompt, slices[prompt.request_id])
+            start, packed = slices[prompt.request_id]
+            engine.kv.export(prompt, packed, start)
             engine.scheduler.remove(prompt)
             drawn = samples[cursor : cursor + n]
             out.append(PrefillOutput(
                 request=Request(prompt.request_id, prompt.prompt_ids, sampling=prompt.sampling),
-                kv=slices[prompt.request_id], first_token_ids=tokens[cursor : cursor + n],
+                kv=packed, first_token_ids=tokens[cursor : cursor + n],
                 first_logprobs=[s.logprobs[0] if s.logprobs else None for s in drawn],
-                submitted_at=prompt.submitted_at))
+                submitted_at=prompt.submitted_at, kv_start=start))
             cursor += n
         return out
+
+
+def _carried_prefixes(prompts: list[list[int]], page_size: int, enabled: bool) -> list[int]:
+    """Per prompt, how many leading tokens an earlier prompt of the list carries: its longest run of whole
+    pages equal to an earlier prompt's (0 for all when `enabled` is false)."""
+    seen: set[tuple[int, ...]] = set()  # every whole-page prefix of the prompts so far
+    starts = []
+    for prompt in prompts:
+        whole = len(prompt) // page_size if enabled else 0
+        shared = 0
+        while shared < whole and tuple(prompt[: (shared + 1) * page_size]) in seen:
+            shared += 1
+        starts.append(shared * page_size)
+        seen.update(tuple(prompt[: (i + 1) * page_size]) for i in range(shared, whole))
+    return starts

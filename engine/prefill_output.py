@@ -18,6 +18,9 @@ class PrefillOutput:
     first_token_ids: list[int]  # one per sample
     first_logprobs: list[TokenLogprob | None]
     submitted_at: float
+    # `kv` holds prompt tokens [kv_start, num_tokens): the earlier ones are whole prefix pages an earlier
+    # output of the same batch carries, so a shared prefix crosses to the decode engine once per batch
+    kv_start: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,7 @@ Two policies share the same queues and KV manager:
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -24,6 +25,8 @@ from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.page_cache import PageKey
 from batchgen.engine.sampling_params import InvalidRequestError
 from batchgen.engine.sequence import KVLocation, Phase, Sequence
+
+PREFIX_WINDOW = 32  # how far into the waiting queue admission looks for prompts with a cached prefix
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class Scheduler:
         self.suspended: dict[int, Sequence] = {}  # KV in host pages, FIFO
         self.prefilling: Sequence | None = None  # a prompt part-way through chunked prefill
         self._refilling = True
+        self._head = (-1, 0)  # (the waiting head's seq_id, how often a later prompt went before it)
         self.yields = 0
         self.restores = 0
 
@@ -144,7 +148,9 @@ class Scheduler:
         samples_total = 0
         computing: set[PageKey] = set()  # the first prefix page each prompt of this step computes
         while self.waiting and self.prefilling is None:
-            seq = self.waiting[0]
+            seq = self._next_prompt(computing, location or KVLocation.DEVICE)
+            if seq is None:
+                break  # every candidate's next prefix page is being computed: they start next step, cached
             samples = seq.sampling.n
             if tokens >= budget or (chunks and samples > room):
                 break
@@ -154,12 +160,12 @@ class Scheduler:
             where = self._prefill_location(pages, samples_total + samples)
             if where is None or (location is not None and where is not location):
                 break
-            next_page = self.kv.next_prompt_page(seq, where)
+            _, next_page = self.kv.prefix_state(seq, where)
             if next_page in computing:
-                break  # a prompt of this step computes its next prefix page: from the next step it is cached
+                break
             if next_page is not None:
                 computing.add(next_page)
-            self.waiting.popleft()
+            self._take(seq)
             location = where
             start = self.kv.allocate_prompt(seq, where)  # past its cached prefix
             seq.phase = Phase.PREFILL
@@ -172,6 +178,36 @@ class Scheduler:
         if not chunks:
             return None
         return PrefillPlan(chunks, location)
+
+    def _next_prompt(self, computing: set[PageKey], location: KVLocation) -> Sequence | None:
+        """The waiting prompt to prefill next. FIFO without prefix caching; with it, of the first
+        PREFIX_WINDOW prompts the one whose cached prefix is longest (the earliest on ties), so sharers run
+        while their prefix is resident, skipping any whose next prefix page a prompt of this step
+        computes. The head is passed over at most PREFIX_WINDOW times. None: every candidate waits."""
+        head = self.waiting[0]
+        if not self.kv.caches_prefixes:
+            return head
+        if head.seq_id != self._head[0]:
+            self._head = (head.seq_id, 0)
+        best, best_pages = None, -1
+        for seq in itertools.islice(self.waiting, PREFIX_WINDOW):
+            cached_pages, next_page = self.kv.prefix_state(seq, location)
+            if next_page in computing:
+                continue
+            if seq is head and self._head[1] >= PREFIX_WINDOW:
+                return head
+            if cached_pages > best_pages:
+                best, best_pages = seq, cached_pages
+        if best is not None and best is not head:
+            self._head = (head.seq_id, self._head[1] + 1)
+        return best
+
+    def _take(self, seq: Sequence) -> None:
+        """Out of the waiting queue (near its front: the prompt came from `_next_prompt`'s window)."""
+        if seq is self.waiting[0]:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(seq)
 
     def _prefill_location(self, pages: int, samples: int) -> KVLocation | None:
         """Where a prompt needing `pages` can go, if anywhere, beside the step's other prompts (already

@@ -2,7 +2,8 @@
 
 Each value travels once, in an Arrow type of its own: the request id and prompt ids from tokenize,
 the resolved sampling params as a struct, and from prefill the prompt's KV as one binary value per
-row laid over the prefill batch's single host buffer (no copy here; Ray writes the block into its
+row (past the prefix pages an earlier row of the batch carries: a shared prefix travels once a batch)
+laid over the prefill batch's single host buffer (no copy here; Ray writes the block into its
 object store when the task returns, and the decode stage reads it back without a copy). The KV rides
 in the block, so it lives exactly as long as the block: the driver owns a task's output blocks, so
 it outlives the prefill actor, and Ray recomputes a lost block from its lineage.
@@ -34,6 +35,7 @@ REQUEST_ID = "__batchgen_request_id"  # string: the engines' id for the row
 PROMPT_IDS = "__batchgen_prompt_ids"  # list<int64>: the prompt as the engine sees it
 SAMPLING = "__batchgen_sampling"  # struct: the row's resolved SamplingParams
 KV = "__batchgen_kv"  # large_binary: the prompt's packed KV (empty where the row has an error)
+KV_START = "__batchgen_kv_start"  # int64: the first prompt token in KV (the prefix before it: an earlier row's)
 FIRST_TOKENS = "__batchgen_first_tokens"  # list<int64>: each sample's first token
 FIRST_LOGPROBS = "__batchgen_first_logprobs"  # list<struct>: each sample's first logprob entry, or null
 SUBMITTED_AT = "__batchgen_submitted_at"  # float64: when the prefill engine admitted the row
@@ -54,7 +56,7 @@ SAMPLING_TYPE = _struct_of(SamplingParams)
 LOGPROB_TYPE = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64()),
                           ("top", pa.map_(pa.int64(), pa.float64()))])
 
-ALL = (REQUEST_ID, PROMPT_IDS, SAMPLING, KV, FIRST_TOKENS, FIRST_LOGPROBS, SUBMITTED_AT)
+ALL = (REQUEST_ID, PROMPT_IDS, SAMPLING, KV, KV_START, FIRST_TOKENS, FIRST_LOGPROBS, SUBMITTED_AT)
 
 
 def tokenized_columns(request_ids: list[str | None], prompt_ids: list[list[int] | None],
@@ -83,6 +85,7 @@ def prefill_columns(outputs: list[PrefillOutput | None], batch: PrefillBatch) ->
                                [None, pa.py_buffer(offsets), pa.py_buffer(batch.kv_buffer.numpy())])
     return {
         KV: kv,
+        KV_START: pa.array([None if o is None else o.kv_start for o in outputs], pa.int64()),
         FIRST_TOKENS: pa.array([None if o is None else o.first_token_ids for o in outputs], pa.list_(pa.int64())),
         FIRST_LOGPROBS: pa.array([None if o is None else [None if lp is None else dataclasses.asdict(lp)
                                                           for lp in o.first_logprobs] for o in outputs],
@@ -97,13 +100,13 @@ def prefilled(block: Block) -> list[PrefillOutput | None]:
 
     kv = _binary_views(arrow_column(block, KV))
     out: list[PrefillOutput | None] = []
-    for request, packed, first, logprobs, submitted in zip(
-            requests(block), kv, column_values(block, FIRST_TOKENS), column_values(block, FIRST_LOGPROBS),
-            column_values(block, SUBMITTED_AT)):
+    for request, packed, start, first, logprobs, submitted in zip(
+            requests(block), kv, column_values(block, KV_START), column_values(block, FIRST_TOKENS),
+            column_values(block, FIRST_LOGPROBS), column_values(block, SUBMITTED_AT)):
         if request is None or first is None:
             out.append(None)
             continue
-        out.append(PrefillOutput(request, packed, first, [_logprob(lp) for lp in logprobs], submitted))
+        out.append(PrefillOutput(request, packed, first, [_logprob(lp) for lp in logprobs], submitted, start))
     return out
 
 

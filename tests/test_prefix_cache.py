@@ -12,8 +12,10 @@ from tiny_models import kv_bytes_per_token
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, PrefillExporter, Request, SamplingParams
+from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_pool import OutOfPagesError
 from batchgen.engine.page_cache import ROOT, PageCache
+from batchgen.engine.scheduler import PREFIX_WINDOW, Scheduler
 from batchgen.engine.sequence import KVLocation
 
 
@@ -70,8 +72,8 @@ def test_allocation_takes_idle_pages_least_recently_used_first():
         kv.free(seq)
     assert len(kv.device.cache.idle) == 2
     kv.device.allocate(3)  # two free pages, then the oldest idle one: the first prompt's
-    assert kv.next_prompt_page(sequence(2, prompt_len=5), KVLocation.DEVICE) is not None
-    assert kv.next_prompt_page(second, KVLocation.DEVICE) is None  # still cached
+    assert kv.prefix_state(sequence(2, prompt_len=5), KVLocation.DEVICE) == (0, (ROOT, (1, 1, 1, 1)))
+    assert kv.prefix_state(second, KVLocation.DEVICE) == (1, None)  # still cached
 
 
 def test_fork_shares_whole_pages_and_copies_the_page_both_write_next():
@@ -166,18 +168,60 @@ def test_sharers_wait_one_step_for_a_prefix_being_prefilled(demo):
     assert engine.metrics()["prefill_tokens_saved"] == cacheable * (len(batch) - 2)
 
 
-def test_split_stages_reuse_the_prefix_on_both_sides(demo):
-    batch = shared_prefix_requests(demo.model.vocab_size)
-    expected = outputs(Engine(demo, page_size=16, prefix_caching=False), batch)
-    prefill = Engine(demo, page_size=16)
-    exported = PrefillExporter(prefill).prefill(batch)
-    assert prefill.metrics()["prefill_tokens_saved"] > 0
-    decode = Engine(demo, page_size=16)
-    for out in exported.outputs:
+def decoded(decode: Engine, exported) -> dict[str, list[list[int]]]:
+    for out in exported:
         decode.add_prefilled(out)
-    assert decode.kv.device.num_pages - decode.kv.device.free_pages < sum(
-        decode.kv.pages_needed(len(r.prompt_token_ids)) * r.sampling.n for r in batch)  # pages shared on load
     got = {}
     while decode.has_unfinished():
         got.update({r.request_id: [o.token_ids for o in r.outputs] for r in decode.step()})
+    return got
+
+
+def test_split_stages_reuse_the_prefix_and_send_it_once_a_batch(demo):
+    batch = shared_prefix_requests(demo.model.vocab_size)
+    expected = outputs(Engine(demo, page_size=16, prefix_caching=False), batch)
+    prefill = Engine(demo, page_size=16)
+    exported = PrefillExporter(prefill).prefill(batch).outputs
+    assert prefill.metrics()["prefill_tokens_saved"] > 0
+    # the first prompt of each prefix carries it; its sharers carry only the pages after it
+    assert [out.kv_start for out in exported[:4]] == [0, 0, 64, 64]
+    assert exported[5].kv_start == 0  # a loner
+    geometry = prefill.kv.geometry
+    assert all(out.kv.numel() == geometry.packed_nbytes(out.num_tokens - out.kv_start) for out in exported)
+    decode = Engine(demo, page_size=16)
+    got = decoded(decode, exported)
     assert [got[r.request_id] for r in batch] == expected
+    assert decode.metrics()["handoff_prefills"] == 0
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["carrier-elsewhere", "decode-without-cache"])
+def test_a_prompt_whose_carried_prefix_is_missing_is_prefilled_again_with_the_same_tokens(demo, caching):
+    """The batch split between decode engines (the carrier adopted elsewhere), or a decode engine that
+    caches nothing: the prompt is prefilled there and keeps the first tokens the prefill engine drew."""
+    batch = shared_prefix_requests(demo.model.vocab_size, count=4)
+    batch[2] = Request("2", batch[2].prompt_token_ids, sampling=SamplingParams(
+        max_tokens=10, temperature=1.0, seed=5, n=2, logprobs=1))  # sampled: the first tokens must be kept
+    exported = PrefillExporter(Engine(demo, page_size=16)).prefill(batch).outputs
+    assert exported[2].kv_start == 64
+    reference = Engine(demo, page_size=16)
+    expected = decoded(reference, exported)
+    decode = Engine(demo, page_size=16, prefix_caching=caching)
+    got = decoded(decode, exported[1:])  # the carrier of "2", exported[0], went to another engine
+    assert got == {k: v for k, v in expected.items() if k != "0"}
+    assert decode.metrics()["handoff_prefills"] == (1 if caching else 2)
+
+
+def test_admission_runs_sharers_of_a_resident_prefix_first_and_never_starves_the_head():
+    kv = manager(device_pages=64, prefix_caching=True)
+    scheduler = Scheduler(EngineConfig(max_num_seqs=100), kv)
+    cached = sequence(0, prompt_len=9)
+    kv.allocate_prompt(cached, KVLocation.DEVICE)
+    kv.cache_prompt(cached, 9)
+    head = sequence(1, prompt_len=9)
+    head.prompt_ids = [2] * 9  # nothing of it cached
+    sharers = [sequence(i, prompt_len=9) for i in range(2, 2 + PREFIX_WINDOW + 5)]
+    for seq in [head, *sharers]:
+        scheduler.admit(seq)
+    chunks = scheduler.schedule().prefill.chunks  # admission order
+    assert [c.seq for c in chunks] == [*sharers[:PREFIX_WINDOW], head, *sharers[PREFIX_WINDOW:]]
+    assert [c.start for c in chunks] == [2 * PAGE] * PREFIX_WINDOW + [0] + [2 * PAGE] * 5  # sharers from the cache
