@@ -170,6 +170,26 @@ def test_split_stages_give_what_batchgen_gives(batchgen, split_stages, prompts):
     assert stop_word not in out.column("generated_text")[2].as_py()
 
 
+def test_split_stages_send_a_shared_prefix_once_a_batch(batchgen, split_stages, prompts):
+    """Rows sharing a long prefix: the first row's KV carries it, the others only what follows its whole
+    pages (`KV_START`); decode rebuilds them from its page cache and gives what BatchGen gives."""
+    tokenize, prefill, decode = split_stages
+    shared = " ".join(prompts)[:600]
+    table = pa.table({"prompt": [f"{shared} Question {i}: {p[:40]}" for i, p in enumerate(prompts[:4])]})
+    direct = call(batchgen, table)
+    prefilled = call(prefill, call(tokenize, table))
+    starts = prefilled.column(sc.KV_START).to_pylist()
+    page = prefill.exporter.engine.kv.page_size
+    assert starts[0] == 0 and all(s >= page for s in starts[1:]), starts
+    geometry = prefill.exporter.engine.kv.geometry
+    lengths = [len(ids) for ids in prefilled.column(sc.PROMPT_IDS).to_pylist()]
+    assert [len(v) for v in prefilled.column(sc.KV).to_pylist()] == [
+        geometry.packed_nbytes(n - s) for n, s in zip(lengths, starts)]
+    out = call(decode, prefilled)
+    assert out.column("generated_token_ids").to_pylist() == direct.column("generated_token_ids").to_pylist()
+    assert out.column("error").to_pylist() == [None] * 4
+
+
 def test_prefill_columns_survive_the_object_store_and_slicing_without_copies(split_stages, prompts, expected):
     tokenize, prefill, decode = split_stages
     prefilled = call(prefill, call(tokenize, pa.table({"prompt": prompts[:4]})))
