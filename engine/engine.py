@@ -152,6 +152,7 @@ class Engine:
                                       self.max_model_len))
         self.normalizer.check_vocabulary(prefilled.request.sampling)
         self._check_structured(prefilled.request.sampling)
+        self._bad_word_ids(prefilled.request.sampling.bad_words)
 
     def add_prefilled(self, prefilled: PrefillOutput) -> None:
         """Adopt a prompt prefilled elsewhere (checked with check_prefilled): place its KV, then decode its
@@ -188,6 +189,7 @@ class Engine:
         self.normalizer.check_length(len(ids), request.sampling)
         self.normalizer.check_vocabulary(request.sampling)
         self._check_structured(request.sampling)
+        self._bad_word_ids(request.sampling.bad_words)
         self.scheduler.check_fits(min(len(ids) + request.sampling.max_tokens, self.max_model_len))
         return ids
 
@@ -196,7 +198,8 @@ class Engine:
         return Sequence(seq_id=next(self._seq_ids), request_id=request.request_id, sample_index=index,
                         prompt_ids=prompt_ids, sampling=request.sampling, eos_token_ids=self.eos_token_ids,
                         arrival=next(self._arrivals), submitted_at=submitted,
-                        grammar=None if spec is None else self.grammars.matcher(spec))
+                        grammar=None if spec is None else self.grammars.matcher(spec),
+                        bad_word_ids=self._bad_word_ids(request.sampling.bad_words))
 
     @property
     def grammars(self) -> GrammarBackend:
@@ -269,6 +272,16 @@ class Engine:
             seq.phase = Phase.FINISHED
         else:
             self.scheduler.place_decoding(seq)
+
+    def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token ids, alone and after a space (as it appears mid-text), as vLLM bans them."""
+        if not words:
+            return ()
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words needs the model's tokenizer; this model has none")
+        variants = {tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                    for word in words for text in (word, " " + word.lstrip())}
+        return tuple(sorted(v for v in variants if v))
 
     def _check_structured(self, sampling) -> None:
         """InvalidRequestError if the request's structured-output spec does not compile for this model."""

@@ -3,7 +3,7 @@
 Every row carries its own temperature / top-k / top-p / min-p, logit bias and penalties; each runs
 once over the rows that use it. Logits are adjusted in this order, before greedy and sampled picks
 alike: logit bias, repetition penalty (prompt and generated tokens), presence and frequency
-penalties (generated tokens), the min_tokens ban on stop tokens, then a structured-output row's
+penalties (generated tokens), bad words, the min_tokens ban on stop tokens, then a structured-output row's
 grammar mask (every token its grammar forbids next is -inf). Seeded rows draw their noise
 from a generator seeded per (seed, sample, step), so a seeded sequence samples the same tokens
 whatever batch it lands in.
@@ -44,8 +44,9 @@ def sample_next_tokens(logits: torch.Tensor, seqs: SequenceT[Sequence], generato
 
 
 def adjust_logits(logits: torch.Tensor, seqs: SequenceT[Sequence]) -> torch.Tensor:
-    """Logit bias, then repetition, presence and frequency penalties, for every row at once: one
-    scatter builds the rows' token counts, the rest are elementwise ops."""
+    """Logit bias, then repetition, presence and frequency penalties, for every row at once (one scatter
+    builds the rows' token counts, the rest are elementwise ops), then bad words: the token that would
+    complete one of the row's bad-word token sequences after its generated tokens is banned."""
     rows, vocab, device = logits.shape[0], logits.shape[1], logits.device
     out = logits.clone()
     bias_rows = [(i, t, b) for i, s in enumerate(seqs) for t, b in s.sampling.logit_bias]
@@ -61,7 +62,13 @@ def adjust_logits(logits: torch.Tensor, seqs: SequenceT[Sequence]) -> torch.Tens
         out = torch.where(seen, penalised, out)
     presence = torch.tensor([s.sampling.presence_penalty for s in seqs], device=device).unsqueeze(1)
     frequency = torch.tensor([s.sampling.frequency_penalty for s in seqs], device=device).unsqueeze(1)
-    return out - presence * (generated > 0) - frequency * generated
+    out = out - presence * (generated > 0) - frequency * generated
+    banned = [(i, ids[-1]) for i, s in enumerate(seqs) for ids in s.bad_word_ids
+              if len(ids) == 1 or s.generated[-(len(ids) - 1):] == list(ids[:-1])]
+    if banned:
+        index = torch.tensor(banned, dtype=torch.long, device=device)
+        out[index[:, 0], index[:, 1]] = float("-inf")
+    return out
 
 
 def _token_counts(token_lists: list[list[int]], rows: int, vocab: int, device: torch.device) -> torch.Tensor:

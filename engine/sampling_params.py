@@ -36,13 +36,16 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # the output follows a JSON schema, a regex, a choice list or a grammar (vLLM's field and names)
     structured_outputs: StructuredOutputs | None = None
+    # words never generated: the token that would complete one (as a word, or after a space) is banned (vLLM)
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
+        for name in ("stop", "bad_words"):
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, (getattr(self, name),))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         object.__setattr__(self, "structured_outputs", StructuredOutputs.from_value(self.structured_outputs))
-        for name in ("stop", "stop_token_ids"):
+        for name in ("stop", "stop_token_ids", "bad_words"):
             value = getattr(self, name)
             if not isinstance(value, (list, tuple)):
                 raise InvalidRequestError(f"invalid sampling parameter '{name}': must be a list, got "
@@ -56,10 +59,10 @@ class SamplingParams:
 
     @functools.cached_property
     def adjusts_logits(self) -> bool:
-        """Whether penalties or a logit bias change this row's logits before sampling (asked of every
+        """Whether penalties, a logit bias or bad words change this row's logits before sampling (asked of every
         decoding sequence at every step: computed once)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or self.bad_words)
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> InvalidRequestError:
@@ -79,6 +82,8 @@ class SamplingParams:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a string or a list of non-empty strings")
+        if not all(isinstance(s, str) and s.strip() for s in self.bad_words):
+            raise bad("bad_words", "must be a string or a list of non-blank strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
         if not _is_int(self.n) or self.n < 1:
@@ -124,6 +129,7 @@ class SamplingParams:
         out = dataclasses.asdict(self)
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        out["bad_words"] = list(self.bad_words)
         out["logit_bias"] = dict(self.logit_bias)
         out["structured_outputs"] = None if self.structured_outputs is None else self.structured_outputs.to_dict()
         return out

@@ -53,6 +53,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_text_end: int | None = None  # character offset where a stop string cut the text
     grammar: Any = None  # structured outputs: the xgrammar matcher over `generated` (engine/grammar.py)
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()  # token sequences of sampling.bad_words, never completed
     submitted_at: float = field(default_factory=time.perf_counter)
     first_scheduled_at: float | None = None
     finished_at: float | None = None

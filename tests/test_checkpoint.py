@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import (
     ALL_ARCHITECTURES,
+    TOKENIZER_VOCAB,
     copy_to_memory,
     prompts,
     save_tiny_checkpoint,
@@ -27,7 +28,7 @@ SHARD = "model.safetensors"
 def mixtral_dir(tmp_path_factory):
     """A tiny Mixtral with eos id 2, a generation config and a tokenizer; shared read-only."""
     directory = tmp_path_factory.mktemp("mixtral")
-    save_tiny_checkpoint("mixtral", directory, eos_token_id=2, bos_token_id=1)
+    save_tiny_checkpoint("mixtral", directory, eos_token_id=2, bos_token_id=1, vocab_size=TOKENIZER_VOCAB)
     tiny_tokenizer().save_pretrained(directory)
     return directory
 
@@ -53,10 +54,10 @@ def test_metadata_and_tokenizer(mixtral_dir, where):
     assert loaded.max_model_len == 512
     assert loaded.dtype == torch.float32
     assert loaded.config.model_type == "mixtral"
-    ids = loaded.tokenizer.encode("the cat w9")
-    assert ids == [4, 5, 9]
-    assert loaded.tokenizer.decode(ids) == "the cat w9"
-    assert load_tokenizer(uri).encode("the cat w9") == ids
+    text = 'the cat: {"n": [1, 2.5], "ok": true}'
+    ids = loaded.tokenizer.encode(text)
+    assert ids[0] == 1 and loaded.tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert load_tokenizer(uri).encode(text) == ids
 
 
 def test_no_tokenizer_gives_none(tmp_path):

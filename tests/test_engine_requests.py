@@ -141,7 +141,8 @@ def test_non_finite_and_wrongly_typed_sampling_values_are_rejected_by_name(field
         SamplingParams.from_dict({field: value})
 
 
-def reference_adjust(row: torch.Tensor, prompt: list[int], generated: list[int], params: SamplingParams):
+def reference_adjust(row: torch.Tensor, prompt: list[int], generated: list[int], params: SamplingParams,
+                     bad_word_ids=()):
     """Plain per-token loops, in the sampler's documented order."""
     out = row.clone()
     for token, bias in params.logit_bias:
@@ -152,6 +153,10 @@ def reference_adjust(row: torch.Tensor, prompt: list[int], generated: list[int],
             out[token] = out[token] / p if out[token] > 0 else out[token] * p
     for token, count in Counter(generated).items():
         out[token] -= params.presence_penalty + params.frequency_penalty * count
+    for ids in bad_word_ids:
+        if len(generated) >= len(ids) - 1 and all(generated[len(generated) - len(ids) + 1 + j] == ids[j]
+                                                  for j in range(len(ids) - 1)):
+            out[ids[-1]] = float("-inf")
     return out
 
 
@@ -160,17 +165,21 @@ def test_penalties_and_logit_bias_match_a_plain_reference_on_the_same_logits():
     vocab = 50
     options = [{}, {"presence_penalty": 1.5}, {"frequency_penalty": -0.7}, {"repetition_penalty": 1.3},
                {"repetition_penalty": 0.8, "presence_penalty": -2, "frequency_penalty": 2},
-               {"logit_bias": {"3": 100, 7: -4.5}, "frequency_penalty": 0.4}]
+               {"logit_bias": {"3": 100, 7: -4.5}, "frequency_penalty": 0.4}, {"bad_words": ["x"]}]
     seqs = []
     for i, option in enumerate(options * 3):
         prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+        generated = [rng.randrange(vocab) for _ in range(rng.randrange(0, 20))]
+        # bad words as the engine tokenizes them: one-token words, and words the output is one token from
+        bad = ((5,), (*generated[-2:], 9), (1, 2, 3)) if "bad_words" in option else ()
         seq = Sequence(seq_id=i, request_id=str(i), sample_index=0, prompt_ids=prompt,
                        sampling=SamplingParams.from_dict(option), eos_token_ids=frozenset(), arrival=i,
-                       generated=[rng.randrange(vocab) for _ in range(rng.randrange(0, 20))])
+                       generated=generated, bad_word_ids=bad)
         seqs.append(seq)
     logits = torch.randn(len(seqs), vocab, generator=torch.Generator().manual_seed(1)) * 3
     got = adjust_logits(logits, seqs)
-    want = torch.stack([reference_adjust(logits[i], s.prompt_ids, s.generated, s.sampling) for i, s in enumerate(seqs)])
+    want = torch.stack([reference_adjust(logits[i], s.prompt_ids, s.generated, s.sampling, s.bad_word_ids)
+                        for i, s in enumerate(seqs)])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert not torch.equal(got, logits)
 
@@ -186,3 +195,26 @@ def test_logit_bias_and_penalties_steer_greedy_decoding(engine, demo):
     assert out["plain"][0] == prompt[0]
     assert len(set(out["plain"])) < len(out["plain"])  # the random tiny model repeats itself greedily...
     assert len(set(out["no-repeat"])) == len(out["no-repeat"])  # ...but not under these penalties
+
+
+def test_bad_words_ban_the_token_that_would_complete_them(engine, demo):
+    """Greedy text, then the same request with its own words banned: none of them appears, alone or after a
+    space, and the ban matches a plain check of every step's allowed tokens."""
+    plain = engine.generate([Request("plain", prompt="Tell me about the river.", sampling=greedy(max_tokens=16))])
+    text = plain[0].outputs[0].text
+    words = sorted({w for w in text.split() if len(w) > 2})[:3]
+    assert words, text
+    banned = engine.generate([Request("banned", prompt="Tell me about the river.",
+                                      sampling=greedy(max_tokens=16, bad_words=words))])[0].outputs[0]
+    tokenizer = demo.tokenizer
+    sequences = {tuple(tokenizer.encode(t, add_special_tokens=False)) for w in words for t in (w, " " + w)}
+    ids = banned.token_ids
+    for seq in sequences:  # no window of the output is a bad word's token sequence
+        assert not any(tuple(ids[i : i + len(seq)]) == seq for i in range(len(ids) - len(seq) + 1)), (seq, ids)
+    assert banned.token_ids != plain[0].outputs[0].token_ids
+
+
+def test_bad_words_must_be_words():
+    with pytest.raises(InvalidRequestError, match="bad_words"):
+        SamplingParams(bad_words=["ok", " "])
+    assert SamplingParams(bad_words="river").bad_words == ("river",)

@@ -11,10 +11,9 @@ import jsonschema
 import pyarrow as pa
 import pytest
 import torch
-from tiny_models import kv_bytes_per_token, save_tiny_checkpoint
+from tiny_models import TOKENIZER_VOCAB, kv_bytes_per_token, save_tiny_checkpoint, tiny_tokenizer
 
 from batchgen.connectors.checkpoint import load_model
-from batchgen.connectors.presets import build_tokenizer
 from batchgen.engine import Engine, InvalidRequestError, PrefillExporter, Request, SamplingParams
 from batchgen.engine.grammar import MAX_JSON_WHITESPACE, GrammarBackend, mask_logits
 from batchgen.engine.structured_outputs import StructuredOutputs
@@ -62,8 +61,8 @@ def model(request, tmp_path_factory):
     if request.param == "mixtral":
         return load_model("tiny-moe")
     directory = tmp_path_factory.mktemp("qwen3")
-    save_tiny_checkpoint("qwen3", directory, vocab_size=512, eos_token_id=2)
-    build_tokenizer(512, seed=5, max_length=512).save_pretrained(directory)
+    save_tiny_checkpoint("qwen3", directory, vocab_size=TOKENIZER_VOCAB, eos_token_id=2)
+    tiny_tokenizer().save_pretrained(directory)
     return load_model(directory)
 
 

@@ -42,21 +42,15 @@ EXTRA = {
 }
 
 
-SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>")  # ids 0..3
+TOKENIZER_VOCAB = 512  # a byte-level BPE needs its 256 byte tokens and the specials: pair it with vocab_size=512
 
 
-def tiny_tokenizer(vocab_size: int = COMMON["vocab_size"]):
-    """A word-level tokenizer of exactly `vocab_size` tokens: the specials, then "the", "cat", "w6", "w7", ..."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+def tiny_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
+    """The presets' byte-level BPE (specials <|pad|> <|bos|> <|eos|> <|unk|> are ids 0..3): it spells any
+    text, JSON and punctuation included, so structured outputs run for real on the tiny models."""
+    from batchgen.connectors.presets import build_tokenizer
 
-    words = [*SPECIAL_TOKENS, "the", "cat"]
-    words += [f"w{i}" for i in range(len(words), vocab_size)]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|unk|>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    pad, bos, eos, unk = SPECIAL_TOKENS
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, bos_token=bos, eos_token=eos,
-                                   unk_token=unk)
+    return build_tokenizer(vocab_size, seed=0, max_length=COMMON["max_position_embeddings"])
 
 
 def tiny_config(arch: str, **overrides):

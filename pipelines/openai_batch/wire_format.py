@@ -28,7 +28,7 @@ MAX_REPORTED_ERRORS = 100
 # Body fields copied one to one into SamplingParams (from top_k on, vLLM extensions).
 _SAMPLING_FIELDS = ("temperature", "top_p", "n", "seed", "stop", "frequency_penalty", "presence_penalty", "logit_bias",
                     "top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "repetition_penalty",
-                    "structured_outputs")
+                    "structured_outputs", "bad_words")
 # Fields accepted and ignored: they change nothing about what is generated.
 _IGNORED_FIELDS = ("model", "user", "store", "metadata", "service_tier", "stream_options",
                    "parallel_tool_calls")
