@@ -20,6 +20,7 @@ from batchgen.engine.grammar import GrammarBackend
 from batchgen.engine.kv_budget import plan_kv_budget
 from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.metrics import EngineMetrics
+from batchgen.engine.migration import MigratedRequest, MigratedSample
 from batchgen.engine.model_runner import MicroBatchLimits, ModelRunner
 from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.prefill_output import PrefillOutput
@@ -85,11 +86,7 @@ class Engine:
         except InvalidRequestError as exc:
             self._fail(request, str(exc), submitted)
             return
-        state = _RequestState(request, pending=request.sampling.n)
-        self._requests[request.request_id] = state
-        parent = self.new_sequence(request, 0, prompt_ids, submitted)
-        state.samples.append(parent)
-        self.scheduler.admit(parent)
+        self._admit(request, prompt_ids, submitted)
         self.stats.admission_seconds += time.perf_counter() - submitted
 
     @torch.inference_mode()
@@ -178,6 +175,69 @@ class Engine:
             state.samples.append(seq)
         for seq in list(state.samples):
             self._continue_or_finish(seq, prefilled.first_token_ids[seq.sample_index])
+
+    def export_request(self, request_id: str) -> MigratedRequest | None:
+        """MIGRATE out: remove a request that is waiting or decoding (its KV in device or host pages) and
+        return what another engine needs to continue it (`import_request`); None if there is no such
+        request or it is part-way through its prefill (movable once that step is done)."""
+        state = self._requests.get(request_id)
+        if state is None or state.prefilled is not None or any(
+                s.phase is Phase.PREFILL or s is self.scheduler.prefilling for s in state.samples):
+            return None
+        request = Request(request_id, list(state.samples[0].prompt_ids), sampling=state.request.sampling)
+        first = state.samples[0]
+        migrated = MigratedRequest(request, [], first.submitted_at, first.first_scheduled_at)
+        for seq in state.samples:
+            if seq.phase is Phase.WAITING:
+                self.scheduler.remove(seq)
+                continue
+            kv = None
+            if seq.phase is not Phase.FINISHED:
+                kv = torch.empty(self.kv.geometry.packed_nbytes(seq.kv_len), dtype=torch.uint8)
+                self.kv.export(seq, kv)
+                self.scheduler.remove(seq)
+            migrated.samples.append(MigratedSample(seq.sample_index, list(seq.generated), seq.logprobs, kv,
+                                                   seq.kv_len, seq.finish_reason, seq.stop_text_end,
+                                                   seq.finished_at))
+        del self._requests[request_id]
+        self.stats.migrated_out += 1
+        return migrated
+
+    def import_request(self, migrated: MigratedRequest) -> None:
+        """MIGRATE in: continue a request exported by another engine of the same model and KV dtype. Raises
+        InvalidRequestError (nothing changed) when this engine cannot run it."""
+        request = migrated.request
+        prompt_ids = self.admissible_prompt(request)
+        for sample in migrated.samples:
+            if sample.kv is not None:
+                try:
+                    self.kv.geometry.packed_views(sample.kv, sample.kv_len)
+                except ValueError as exc:
+                    raise InvalidRequestError(f"the migrated KV does not fit this engine (both must run the same "
+                                              f"model and KV dtype): {exc}") from None
+        self.stats.mark_start()
+        self.stats.migrated_in += 1
+        if not migrated.samples:
+            self._admit(request, prompt_ids, migrated.submitted_at)
+            return
+        unfinished = [s for s in migrated.samples if s.finish_reason is None]
+        state = _RequestState(request, pending=len(unfinished))
+        self._requests[request.request_id] = state
+        for sample in migrated.samples:
+            seq = self.new_sequence(request, sample.index, prompt_ids, migrated.submitted_at)
+            seq.first_scheduled_at = migrated.first_scheduled_at
+            seq.generated, seq.logprobs = list(sample.generated), sample.logprobs
+            seq.finish_reason, seq.stop_text_end, seq.finished_at = (sample.finish_reason, sample.stop_text_end,
+                                                                     sample.finished_at)
+            state.samples.append(seq)
+            if seq.grammar is not None:
+                for token in seq.generated:
+                    seq.grammar.accept_token(token)
+            if seq.finish_reason is not None:
+                seq.phase = Phase.FINISHED
+                continue
+            self.kv.load(seq, self.scheduler.import_location(sample.kv_len), sample.kv, sample.kv_len)
+            self.scheduler.place_decoding(seq)
 
     # --------------------------------------------- shared with PrefillExporter
     def admissible_prompt(self, request: Request) -> list[int]:
@@ -272,6 +332,13 @@ class Engine:
             seq.phase = Phase.FINISHED
         else:
             self.scheduler.place_decoding(seq)
+
+    def _admit(self, request: Request, prompt_ids: list[int], submitted: float) -> None:
+        state = _RequestState(request, pending=request.sampling.n)
+        self._requests[request.request_id] = state
+        parent = self.new_sequence(request, 0, prompt_ids, submitted)
+        state.samples.append(parent)
+        self.scheduler.admit(parent)
 
     def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each bad word's token ids, alone and after a space (as it appears mid-text), as vLLM bans them."""

@@ -25,6 +25,8 @@ class EngineMetrics:
     mixed_steps: int = 0  # prefill and decode COMBINE-d in one forward
     chunked_prefills: int = 0  # prompt chunks that left the rest of their prompt for a later step
     handoff_prefills: int = 0  # adopted prompts prefilled again: their carried prefix was not cached here
+    migrated_out: int = 0  # requests handed to another engine (export_request)
+    migrated_in: int = 0  # requests taken over from another engine (import_request)
     staged_decode_batches: int = 0  # decode micro-batches over host-resident KV (offloaded COMBINE)
     yields: int = 0
     restores: int = 0
@@ -96,6 +98,8 @@ class EngineMetrics:
             "mixed_steps": self.mixed_steps,
             "chunked_prefills": self.chunked_prefills,
             "handoff_prefills": self.handoff_prefills,
+            "migrated_out": self.migrated_out,
+            "migrated_in": self.migrated_in,
             "staged_decode_batches": self.staged_decode_batches,
             "yields": self.yields,
             "restores": self.restores,

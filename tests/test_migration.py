@@ -1,0 +1,103 @@
+"""MIGRATE between engines: a request exported mid-decode (or still waiting) and imported into another
+engine finishes with the tokens it would have had on the first, greedy or seeded, with structured
+outputs, penalties, bad words, n > 1 and samples that finished before the move."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchgen.connectors.checkpoint import load_model
+from batchgen.engine import Engine, InvalidRequestError, Request, SamplingParams
+
+PROMPTS = ["Tell me about the old river.", "Write a poem about a cat.", "What would you do?",
+           "Give 3 ideas for a game about the moon.", "Describe a day on the farm with your friend.",
+           "List 4 things you can see from the quiet hill."]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load_model("tiny-moe")
+
+
+def workload() -> list[Request]:
+    kinds = [
+        dict(temperature=0.0, ignore_eos=True),
+        dict(temperature=0.9, seed=11, n=3, logprobs=2),
+        dict(temperature=0.7, seed=5, structured_outputs={"regex": "[a-z]{3,9}( [a-z]{3,9}){2,4}"}),
+        dict(temperature=0.0, ignore_eos=True, frequency_penalty=1.0, repetition_penalty=1.3, bad_words=["the"]),
+        dict(temperature=1.0, seed=3, n=4, structured_outputs={"choice": ["yes", "no", "not sure at all, sorry"]}),
+        dict(temperature=0.8, seed=2, stop=["e"]),
+    ]
+    return [Request(str(i), prompt=p, sampling=SamplingParams(max_tokens=24, **kind))
+            for i, (p, kind) in enumerate(zip(PROMPTS, kinds))]
+
+
+def by_id(results) -> dict:
+    assert all(r.error is None for r in results), [r.error for r in results]
+    return {r.request_id: [(o.token_ids, o.text, o.finish_reason,
+                            None if o.logprobs is None else [lp.token_id for lp in o.logprobs])
+                           for o in r.outputs] for r in results}
+
+
+def drain(engine: Engine) -> list:
+    out = []
+    while engine.has_unfinished():
+        out.extend(engine.step())
+    return out
+
+
+@pytest.mark.parametrize("steps", [0, 3, 9], ids=["waiting", "early", "late"])
+def test_a_moved_request_finishes_as_if_it_had_stayed(demo, steps):
+    expected = by_id(Engine(demo, page_size=16).generate(workload()))
+    source, target = Engine(demo, page_size=16, max_prefill_tokens=16), Engine(demo, page_size=16)
+    for request in workload():
+        source.add_request(request)
+    finished = []
+    for _ in range(steps):
+        finished.extend(source.step())
+    moved = [m for m in (source.export_request(r.request_id) for r in workload()) if m is not None]
+    assert moved, "nothing was movable"
+    for migrated in moved:
+        target.import_request(migrated)
+    results = by_id(finished + drain(source) + drain(target))
+    assert results == expected
+    assert source.metrics()["migrated_out"] == target.metrics()["migrated_in"] == len(moved)
+    if steps:
+        assert any(m.samples for m in moved) and sum(m.kv_bytes for m in moved) > 0
+    else:
+        assert all(not m.samples for m in moved)  # still waiting: the prompt alone travels
+
+
+def test_a_sample_finished_before_the_move_keeps_its_output(demo):
+    request = workload()[4]  # n = 4 over a choice list: the short choices finish first
+    expected = by_id(Engine(demo, page_size=16).generate([request]))
+    source, target = Engine(demo, page_size=16), Engine(demo, page_size=16)
+    source.add_request(request)
+    moved = None
+    while moved is None:
+        source.step()
+        state_done = [s for s in source._requests["4"].samples if s.finish_reason is not None]
+        if state_done and len(state_done) < 4:
+            moved = source.export_request("4")
+    assert any(s.finish_reason for s in moved.samples) and any(s.kv is not None for s in moved.samples)
+    target.import_request(moved)
+    assert by_id(drain(target)) == expected
+    assert not source.has_unfinished()
+
+
+def test_a_request_mid_prefill_is_not_movable_and_bad_imports_are_refused(demo):
+    source = Engine(demo, page_size=16, max_prefill_tokens=4)  # chunked: the prompt takes several steps
+    source.add_request(Request("long", prompt=PROMPTS[4], sampling=SamplingParams(max_tokens=4)))
+    source.step()
+    assert source.export_request("long") is None and source.export_request("missing") is None
+    source.step()
+    while source.scheduler.prefilling is not None:
+        source.step()
+    migrated = source.export_request("long")
+    target = Engine(demo, page_size=16)
+    target.import_request(migrated)
+    with pytest.raises(InvalidRequestError, match="duplicate request_id"):
+        target.import_request(migrated)
+    other = Engine(load_model("tiny-moe", dtype="bfloat16"))
+    with pytest.raises(InvalidRequestError, match="does not fit this engine"):
+        other.import_request(migrated)
