@@ -185,8 +185,9 @@ def settled_parts(output: Path) -> dict[str, tuple[int, object]]:
 def test_structured_rows_follow_their_spec_through_map_batches_and_the_split_pipeline(
         ray_cluster, tiny_moe_dir, prompts, tmp_path):
     """Per-row `sampling_params.structured_outputs` (a Parquet struct) through map_batches(BatchGen) and the
-    disaggregated job: the same tokens as the engine alone, every output follows its spec, and a schema
-    that does not compile is that row's error."""
+    disaggregated job, on prompts sharing a long prefix (cached in every engine, sent once a batch to
+    decode): the same tokens as the engine alone without prefix caching, every output follows its spec,
+    and a schema that does not compile is that row's error."""
     specs = [{"json": json.dumps({"type": "object", "additionalProperties": False, "required": ["ok", "n"],
                                   "properties": {"ok": {"type": "boolean"},
                                                  "n": {"type": "integer", "minimum": 0, "maximum": 9}}}),
@@ -195,11 +196,13 @@ def test_structured_rows_follow_their_spec_through_map_batches_and_the_split_pip
              {"json": json.dumps({"type": "strnig"})}]
     rows = [{"max_tokens": 60, "seed": i, "temperature": 0.0 if i % 2 else 0.9, "structured_outputs": specs[i % 5]}
             for i in range(10)]
-    table = pa.table({"id": list(range(10)), "prompt": prompts[:10], "sampling_params": rows})
+    shared = " ".join(prompts[10:])[:500]
+    prompts = [f"{shared} {p}" for p in prompts[:10]]
+    table = pa.table({"id": list(range(10)), "prompt": prompts, "sampling_params": rows})
     input_dir = tmp_path / "input"
     input_dir.mkdir()
     pq.write_table(table, input_dir / "part-0.parquet", row_group_size=3)
-    engine = load_engine(tiny_moe_dir, **ENGINE)
+    engine = load_engine(tiny_moe_dir, **ENGINE, prefix_caching=False)
     results = engine.generate([Request(str(i), prompt=p, sampling=SamplingParams.from_dict(
         {k: v for k, v in r.items() if v is not None}, SamplingParams.from_dict(SAMPLING)))
         for i, (p, r) in enumerate(zip(prompts, rows))])
