@@ -91,6 +91,11 @@ class KVManager:
     def caches_prefixes(self) -> bool:
         return self.device.cache is not None
 
+    def caches_pages(self, location: KVLocation) -> bool:
+        """Whether the pool at `location` holds any cached prefix page now."""
+        cache = self.pool(location).cache
+        return cache is not None and len(cache) > 0
+
     def prefix_state(self, seq: Sequence, location: KVLocation) -> tuple[int, PageKey | None]:
         """(how many of the prompt's pages the pool at `location` caches, the cache key of its first reusable
         page not cached yet, None if none): two prompts with the same key would compute the same page."""

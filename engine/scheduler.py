@@ -147,8 +147,9 @@ class Scheduler:
         tokens = sum(c.end - c.start for c in chunks)
         samples_total = 0
         computing: set[PageKey] = set()  # the first prefix page each prompt of this step computes
+        states: dict[tuple[int, KVLocation], tuple[int, PageKey | None]] = {}
         while self.waiting and self.prefilling is None:
-            seq = self._next_prompt(computing, location or KVLocation.DEVICE)
+            seq = self._next_prompt(computing, location or KVLocation.DEVICE, states)
             if seq is None:
                 break  # every candidate's next prefix page is being computed: they start next step, cached
             samples = seq.sampling.n
@@ -160,7 +161,7 @@ class Scheduler:
             where = self._prefill_location(pages, samples_total + samples)
             if where is None or (location is not None and where is not location):
                 break
-            _, next_page = self.kv.prefix_state(seq, where)
+            _, next_page = states.get((seq.seq_id, where)) or self.kv.prefix_state(seq, where)
             if next_page in computing:
                 break
             if next_page is not None:
@@ -179,19 +180,31 @@ class Scheduler:
             return None
         return PrefillPlan(chunks, location)
 
-    def _next_prompt(self, computing: set[PageKey], location: KVLocation) -> Sequence | None:
+    def _next_prompt(self, computing: set[PageKey], location: KVLocation,
+                     states: dict[tuple[int, KVLocation], tuple[int, PageKey | None]]) -> Sequence | None:
         """The waiting prompt to prefill next. FIFO without prefix caching; with it, of the first
         PREFIX_WINDOW prompts the one whose cached prefix is longest (the earliest on ties), so sharers run
         while their prefix is resident, skipping any whose next prefix page a prompt of this step
-        computes. The head is passed over at most PREFIX_WINDOW times. None: every candidate waits."""
+        computes. The head is passed over at most PREFIX_WINDOW times. None: every candidate waits.
+        `states`: each prompt's kv.prefix_state, looked up once per step (an admission that evicts cached
+        pages may leave one stale: it only orders prompts, allocate_prompt matches again)."""
         head = self.waiting[0]
         if not self.kv.caches_prefixes:
             return head
+
+        def state(seq: Sequence) -> tuple[int, PageKey | None]:
+            key = (seq.seq_id, location)
+            if key not in states:
+                states[key] = self.kv.prefix_state(seq, location)
+            return states[key]
+
+        if not self.kv.caches_pages(location) and state(head)[1] not in computing:
+            return head  # nothing cached to reorder for
         if head.seq_id != self._head[0]:
             self._head = (head.seq_id, 0)
         best, best_pages = None, -1
         for seq in itertools.islice(self.waiting, PREFIX_WINDOW):
-            cached_pages, next_page = self.kv.prefix_state(seq, location)
+            cached_pages, next_page = state(seq)
             if next_page in computing:
                 continue
             if seq is head and self._head[1] >= PREFIX_WINDOW:
