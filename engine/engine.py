@@ -75,6 +75,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._grammars: GrammarBackend | None = None
+        self._bad_words: dict[tuple[str, ...], tuple[tuple[int, ...], ...]] = {}
 
     # ----------------------------------------------------------------- public API
     def add_request(self, request: Request) -> None:
@@ -346,9 +347,11 @@ class Engine:
             return ()
         if self.tokenizer is None:
             raise InvalidRequestError("bad_words needs the model's tokenizer; this model has none")
-        variants = {tuple(self.tokenizer.encode(text, add_special_tokens=False))
-                    for word in words for text in (word, " " + word.lstrip())}
-        return tuple(sorted(v for v in variants if v))
+        if words not in self._bad_words:  # tokenized once per list: admission checks it, each sample uses it
+            variants = {tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                        for word in words for text in (word, " " + word.lstrip())}
+            self._bad_words[words] = tuple(sorted(v for v in variants if v))
+        return self._bad_words[words]
 
     def _check_structured(self, sampling) -> None:
         """InvalidRequestError if the request's structured-output spec does not compile for this model."""
