@@ -181,7 +181,7 @@ class KVManager:
         geometry.packed_nbytes(kv_len - start) bytes) for the prefill/decode split: one gather from the
         pages, the hand-off's one host copy."""
         pool = self.pool(seq.kv_location)
-        slots = torch.tensor(self.slots(seq, start, seq.kv_len - start), device=pool.device)
+        slots = torch.tensor(self.slots(seq, start, seq.kv_len - start), dtype=torch.long, device=pool.device)
         for pages, out in zip((pool.k, pool.v), self.geometry.packed_views(packed, seq.kv_len - start)):
             flat = pages.view(pages.shape[0], -1, *pages.shape[3:])
             if flat.device == out.device:
@@ -209,7 +209,7 @@ class KVManager:
         seq.kv_location = location
         self._set_pages(seq, location, pages)
         seq.kv_len = num_tokens
-        slots = torch.tensor(self.slots(seq, written, num_tokens - written), device=pool.device)
+        slots = torch.tensor(self.slots(seq, written, num_tokens - written), dtype=torch.long, device=pool.device)
         flat_k = pool.k.view(pool.k.shape[0], -1, *pool.k.shape[3:])
         flat_v = pool.v.view(pool.v.shape[0], -1, *pool.v.shape[3:])
         flat_k[:, slots] = k[:, written - start :].to(pool.device)

@@ -225,3 +225,17 @@ def test_admission_runs_sharers_of_a_resident_prefix_first_and_never_starves_the
     chunks = scheduler.schedule().prefill.chunks  # admission order
     assert [c.seq for c in chunks] == [*sharers[:PREFIX_WINDOW], head, *sharers[PREFIX_WINDOW:]]
     assert [c.start for c in chunks] == [2 * PAGE] * PREFIX_WINDOW + [0] + [2 * PAGE] * 5  # sharers from the cache
+
+
+def test_identical_prompts_of_whole_pages_send_their_kv_once(demo):
+    """Prompts equal to a whole number of pages: the later copies carry no KV at all (kv_start is the
+    prompt's length), their decode engine takes every page from its cache, and tokens do not change."""
+    prompt = list(range(10, 42))  # two pages of 16
+    batch = [Request(str(i), prompt, sampling=SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+             for i in range(3)]
+    expected = outputs(Engine(demo, page_size=16, prefix_caching=False), batch)
+    exported = PrefillExporter(Engine(demo, page_size=16)).prefill(batch).outputs
+    assert [out.kv_start for out in exported] == [0, 32, 32] and [o.kv.numel() for o in exported[1:]] == [0, 0]
+    decode = Engine(demo, page_size=16)
+    got = decoded(decode, exported)
+    assert [got[r.request_id] for r in batch] == expected and decode.metrics()["handoff_prefills"] == 0
