@@ -141,11 +141,9 @@ class Engine:
         layers, heads and KV dtype; an id not in use; a length it can run)."""
         if prefilled.request.request_id in self._requests:
             raise InvalidRequestError(f"duplicate request_id {prefilled.request.request_id!r}")
-        try:
-            self.kv.geometry.packed_views(prefilled.kv, prefilled.num_tokens - prefilled.kv_start)
-        except ValueError as exc:
-            raise InvalidRequestError(f"the prefilled KV does not fit this decode engine (prefill and decode "
-                                      f"engines must run the same model and KV dtype): {exc}") from None
+        self._check_packed(prefilled.kv, prefilled.num_tokens - prefilled.kv_start,
+                           "the prefilled KV does not fit this decode engine (prefill and decode engines must run "
+                           "the same model and KV dtype)")
         self.scheduler.check_fits(min(prefilled.num_tokens + prefilled.request.sampling.max_tokens,
                                       self.max_model_len))
         self.normalizer.check_vocabulary(prefilled.request.sampling)
@@ -211,11 +209,8 @@ class Engine:
         prompt_ids = self.admissible_prompt(request)
         for sample in migrated.samples:
             if sample.kv is not None:
-                try:
-                    self.kv.geometry.packed_views(sample.kv, sample.kv_len)
-                except ValueError as exc:
-                    raise InvalidRequestError(f"the migrated KV does not fit this engine (both must run the same "
-                                              f"model and KV dtype): {exc}") from None
+                self._check_packed(sample.kv, sample.kv_len, "the migrated KV does not fit this engine (both must "
+                                   "run the same model and KV dtype)")
         self.stats.mark_start()
         self.stats.migrated_in += 1
         if not migrated.samples:
@@ -352,6 +347,14 @@ class Engine:
                         for word in words for text in (word, " " + word.lstrip())}
             self._bad_words[words] = tuple(sorted(v for v in variants if v))
         return self._bad_words[words]
+
+    def _check_packed(self, packed: torch.Tensor, num_tokens: int, problem: str) -> None:
+        """InvalidRequestError (`problem`: the reason) unless `packed` holds `num_tokens` tokens of KV laid out
+        for this engine."""
+        try:
+            self.kv.geometry.packed_views(packed, num_tokens)
+        except ValueError as exc:
+            raise InvalidRequestError(f"{problem}: {exc}") from None
 
     def _check_structured(self, sampling) -> None:
         """InvalidRequestError if the request's structured-output spec does not compile for this model."""

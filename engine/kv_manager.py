@@ -78,12 +78,9 @@ class KVManager:
         if pool.cache is not None:
             prompt = seq.prompt_ids
             cached = pool.cache.match(prompt, self.page_size, (len(prompt) - 1) // self.page_size)
-            pool.share(cached)
             self.prefix_query_tokens += len(prompt)
             self.prefix_hit_tokens += len(cached) * self.page_size
-        pages = cached + pool.allocate(self.pages_needed(len(seq.prompt_ids) + 1) - len(cached))
-        seq.kv_location = location
-        self._set_pages(seq, location, pages)
+        self._place(seq, location, cached, self.pages_needed(len(seq.prompt_ids) + 1))
         seq.kv_len = len(cached) * self.page_size
         return seq.kv_len
 
@@ -146,15 +143,12 @@ class KVManager:
         src_pages = self.pages_of(seq)
         src, dst = self.pool(src_loc), self.pool(to)
         shared = _cached_in(dst, src, src_pages[:count])  # the prefix the target pool already holds
-        dst.share(shared)
-        dst_pages = shared + dst.allocate(max(count, 1) - len(shared))
+        self._set_pages(seq, src_loc, [])
+        dst_pages = self._place(seq, to, shared, max(count, 1))
         moved = copy_pages(src, src_pages[len(shared) : count], dst, dst_pages[len(shared) : count])
         if dst.cache is not None:
             _register(dst, dst_pages, _cached_tokens(src, src_pages[:count]))
         src.release(src_pages)
-        self._set_pages(seq, src_loc, [])
-        self._set_pages(seq, to, dst_pages)
-        seq.kv_location = to
         self.bytes_moved += moved
         self.migrations["to_host" if to is KVLocation.HOST else "to_device"] += 1
         return moved
@@ -166,10 +160,7 @@ class KVManager:
         src, dst = self.pool(parent.kv_location), self.pool(location)
         parent_pages = self.pages_of(parent)[:count]
         shared = parent_pages[: parent.kv_len // self.page_size] if location is parent.kv_location else []
-        dst.share(shared)
-        pages = shared + dst.allocate(count - len(shared))
-        child.kv_location = location
-        self._set_pages(child, location, pages)
+        pages = self._place(child, location, shared, count)
         child.kv_len = parent.kv_len
         self.bytes_moved += copy_pages(src, parent_pages[len(shared):], dst, pages[len(shared):])
 
@@ -204,10 +195,7 @@ class KVManager:
         if written < start:
             return False
         k, v = self.geometry.packed_views(packed, num_tokens - start)
-        pool.share(cached)
-        pages = cached + pool.allocate(self.pages_needed(num_tokens) - len(cached))
-        seq.kv_location = location
-        self._set_pages(seq, location, pages)
+        self._place(seq, location, cached, self.pages_needed(num_tokens))
         seq.kv_len = num_tokens
         slots = torch.tensor(self.slots(seq, written, num_tokens - written), dtype=torch.long, device=pool.device)
         flat_k = pool.k.view(pool.k.shape[0], -1, *pool.k.shape[3:])
@@ -217,6 +205,16 @@ class KVManager:
         self.bytes_moved += self.geometry.packed_nbytes(num_tokens - written)
         self.cache_prompt(seq, num_tokens)
         return True
+
+    def _place(self, seq: Sequence, location: KVLocation, shared: list[int], count: int) -> list[int]:
+        """Give `seq` `count` pages at `location`: `shared` (pages of that pool it holds with others) first,
+        freshly allocated ones after them. Returns its page list."""
+        pool = self.pool(location)
+        pool.share(shared)
+        pages = shared + pool.allocate(count - len(shared))
+        seq.kv_location = location
+        self._set_pages(seq, location, pages)
+        return pages
 
     def pages_of(self, seq: Sequence) -> list[int]:
         """The page ids of the tier the sequence's KV is in."""
