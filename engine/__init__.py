@@ -15,6 +15,7 @@ _EXPORTS = {
     "EngineLoop": "batchgen.engine.engine_loop",
     "InvalidRequestError": "batchgen.engine.errors",
     "LoadedModel": "batchgen.engine.models.loaded_model",
+    "EngineLoad": "batchgen.engine.engine_load",
     "MigratedRequest": "batchgen.engine.migration",
     "PrefillExporter": "batchgen.engine.prefill_export",
     "PrefillBatch": "batchgen.engine.prefill_output",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.engine_load import EngineLoad
 from batchgen.engine.grammar import GrammarBackend
 from batchgen.engine.kv_budget import plan_kv_budget
 from batchgen.engine.kv_manager import KVManager
@@ -101,7 +102,7 @@ class Engine:
                 self._first_tokens(plan.prefill, logits[:done])
             if plan.decode:
                 self._next_tokens(plan.decode, logits[done:])
-        self.stats.step_seconds += time.perf_counter() - start
+        self.stats.record_step_time(plan, time.perf_counter() - start)
         self.stats.record_step(self.scheduler)
         done, self._ready = self._ready, []
         return done
@@ -175,32 +176,74 @@ class Engine:
         for seq in list(state.samples):
             self._continue_or_finish(seq, prefilled.first_token_ids[seq.sample_index])
 
-    def export_request(self, request_id: str) -> MigratedRequest | None:
-        """MIGRATE out: remove a request that is waiting or decoding (its KV in device or host pages) and
-        return what another engine needs to continue it (`import_request`); None if there is no such
-        request or it is part-way through its prefill (movable once that step is done)."""
+    def load(self) -> EngineLoad:
+        """What this engine still has to do, as a balancer compares engines (engine/migration.py)."""
+        tokens = 0
+        for state in self._requests.values():
+            sampling = state.request.sampling
+            if len(state.samples) < sampling.n:  # not forked yet: nothing generated
+                tokens += sampling.max_tokens * sampling.n
+            else:
+                tokens += sum(sampling.max_tokens - len(s.generated) for s in state.samples
+                              if s.phase is not Phase.FINISHED)
+        return EngineLoad(len(self._requests), tokens, self.stats.step_seconds)
+
+    def movable_requests(self, count: int) -> list[str]:
+        """Up to `count` requests another engine could continue, oldest first: prompts still waiting, then
+        requests suspended in host pages, then decoding ones (moving those spreads the tail: PARTITION)."""
+        out: list[str] = []
+        queues = (self.scheduler.waiting, self.scheduler.suspended.values(), self.scheduler.running.values())
+        for seq in itertools.chain(*queues):
+            if len(out) >= count:
+                break
+            if seq.request_id not in out and self._movable(self._requests[seq.request_id]):
+                out.append(seq.request_id)
+        return out
+
+    def suspended_requests(self) -> list[str]:
+        """Requests whose every unfinished sample sits in host pages: their snapshot is a checkpoint."""
+        out = dict.fromkeys(s.request_id for s in self.scheduler.suspended.values())
+        return [rid for rid in out if all(s.phase in (Phase.SUSPENDED, Phase.FINISHED)
+                                          for s in self._requests[rid].samples)]
+
+    def snapshot_request(self, request_id: str) -> MigratedRequest | None:
+        """A copy of what another engine needs to continue the request from where it is now, leaving it
+        here (a checkpoint); None if there is no such request or it is part-way through a prefill."""
         state = self._requests.get(request_id)
-        if state is None or state.prefilled is not None or any(
-                s.phase is Phase.PREFILL or s is self.scheduler.prefilling for s in state.samples):
+        if state is None or not self._movable(state):
             return None
-        request = Request(request_id, list(state.samples[0].prompt_ids), sampling=state.request.sampling)
         first = state.samples[0]
+        request = Request(request_id, list(first.prompt_ids), sampling=state.request.sampling)
         migrated = MigratedRequest(request, [], first.submitted_at, first.first_scheduled_at)
         for seq in state.samples:
             if seq.phase is Phase.WAITING:
-                self.scheduler.remove(seq)
                 continue
             kv = None
             if seq.phase is not Phase.FINISHED:
                 kv = torch.empty(self.kv.geometry.packed_nbytes(seq.kv_len), dtype=torch.uint8)
                 self.kv.export(seq, kv)
-                self.scheduler.remove(seq)
             migrated.samples.append(MigratedSample(seq.sample_index, list(seq.generated), seq.logprobs, kv,
                                                    seq.kv_len, seq.finish_reason, seq.stop_text_end,
                                                    seq.finished_at))
-        del self._requests[request_id]
+        return migrated
+
+    def export_request(self, request_id: str) -> MigratedRequest | None:
+        """MIGRATE out: remove a request that is waiting or decoding (its KV in device or host pages) and
+        return what another engine needs to continue it (`import_request`); None as for `snapshot_request`."""
+        migrated = self.snapshot_request(request_id)
+        if migrated is None:
+            return None
+        for seq in self._requests.pop(request_id).samples:
+            if seq.phase is not Phase.FINISHED:
+                self.scheduler.remove(seq)
         self.stats.migrated_out += 1
         return migrated
+
+    def _movable(self, state: _RequestState) -> bool:
+        """Not adopted from a prefill engine and re-prefilling, and no sample in (or part-way through) a
+        prefill: its KV is whole."""
+        return state.prefilled is None and not any(
+            s.phase is Phase.PREFILL or s is self.scheduler.prefilling for s in state.samples)
 
     def import_request(self, migrated: MigratedRequest) -> None:
         """MIGRATE in: continue a request exported by another engine of the same model and KV dtype. Raises

@@ -8,6 +8,13 @@ back. Everything in flight lands in the same engine, which is what lets it over-
 sequences than it runs at once) and COMBINE across callers. An engine exception fails every
 pending and later request: a broken engine must not silently drop work.
 
+MIGRATE between engines goes through the loop too: `export` takes requests out of this engine (their
+futures stay pending here, the caller's), `adopt` runs requests another engine exported and hands each
+Result to a callback instead, `resolve` completes this loop's futures with Results that came back,
+`rerun` runs an exported request here again (from a checkpoint, or from its prompt) when the engine
+holding it died, and `snapshot` copies suspended requests out as checkpoints. `load` is the engine's
+load as of its last step or command, readable from any thread without waiting for either.
+
 Admission is bounded: `run` waits while the requests it has handed over and not yet got back would
 exceed `max_outstanding` (by default twice the engine's `max_num_seqs`: one set running, one set
 waiting to refill), so callers that keep many batches in flight get back-pressure instead of an
@@ -19,11 +26,17 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
 from batchgen.engine.engine import Engine
-from batchgen.engine.request import Result
+from batchgen.engine.engine_load import EngineLoad
+from batchgen.engine.errors import InvalidRequestError
+from batchgen.engine.migration import MigratedRequest
+from batchgen.engine.request import Request, Result
+
+LOAD_REFRESH_S = 0.05  # `load` is recounted after a step at most this often (it walks every request)
 
 _Command = tuple[Callable[[], None], list[Future]]  # what to run on the engine thread, whose futures it owns
 
@@ -35,6 +48,10 @@ class EngineLoop:
         wake-up). A construction error is raised here, in the caller."""
         self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._pending: dict[str, Future] = {}
+        self._adopted: dict[str, Callable[[Result], None]] = {}  # foreign request id -> who gets its Result
+        self._exported: dict[str, Request] = {}  # this loop's requests running elsewhere, to rerun if lost
+        self.load = EngineLoad(0, 0, 0.0)
+        self._load_at = 0.0
         self.failure: BaseException | None = None
         self._closed = False
         ready: Future = Future()
@@ -55,6 +72,7 @@ class EngineLoop:
         def command() -> None:
             self._pending.update(futures)
             admit(self.engine)
+            self._refresh_load()
 
         self._inbox.put((command, list(futures.values())))
         return list(futures.values())
@@ -107,6 +125,80 @@ class EngineLoop:
 
         self._inbox.put((command, []))
 
+    def export(self, count: int) -> Future:
+        """Take up to `count` movable requests out of the engine (Engine.movable_requests); the future
+        resolves to their MigratedRequests. Their Results come back through `resolve` (or `rerun`)."""
+        def command() -> list[MigratedRequest]:
+            moved = [m for m in map(self.engine.export_request, self.engine.movable_requests(count)) if m]
+            self._exported.update((m.request.request_id, m.request) for m in moved)
+            return moved
+
+        return self._call(command)
+
+    def adopt(self, migrated: list[MigratedRequest], on_result: Callable[[Result], None]) -> Future:
+        """Continue requests another engine exported; `on_result(result)` runs on the engine thread as each
+        finishes (a request this engine cannot run comes back as a Result with its error). The future
+        resolves once they are in the engine."""
+        def command() -> None:
+            for item in migrated:
+                rid = item.request.request_id
+                try:
+                    self.engine.import_request(item)
+                except InvalidRequestError as exc:
+                    on_result(Result(rid, [], error=str(exc)))
+                    continue
+                self._adopted[rid] = on_result
+
+        return self._call(command)
+
+    def resolve(self, results: list[Result]) -> None:
+        """Results of this loop's exported requests, finished by another engine."""
+        def command() -> None:
+            for result in results:
+                if self._exported.pop(result.request_id, None) is not None:
+                    self._finish(result)
+
+        self._call(command)
+
+    def rerun(self, lost: dict[str, MigratedRequest | None]) -> None:
+        """Exported requests whose engine died: continue each here from its checkpoint, or run it again
+        from its prompt (None)."""
+        def command() -> None:
+            for rid, checkpoint in lost.items():
+                request = self._exported.pop(rid, None)
+                if request is None:
+                    continue
+                try:
+                    self.engine.import_request(checkpoint) if checkpoint else self.engine.add_request(request)
+                except InvalidRequestError as exc:
+                    self._finish(Result(rid, [], error=str(exc)))
+
+        self._call(command)
+
+    def snapshot(self, skip: Callable[[str, int], bool]) -> Future:
+        """Copies of the requests suspended in host pages (Engine.snapshot_request), but those for which
+        `skip(request_id, tokens generated)` says a checkpoint is recent enough."""
+        def command() -> list[MigratedRequest]:
+            snapshots = (self.engine.snapshot_request(rid) for rid in self.engine.suspended_requests())
+            return [s for s in snapshots if s is not None and not skip(s.request.request_id, s.generated_tokens)]
+
+        return self._call(command)
+
+    def _call(self, fn: Callable[[], object]) -> Future:
+        """Run `fn` on the engine thread between two steps (then recount the load); a future of its value."""
+        done: Future = Future()
+
+        def command() -> None:
+            try:
+                done.set_result(fn())
+            except BaseException as exc:
+                done.set_exception(exc)
+                raise
+            self._refresh_load()
+
+        self._inbox.put((command, [done]))
+        return done
+
     def close(self) -> None:
         """Stop the thread after the current step; unfinished requests stay unresolved."""
         self._closed = True
@@ -130,10 +222,22 @@ class EngineLoop:
             except BaseException as exc:  # handed to every waiting caller
                 self._fail(exc)
                 continue
+            if time.perf_counter() - self._load_at > LOAD_REFRESH_S:
+                self._refresh_load()
             for result in finished:
-                future = self._pending.pop(result.request_id, None)
-                if future is not None:
-                    future.set_result(result)
+                self._finish(result)
+
+    def _refresh_load(self) -> None:
+        self.load, self._load_at = self.engine.load(), time.perf_counter()
+
+    def _finish(self, result: Result) -> None:
+        callback = self._adopted.pop(result.request_id, None)
+        if callback is not None:
+            callback(result)
+            return
+        future = self._pending.pop(result.request_id, None)
+        if future is not None:
+            future.set_result(result)
 
     def _run_commands(self, block: bool) -> bool:
         """Run every queued command (waiting for one when `block`); False once closed."""
@@ -161,3 +265,6 @@ class EngineLoop:
         for future in self._pending.values():
             future.set_exception(self.failure)
         self._pending.clear()
+        for rid, callback in self._adopted.items():  # their owners record the failure, not lose the rows
+            callback(Result(rid, [], error=str(self.failure)))
+        self._adopted.clear()

@@ -33,6 +33,8 @@ class EngineMetrics:
     model_seconds: float = 0.0  # in the model runner: batch building + forward
     forward_seconds: float = 0.0  # the forward alone (layers + LM head)
     step_seconds: float = 0.0
+    prefill_step_seconds: float = 0.0  # steps with prompt tokens (mixed ones included)
+    decode_step_seconds: float = 0.0  # decode-only steps
     admission_seconds: float = 0.0  # add_request: validation, tokenization, queueing
     sequence_steps: int = 0  # sequences summed over steps (prompts in prefill steps, samples in decode steps)
     moe_calls: int = 0
@@ -67,6 +69,13 @@ class EngineMetrics:
         self.yields, self.restores = scheduler.yields, scheduler.restores
         self.peak_active = max(self.peak_active, len(scheduler.running))
         self.peak_suspended = max(self.peak_suspended, len(scheduler.suspended))
+
+    def record_step_time(self, plan, seconds: float) -> None:
+        self.step_seconds += seconds
+        if plan is not None and plan.prefill is not None:
+            self.prefill_step_seconds += seconds
+        elif plan is not None:
+            self.decode_step_seconds += seconds
 
     def record_finished(self, finished_at: float, completion_time: float) -> None:
         self.finished_requests += 1

@@ -39,3 +39,17 @@ class MigratedRequest:
     @property
     def kv_bytes(self) -> int:
         return sum(s.kv.numel() for s in self.samples if s.kv is not None)
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Output tokens it may still generate (as Engine.load counts them)."""
+        limit = self.request.sampling.max_tokens
+        if not self.samples:
+            return limit * self.request.sampling.n
+        return sum(limit - len(s.generated) for s in self.samples if s.finish_reason is None)
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens decoded so far, over its samples: what recomputing it would decode again."""
+        return max((len(s.generated) for s in self.samples), default=0)
+

@@ -25,9 +25,11 @@ import time
 import uuid
 from typing import Any
 
+from batchgen.connectors.indexed_parquet import ROW_INDEX
 from batchgen.engine import Engine, EngineLoop, Request, SamplingParams
 from batchgen.operators.actor_ready import announce_ready
-from batchgen.operators.blocks import Block, num_rows, rows, to_block, with_columns
+from batchgen.operators.balancing import BalancingAgent, run_requests
+from batchgen.operators.blocks import Block, column_values, names, num_rows, rows, to_block, with_columns
 from batchgen.operators.columns import (
     PROMPT_COLUMNS,
     SAMPLING_PARAMS,
@@ -43,7 +45,7 @@ from batchgen.operators.engine_factory import load_engine
 class BatchGen:
     def __init__(self, model: str, sampling_params: dict[str, Any] | None = None, *,
                  storage_options: dict[str, Any] | None = None, list_outputs: bool | None = None,
-                 progress: Any = None, **engine_options: Any) -> None:
+                 progress: Any = None, balancer: Any = None, **engine_options: Any) -> None:
         """
         model: a local checkpoint directory, an fsspec URI (s3://...) or a preset name ("tiny-moe").
         sampling_params: defaults for every row (SamplingParams fields); a row's own override them.
@@ -51,6 +53,8 @@ class BatchGen:
         progress: the job's tracker (pipelines/progress.py): told when this actor is ready
         (`actor_ready`) and about every batch as it leaves the engine (`add_finished(rows, tokens)`: how
         `batchgen run` shows progress before rows are written).
+        balancer: the job's WorkBalancer (operators/work_balancer.py), to MIGRATE requests between the
+        engine actors of the pool and recover them from checkpoints (None: each actor keeps its own).
         """
         init_started = time.perf_counter()
         prepare_engine_process()
@@ -62,25 +66,27 @@ class BatchGen:
         prefix = uuid.uuid4().hex[:12]  # once per actor: a uuid per row costs an os.urandom call
         self._ids = (f"{prefix}-{i}" for i in itertools.count())
         self.progress = progress
+        self.agent = None if balancer is None else BalancingAgent(balancer, self.loop)
         announce_ready(progress, "BatchGen", init_started)
 
     async def __call__(self, batch: Any) -> Block:
         block = to_block(batch)
         outcomes = [RowOutcome() for _ in range(num_rows(block))]
         requests: list[tuple[int, Request]] = []
+        # a numbered row has the same request id when its task runs again: its checkpoint is found
+        ids = (f"row-{i}" for i in column_values(block, ROW_INDEX)) if ROW_INDEX in names(block) else self._ids
         for i, row in enumerate(rows(block, (*PROMPT_COLUMNS, SAMPLING_PARAMS))):
             parsed = self.parser.parse(row)
             if isinstance(parsed, str):
                 outcomes[i].error = parsed
                 continue
             outcomes[i].num_prompt_tokens = len(parsed.prompt_token_ids)
-            requests.append((i, Request(next(self._ids), parsed.prompt_token_ids, sampling=parsed.sampling)))
+            requests.append((i, Request(next(ids), parsed.prompt_token_ids, sampling=parsed.sampling)))
 
-        def admit(engine: Engine) -> None:
-            for _, request in requests:
-                engine.add_request(request)
+        def add(engine: Engine, i: int) -> None:
+            engine.add_request(requests[i][1])
 
-        results = await self.loop.run([r.request_id for _, r in requests], admit)
+        results = await run_requests(self.loop, self.agent, [r.request_id for _, r in requests], add)
         for (i, _), result in zip(requests, results):
             outcomes[i].result = result
         report_finished(self.progress, outcomes)

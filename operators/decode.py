@@ -15,6 +15,7 @@ from typing import Any
 from batchgen.engine import Engine, EngineLoop, InvalidRequestError, PrefillOutput
 from batchgen.operators import stage_columns as sc
 from batchgen.operators.actor_ready import announce_ready
+from batchgen.operators.balancing import BalancingAgent, run_requests
 from batchgen.operators.blocks import Block, column_values, to_block, with_columns, without_columns
 from batchgen.operators.columns import ERROR, RowOutcome, output_columns, report_finished
 from batchgen.operators.engine_actor import prepare_engine_process
@@ -23,14 +24,15 @@ from batchgen.operators.engine_factory import load_engine
 
 class Decode:
     def __init__(self, model: str, *, storage_options: dict[str, Any] | None = None, list_outputs: bool = False,
-                 progress: Any = None, **engine_options: Any) -> None:
-        """list_outputs, progress: as for BatchGen."""
+                 progress: Any = None, balancer: Any = None, **engine_options: Any) -> None:
+        """list_outputs, progress, balancer: as for BatchGen."""
         init_started = time.perf_counter()
         prepare_engine_process()
         self.list_outputs = list_outputs
         self.loop = EngineLoop(lambda: load_engine(model, storage_options, **engine_options))
         self.engine = self.loop.engine
         self.progress = progress
+        self.agent = None if balancer is None else BalancingAgent(balancer, self.loop)
         announce_ready(progress, "Decode", init_started)
 
     async def __call__(self, batch: Any) -> Block:
@@ -49,11 +51,10 @@ class Decode:
             except InvalidRequestError as exc:
                 outcomes[i].error = str(exc)
 
-        def admit(engine: Engine) -> None:
-            for _, prefilled in todo:
-                engine.add_prefilled(prefilled)
+        def add(engine: Engine, i: int) -> None:
+            engine.add_prefilled(todo[i][1])
 
-        results = await self.loop.run([p.request.request_id for _, p in todo], admit)
+        results = await run_requests(self.loop, self.agent, [p.request.request_id for _, p in todo], add)
         for (i, _), result in zip(todo, results):
             outcomes[i].result = result
         report_finished(self.progress, outcomes)

@@ -20,6 +20,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from batchgen.operators.work_balancer import BalancerStats
 from batchgen.pipelines.cli_args import json_object, parse_json_object
 from batchgen.pipelines.openai_batch.serve_cli import add_serve_parser, run_serve
 from batchgen.pipelines.pipeline import JobConfig, JobError, JobSummary, execute_job, plan_job
@@ -87,6 +88,8 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage-options", type=json_object,
                    help='fsspec options for model, input and output as JSON, e.g. {"endpoint_url": "..."}')
     p.add_argument("--ray-address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local one)")
+    p.add_argument("--no-migrate", dest="migrate", action="store_false", default=None,
+                   help="never move requests between engine actors (by default busy ones hand work to idle ones)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="show Ray's own log lines and worker output")
 
@@ -209,6 +212,18 @@ class _ProgressBar:
             self._bar.close()
 
 
+def balancing_lines(b: BalancerStats | None) -> list[str]:
+    """MIGRATE's part of the job summary (nothing when the job had no balancer)."""
+    if b is None:
+        return []
+    busy = ", ".join(f"{s:.1f} s" for s in sorted(b.busy_s.values(), reverse=True)) or "none"
+    return [f"  migrated     {b.migrations} requests between engine actors ({b.kv_bytes_moved / 2**20:.1f} MiB of "
+            f"KV), {b.partition_events} partition moves, {b.lost} returned from a dead actor",
+            f"  recovered    {b.restored} from checkpoints, {b.recomputed} recomputed "
+            f"({b.checkpoints} checkpoints, {b.checkpoint_bytes / 2**20:.1f} MiB)",
+            f"  engine busy  {busy} (per engine actor)"]
+
+
 def summary_text(s: JobSummary) -> str:
     p = s.progress
 
@@ -226,6 +241,7 @@ def summary_text(s: JobSummary) -> str:
         f"p99 {seconds(s.completion_time_p99_s)}",
         f"  start-up     engines ready at {seconds(s.engines_ready_s)} ("
         + (", ".join(f"{a.stage} constructed in {a.init_s:.1f} s" for a in s.engine_actors) or "none started") + ")",
+        *balancing_lines(s.balancing),
     ])
 
 

@@ -42,6 +42,7 @@ from batchgen.engine.quantile_sketch import QuantileSketch
 from batchgen.operators import BatchGen, Decode, Prefill, Tokenize, engine_actor_pool
 from batchgen.operators.actor_ready import EngineActorReady
 from batchgen.operators.columns import ERROR, check_input_columns
+from batchgen.operators.work_balancer import BalancerStats, start_work_balancer
 from batchgen.pipelines.progress import Progress, ProgressTracker, ReportWritten
 from batchgen.pipelines.progress import update as update_progress
 
@@ -77,6 +78,8 @@ class JobConfig:
     rows_per_block: int = 256
     rows_per_file: int | None = None  # rows gathered per write task; None: Ray's choice
     list_outputs: bool | None = None
+    # MIGRATE requests from busy to idle engine actors (several of them: single, or the decode stage)
+    migrate: bool = True
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -86,6 +89,8 @@ class JobConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise JobError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.migrate, bool):
+            raise JobError(f"migrate must be true or false, got {self.migrate!r}")
         for name in ("engine_resources", "prefill_resources", "decode_resources"):
             value = getattr(self, name)
             if not isinstance(value, dict) or not all(
@@ -116,6 +121,7 @@ class JobSummary:
     completion_time_p50_s: float | None  # over every row in the output, within QuantileSketch's 0.5 %
     completion_time_p99_s: float | None
     engine_actors: list[EngineActorReady] = field(default_factory=list)  # each engine actor started by the run
+    balancing: BalancerStats | None = None  # MIGRATE between the engine actors, when there was a balancer
     started_at: float = 0.0  # wall clock at the run's start, to place the engine actors' ready times
 
     @property
@@ -169,8 +175,9 @@ def execute_job(plan: JobPlan, on_progress: Callable[[Progress], None] | None = 
     progress = Progress(total_rows=source.num_rows, skipped_rows=source.skip.count)
     tracker = ProgressTracker.remote()
     started, started_at = time.perf_counter(), time.time()
+    balancer = _work_balancer(config)
     if progress.skipped_rows < progress.total_rows:
-        ds = build_dataset(config, source, tracker)
+        ds = build_dataset(config, source, tracker, balancer)
         sink = OrderedParquetSink(config.output, config.storage_options, config.rows_per_file,
                                   on_written=ReportWritten(tracker, "num_generated_tokens", ERROR))
         _run_with_progress(lambda: ds.write_datasink(sink, ray_remote_args={"num_cpus": _CPU_STAGE_CPUS}),
@@ -179,19 +186,24 @@ def execute_job(plan: JobPlan, on_progress: Callable[[Progress], None] | None = 
     update_progress(progress, tracker)
     summary = _summarise(config, progress)
     summary.engine_actors, summary.started_at = ray.get(tracker.ready_actors.remote()), started_at
+    if balancer is not None:
+        summary.balancing = ray.get(balancer.summary.remote())
+        ray.kill(balancer)
     return summary
 
 
 _CPU_STAGE_CPUS = 0.25  # read, tokenize, write: light, and must never starve the engine actors
 
 
-def build_dataset(config: JobConfig, source: IndexedParquetSource,
-                  progress: ray.actor.ActorHandle | None = None) -> ray.data.Dataset:
+def build_dataset(config: JobConfig, source: IndexedParquetSource, progress: ray.actor.ActorHandle | None = None,
+                  balancer: ray.actor.ActorHandle | None = None) -> ray.data.Dataset:
     """The lazy dataset of the job's pipeline, from read to the last operator (no write). `progress`: a
-    ProgressTracker the engine actors tell about every batch of rows they finish."""
+    ProgressTracker the engine actors tell about every batch of rows they finish; `balancer`: the
+    WorkBalancer of the decoding stage's engine actors (`_work_balancer`)."""
     common = {"storage_options": config.storage_options}
     engine_kwargs = {**common, **config.engine}
     finishing = {"progress": progress}  # engine actors report when ready; the last stage, rows as they leave it
+    balancing = {} if balancer is None else {"balancer": balancer}
 
     def engine_res(resources: dict[str, float]) -> dict[str, Any]:
         return {"num_cpus": engine_actor_cpus(config), "num_gpus": config.engine_num_gpus, "resources": resources}
@@ -203,7 +215,8 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource,
                               compute=engine_actor_pool(config.concurrency), **engine_res(config.engine_resources),
                               fn_constructor_kwargs={
                                   "model": config.model, "sampling_params": config.sampling_params,
-                                  "list_outputs": config.samples_as_lists, **finishing, **engine_kwargs})
+                                  "list_outputs": config.samples_as_lists, **finishing, **engine_kwargs,
+                                  **balancing})
     ds = ds.map_batches(Tokenize, batch_size=config.batch_size, batch_format="pyarrow",
                         compute=_pool(config.tokenize_concurrency), **cpu_res, fn_constructor_kwargs={
                             "model": config.model, "sampling_params": config.sampling_params,
@@ -214,7 +227,18 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource,
     return ds.map_batches(Decode, batch_size=config.batch_size, batch_format="pyarrow",
                           compute=engine_actor_pool(config.decode_concurrency), **engine_res(config.decode_resources),
                           fn_constructor_kwargs={"model": config.model, "list_outputs": config.samples_as_lists,
-                                                 **finishing, **engine_kwargs})
+                                                 **finishing, **engine_kwargs, **balancing})
+
+
+def _work_balancer(config: JobConfig) -> ray.actor.ActorHandle | None:
+    """The job's WorkBalancer when its decoding stage has several engine actors to balance (None otherwise).
+    An actor is short of work under the engine's refill threshold (its share of max_num_seqs); the job's
+    tail is PARTITIONed once it would fit one engine's batch."""
+    engine_actors = config.concurrency if config.mode == "single" else config.decode_concurrency
+    if not config.migrate or engine_actors < 2:
+        return None
+    engine = EngineConfig.from_kwargs(**config.engine)
+    return start_work_balancer(max(1, int(engine.refill_threshold * engine.max_num_seqs)), engine.max_num_seqs)
 
 
 def _pool(size: int) -> ray.data.ActorPoolStrategy:

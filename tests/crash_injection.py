@@ -48,12 +48,17 @@ class _Trigger:
         if not self.armed or self.seen <= self.after_batches or in_flight < self.min_in_flight:
             return
         self.armed = False
-        try:
-            with open(self.marker, "x") as f:
-                f.write(f"{self.stage} pid={os.getpid()} batch={self.seen} in_flight={in_flight}\n")
-        except FileExistsError:
-            return  # another worker (or this actor before its restart) crashed already
-        os._exit(EXIT_CODE)
+        _die_first(self.marker, f"{self.stage} pid={os.getpid()} batch={self.seen} in_flight={in_flight}")
+
+
+def _die_first(marker: str, record: str) -> None:
+    """Exit the process unless another worker claimed `marker` first."""
+    try:
+        with open(marker, "x") as f:
+            f.write(record + "\n")
+    except FileExistsError:
+        return  # another worker (or this actor before its restart) crashed already
+    os._exit(EXIT_CODE)
 
 
 def crashing(stage: type, *, after_batches: int, marker: str | Path, min_in_flight: int = 1) -> type:
@@ -88,3 +93,37 @@ def read_marker(marker: str | Path) -> dict[str, str]:
     """{"stage": "Decode", "pid": "1234", "batch": "3", "in_flight": "1"} from a marker a crashing stage wrote."""
     stage, *fields = Path(marker).read_text().split()
     return {"stage": stage, **dict(field.split("=", 1) for field in fields)}
+
+
+def crashing_agent(stage: type, *, marker: str | Path, moment: str) -> type:
+    """A subclass of the engine stage `stage` (given a balancer) whose worker dies at a MIGRATE `moment`:
+    "adopted", right after it took requests another actor exported (they are in its engine, their owner
+    waits for them), or "checkpointed", right after it stored checkpoints of suspended requests."""
+    name, marker = stage.__name__, str(marker)
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        stage.__init__(self, *args, **kwargs)
+        agent = self.agent
+        if moment == "adopted":
+            adopt = agent.loop.adopt
+
+            def adopt_then_die(migrated: Any, on_result: Any) -> Any:
+                done = adopt(migrated, on_result)
+                done.result()
+                _die_first(marker, f"{name} pid={os.getpid()} moment=adopted requests={len(migrated)}")
+                return done
+
+            agent.loop.adopt = adopt_then_die
+        elif moment == "checkpointed":
+            store = agent._store_checkpoints
+
+            async def store_then_die(snapshots: Any) -> None:
+                await store(snapshots)
+                if snapshots:
+                    _die_first(marker, f"{name} pid={os.getpid()} moment=checkpointed requests={len(snapshots)}")
+
+            agent._store_checkpoints = store_then_die
+        else:
+            raise ValueError(f"unknown moment {moment!r}")
+
+    return type(f"Crashing{name}", (stage,), {"__init__": init, "__module__": __name__})

@@ -4,10 +4,13 @@ outputs, penalties, bad words, n > 1 and samples that finished before the move."
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+from tiny_models import kv_bytes_per_token
 
 from batchgen.connectors.checkpoint import load_model
-from batchgen.engine import Engine, InvalidRequestError, Request, SamplingParams
+from batchgen.engine import Engine, EngineLoop, InvalidRequestError, Request, SamplingParams
 
 PROMPTS = ["Tell me about the old river.", "Write a poem about a cat.", "What would you do?",
            "Give 3 ideas for a game about the moon.", "Describe a day on the farm with your friend.",
@@ -101,3 +104,68 @@ def test_a_request_mid_prefill_is_not_movable_and_bad_imports_are_refused(demo):
     other = Engine(load_model("tiny-moe", dtype="bfloat16"))
     with pytest.raises(InvalidRequestError, match="does not fit this engine"):
         other.import_request(migrated)
+
+
+def test_a_checkpoint_of_a_suspended_request_continues_elsewhere_as_the_request_does_here(demo):
+    """Engine.snapshot_request copies a request held in host pages and leaves it running: both the source
+    and an engine that imports the copy finish it with the expected tokens."""
+    expected = by_id(Engine(demo, page_size=4).generate(workload()))
+    budget = kv_bytes_per_token(demo) * 4 * 12  # 12 pages of 4 tokens: most requests wait in host pages
+    source = Engine(demo, page_size=4, kv_budget_bytes=budget, b_attn=2)
+    for request in workload():
+        source.add_request(request)
+    finished, snapshots = [], {}
+    while not snapshots:
+        finished.extend(source.step())
+        suspended = source.suspended_requests()
+        assert source.movable_requests(len(source._requests))[: len(source.scheduler.waiting)] == [
+            s.request_id for s in source.scheduler.waiting]  # waiting prompts first, oldest first
+        snapshots = {rid: source.snapshot_request(rid) for rid in suspended}
+    assert all(s.samples and all(x.kv is not None or x.finish_reason for x in s.samples) for s in snapshots.values())
+    load = source.load()
+    assert load.requests == len(source._requests) and load.tokens > 0
+    results = by_id(finished + drain(source))
+    assert results == expected
+    target = Engine(demo, page_size=4)
+    for snapshot in snapshots.values():
+        target.import_request(snapshot)
+    assert by_id(drain(target)) == {rid: expected[rid] for rid in snapshots}
+
+
+def test_engine_loops_move_requests_and_their_results_return_to_the_owner(demo):
+    """EngineLoop.export / adopt / resolve, as two engine actors' agents use them: the owner's call returns
+    every Result, moved or not, exactly as one engine would have produced it; a request lost with its
+    holder runs again on its owner."""
+    expected = by_id(Engine(demo, page_size=16).generate(workload()))
+    owner, holder = (EngineLoop(lambda: Engine(demo, page_size=16)) for _ in range(2))
+    requests = workload()
+    moved_ids: list[str] = []
+
+    def admit(engine):
+        for request in requests:
+            engine.add_request(request)
+
+    async def main():
+        call = asyncio.ensure_future(owner.run([r.request_id for r in requests], admit))
+        while owner.load.requests < len(requests):  # admitted (the load is recounted after each command)
+            await asyncio.sleep(0.01)
+        moved = await asyncio.wrap_future(owner.export(3))
+        assert 0 < len(moved) <= 3 and owner.load.requests == len(requests) - len(moved)
+        moved_ids.extend(m.request.request_id for m in moved)
+        kept, lost = moved[:-1], moved[-1]
+        back: list = []
+        await asyncio.wrap_future(holder.adopt(kept, back.append))
+        while len(back) < len(kept):
+            await asyncio.sleep(0.01)
+        owner.resolve(back)
+        owner.rerun({lost.request.request_id: None})  # its holder "died": recomputed from its prompt
+        return await call
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        owner.close()
+        holder.close()
+    assert by_id(results) == expected
+    assert owner.engine.metrics()["migrated_out"] == len(moved_ids)
+    assert holder.engine.metrics()["migrated_in"] == len(moved_ids) - 1

@@ -1,0 +1,193 @@
+"""An engine actor's side of MIGRATE: reports its load to the job's WorkBalancer, moves requests, and
+checkpoints the requests it holds suspended in host pages.
+
+Runs on a thread of its own from the actor's construction (an actor Ray Data has given no batch yet
+is the idlest, and must be able to take work), every REPORT_S: report the load the engine loop
+published after its last step (never waiting for a step); export what the balancer asks for and send
+it on; adopt what was sent here (both between two engine steps); send the Results of
+adopted requests back towards their owners; complete this actor's own moved requests with the
+Results that came back, and rerun those whose holder died (from a checkpoint where that is faster).
+Every CHECKPOINT_S it hands the balancer snapshots of its suspended requests that have decoded
+CHECKPOINT_TOKENS more tokens since their last checkpoint; the balancer stores them as its own objects,
+so that they outlive this actor.
+
+Ray Data does not know about moved requests: it scales an actor pool down by killing actors that have
+no task once the input is exhausted, which is exactly when the tail is left to balance. So an actor
+takes work only while one of its calls is running (`serving`), and a call whose own rows are done
+stays (`linger`) while this actor holds moved requests or another actor has work to spare: the idle
+actor keeps its last task open, Ray Data keeps the actor, and the tail is shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from batchgen.engine import Engine, EngineLoop, InvalidRequestError, MigratedRequest, Result
+from batchgen.operators.recovery_cost import Checkpoint, RecoveryCosts, measured_costs
+from batchgen.operators.work_balancer import REPORT_S
+
+log = logging.getLogger(__name__)
+
+
+async def run_requests(loop: EngineLoop, agent: BalancingAgent | None, request_ids: list[str],
+                       add: Callable[[Engine, int], None]) -> list[Result]:
+    """A UDF call's requests through its actor's engine (`add(engine, i)` adds the i-th), balanced with
+    the other engine actors when the actor has an agent."""
+    if agent is not None:
+        return await agent.run(request_ids, add)
+
+    def admit(engine: Engine) -> None:
+        for i in range(len(request_ids)):
+            add(engine, i)
+
+    return await loop.run(request_ids, admit)
+
+CHECKPOINT_S = 2.0  # how often suspended requests are checkpointed
+CHECKPOINT_TOKENS = 16  # a request is checkpointed again once it decoded this many more tokens
+
+AGENTS: set[str] = set()  # the agents of this process, by name: the balancer's test of an actor's life
+
+
+class BalancingAgent:
+    def __init__(self, balancer: Any, loop: EngineLoop) -> None:
+        self.balancer, self.loop = balancer, loop
+        self.name = uuid.uuid4().hex[:12]
+        self.handle = ray.get_runtime_context().current_actor
+        self._finished: list[Result] = []  # Results of adopted requests, filled on the engine thread
+        self._holding = 0  # adopted requests whose Result has not been sent back yet
+        self._serving = 0  # calls of this actor's UDF in progress
+        self._checkpointed: dict[str, int] = {}  # request id -> generated tokens at its last checkpoint
+        self._copied_bytes, self._copy_s = 0, 0.0
+        self._last_checkpoint = time.monotonic()
+        self._lock = threading.Lock()
+        AGENTS.add(self.name)
+        threading.Thread(target=asyncio.run, args=(self._cycle(),), name="batchgen-balancing", daemon=True).start()
+
+    # ------------------------------------------------------------ the UDF's side
+    async def run(self, request_ids: list[str], add: Callable[[Engine, int], None]) -> list[Result]:
+        """EngineLoop.run for a UDF call's requests (`add(engine, i)` adds the i-th), each restored from its
+        checkpoint instead where the task runs again after an actor died and that is faster. Meanwhile the
+        actor may be given work (it is serving); the call stays while this actor holds moved requests or
+        another has work to spare."""
+        restored = await self._recovered(request_ids)
+
+        def admit(engine: Engine) -> None:
+            for i, rid in enumerate(request_ids):
+                try:
+                    if rid in restored:
+                        engine.import_request(restored[rid])
+                        continue
+                except InvalidRequestError:
+                    pass  # recomputed instead
+                add(engine, i)
+
+        with self._lock:
+            self._serving += 1
+        try:
+            results = await self.loop.run(request_ids, admit)
+            for rid in request_ids:
+                self._checkpointed.pop(rid, None)
+            self.balancer.done.remote(request_ids)
+            await self._linger()
+        finally:
+            with self._lock:
+                self._serving -= 1
+        return results
+
+    async def _recovered(self, request_ids: list[str]) -> dict[str, MigratedRequest]:
+        """Checkpoints to continue from, for the requests of a task Ray Data runs again after an actor died
+        (those worth restoring; the others run from their prompts)."""
+        refs = await self.balancer.recovered.remote(request_ids)
+        blobs = await asyncio.gather(*(wrapped[0] for wrapped in refs.values()))
+        return {rid: pickle.loads(blob) for rid, blob in zip(refs, blobs)}
+
+    async def _linger(self) -> None:
+        await asyncio.sleep(2 * REPORT_S)  # a report of this actor's new load first, then ask
+        while True:
+            with self._lock:
+                holding = self._holding
+            if not holding and not await self.balancer.has_surplus.remote(self.name):
+                return
+            await asyncio.sleep(REPORT_S)
+
+    # ------------------------------------------------------------ the agent's thread
+    async def _cycle(self) -> None:
+        while True:
+            try:
+                await self._exchange()
+            except ray.exceptions.RayActorError:
+                return  # the balancer is gone: the job ended
+            except Exception:  # noqa: BLE001 - one failed exchange must not end balancing for the job
+                log.exception("engine actor %s: a balancing exchange failed", self.name)
+            await asyncio.sleep(REPORT_S)
+
+    async def _exchange(self) -> None:
+        with self._lock:
+            serving = self._serving > 0
+        give, target = await self.balancer.report.remote(self.name, self.handle, self.loop.load, serving,
+                                                         self._costs())
+        if give:
+            moved = await asyncio.wrap_future(self.loop.export(give))
+            if moved:  # objects owned by this actor: lost with it, when its tasks run again anyway
+                items = [(m.request.request_id, [ray.put(m)]) for m in moved]
+                await self.balancer.send.remote(self.name, target, items, sum(m.kv_bytes for m in moved),
+                                                sum(m.remaining_tokens for m in moved))
+        incoming = await self.balancer.take.remote(self.name)
+        if incoming:
+            # a request whose owner died before it got here is gone with its owner's objects: nobody waits
+            # for it (Ray Data reruns the owner's tasks)
+            fetched = await asyncio.gather(*(wrapped[0] for wrapped in incoming), return_exceptions=True)
+            adopted = [m for m in fetched if not isinstance(m, Exception)]
+            with self._lock:
+                self._holding += len(adopted)
+            await asyncio.wrap_future(self.loop.adopt(adopted, self._adopted_done))
+        with self._lock:
+            done, self._finished = self._finished, []
+        if done:
+            await self.balancer.deliver.remote(self.name, done)
+            with self._lock:
+                self._holding -= len(done)
+        results, lost = await self.balancer.collect.remote(self.name)
+        if results:
+            self.loop.resolve(results)
+        if lost:
+            points = {rid: pickle.loads(await wrapped[0]) for rid, wrapped in lost.items() if wrapped is not None}
+            self.loop.rerun({rid: points.get(rid) for rid in lost})
+        if time.monotonic() - self._last_checkpoint > CHECKPOINT_S:
+            self._last_checkpoint = time.monotonic()
+            await self._store_checkpoints(await asyncio.wrap_future(self.loop.snapshot(self._checkpoint_is_recent)))
+
+    def _checkpoint_is_recent(self, request_id: str, generated: int) -> bool:
+        last = self._checkpointed.get(request_id)
+        return last is not None and generated - last < CHECKPOINT_TOKENS
+
+    async def _store_checkpoints(self, snapshots: list[MigratedRequest]) -> None:
+        """Each snapshot to the balancer, which stores it as an object of its own (so it outlives this
+        actor), pickled here so the balancer's process needs no torch. The time it takes is the copy
+        bandwidth a restore is costed at."""
+        if not snapshots:
+            return
+        started = time.perf_counter()
+        items = [(Checkpoint(m.request.request_id, m.kv_bytes, len(m.request.prompt_token_ids), m.generated_tokens),
+                  pickle.dumps(m, protocol=5)) for m in snapshots]
+        await self.balancer.checkpoint.remote(items)
+        self._copy_s += time.perf_counter() - started
+        self._copied_bytes += sum(info.kv_bytes for info, _ in items)
+        self._checkpointed.update((info.request_id, info.generated) for info, _ in items)
+        await self.balancer.report_costs.remote(self._costs())
+
+    def _costs(self) -> RecoveryCosts | None:
+        return measured_costs(self.loop.engine.stats, self._copied_bytes, self._copy_s)
+
+    def _adopted_done(self, result: Result) -> None:
+        with self._lock:
+            self._finished.append(result)

@@ -1,0 +1,278 @@
+"""The job-wide coordinator of MIGRATE between engine actors: a Ray actor that only records loads and
+passes object references (the engines stay Ray-free behind EngineLoop; operators/balancing.py is each
+engine actor's side).
+
+Every engine actor reports its load (EngineLoad) every REPORT_S, never per token, and is told what to
+export and to whom:
+- balancing: an actor serving a call with fewer than `low_water` requests, counting those on their way
+  to it, is hungry; the busiest actor (by output tokens still to generate) gives the hungriest about
+  half the difference, oldest requests first. Loads within `min_share` of each other are left alone.
+- PARTITION: once the whole job holds fewer than `partition_below` requests, its tail is spread evenly:
+  an actor above its even share of them gives the excess to the least loaded actor serving a call.
+Only an actor serving a call takes work: Ray Data keeps such an actor, while it may kill one without a
+task at any time once the input is exhausted.
+
+A moved request has one holder at a time, so no two live actors decode it. Its Result comes back
+here and on to the actor that exported it (its owner), whose task returns it, exactly once.
+
+Failures. An actor that has not reported for STALE_S is asked whether it is still the incarnation
+that reported (Ray restarts a dead actor under the same handle); if not, it is dead: the requests it
+held go back to their owners, each with its latest checkpoint. Results addressed to a dead owner are
+dropped: Ray Data reruns the owner's tasks, and the rerun recovers each request (`recover`).
+
+Checkpoints. Engine actors hand over snapshots of their requests suspended in host pages, which this
+actor stores as objects it owns so that they outlive the engine actor; the latest per request id is
+kept until the request is done. `recover` decides per request between its checkpoint and recomputing
+it from the prompt, by the costs the engine actors measured (operators/recovery_cost.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from batchgen.engine.engine_load import EngineLoad
+from batchgen.operators.recovery_cost import Checkpoint, RecoveryCosts, restore_is_faster
+
+REPORT_S = 0.25  # how often an engine actor reports and exchanges moved requests and their Results
+STALE_S = 2.0  # an actor silent this long is checked for life
+
+
+@dataclass
+class _Worker:
+    handle: Any  # its actor handle, to check it is alive
+    load: EngineLoad = field(default_factory=lambda: EngineLoad(0, 0, 0.0))
+    serving: bool = False  # a call of its UDF is running: Ray Data keeps it, it can take work
+    seen: float = 0.0
+    incoming: list[tuple[str, str, Any]] = field(default_factory=list)  # (owner, request id, ref) to take
+    incoming_requests: int = 0  # sent to it since its last report (taken or not): not in its load yet
+    incoming_tokens: int = 0
+    holding: dict[str, str] = field(default_factory=dict)  # request id -> owner, for requests it took
+    results: list[Any] = field(default_factory=list)  # Results of its own requests, finished elsewhere
+    lost: list[str] = field(default_factory=list)  # its own requests whose holder died
+
+    @property
+    def requests(self) -> int:
+        return self.load.requests + self.incoming_requests
+
+    @property
+    def tokens(self) -> int:
+        return self.load.tokens + self.incoming_tokens
+
+
+@dataclass
+class BalancerStats:
+    migrations: int = 0  # requests moved between engine actors
+    kv_bytes_moved: int = 0
+    partition_events: int = 0  # moves made to spread the job's tail evenly
+    lost: int = 0  # moved requests whose holder died (returned to their owners)
+    restored: int = 0  # requests recovered from a checkpoint
+    recomputed: int = 0  # requests recovered from their prompt
+    checkpoints: int = 0
+    checkpoint_bytes: int = 0
+    busy_s: dict[str, float] = field(default_factory=dict)  # engine actor -> time in engine steps
+
+
+class WorkBalancer:
+    def __init__(self, low_water: int, partition_below: int, max_batch: int = 64, min_share: float = 0.2) -> None:
+        self.low_water, self.partition_below = low_water, partition_below
+        self.max_batch, self.min_share = max_batch, min_share
+        self._workers: dict[str, _Worker] = {}
+        self._checkpoints: dict[str, Checkpoint] = {}
+        self._costs: RecoveryCosts | None = None
+        self.stats = BalancerStats()
+
+    # ------------------------------------------------------------ loads and moves
+    def report(self, worker: str, handle: Any, load: EngineLoad, serving: bool,
+               costs: RecoveryCosts | None = None) -> tuple[int, str | None]:
+        """Record `worker`'s load and whether it is serving a call; returns (how many requests it should
+        export now, to whom)."""
+        me = self._workers.setdefault(worker, _Worker(handle))
+        me.load, me.serving, me.seen = load, serving, time.monotonic()
+        me.incoming_requests = me.incoming_tokens = 0
+        self.stats.busy_s[worker] = load.busy_s
+        if costs is not None:
+            self._costs = costs
+        give, target = self._plan(worker)
+        return (give, target) if give > 0 else (0, None)
+
+    def _plan(self, worker: str) -> tuple[int, str | None]:
+        me = self._workers[worker]
+        takers = {name: w for name, w in self._workers.items() if name != worker and w.serving}
+        if not takers or me.load.requests < 2:
+            return 0, None
+        total = sum(w.requests for w in self._workers.values())
+        if total < self.partition_below:
+            target = min(takers, key=lambda n: takers[n].requests)
+            share = math.ceil(total / (len(takers) + 1))
+            give = min(me.requests - share, share - takers[target].requests, me.load.requests - 1)
+            if give > 0:
+                self.stats.partition_events += 1
+            return give, target
+        hungry = [n for n, w in takers.items() if w.requests < self.low_water]
+        if not hungry or max(self._workers, key=lambda n: self._workers[n].tokens) != worker:
+            return 0, None
+        target = min(hungry, key=lambda n: takers[n].tokens)
+        surplus = self._surplus(me.tokens, takers[target].tokens)
+        return min(self.max_batch, me.load.requests - 1, round(surplus * me.requests / max(1, me.tokens))), target
+
+    def _surplus(self, busy: int, idle: int) -> float:
+        """Tokens to move from a `busy` load to an `idle` one: half the difference, 0 while that is within
+        `min_share` of the busy load (a move would cost more than it evens out)."""
+        half = (busy - idle) / 2
+        return half if half > self.min_share * busy else 0.0
+
+    def has_surplus(self, worker: str) -> bool:
+        """Whether `worker` should keep a finished call open: requests were sent to it or it holds some, or
+        some other actor has work that could move to it."""
+        me = self._workers.get(worker)
+        if me is None:
+            return False
+        if me.incoming or me.holding:
+            return True
+        total = sum(w.requests for w in self._workers.values())
+        for name, other in self._workers.items():
+            if name == worker or other.load.requests < 2:
+                continue
+            if total < self.partition_below and other.requests > me.requests + 1:
+                return True
+            if self._surplus(other.tokens, me.tokens):
+                return True
+        return False
+
+    def send(self, owner: str, target: str, items: list[tuple[str, list]], kv_bytes: int, tokens: int) -> None:
+        """`owner` exported these (request id, [ref]) for `target`, carrying `kv_bytes` of KV and `tokens`
+        output tokens still to generate, in all."""
+        destination = self._workers.get(target)
+        if destination is None:  # died since: the owner runs them itself
+            self._return_to_owner(owner, [rid for rid, _ in items])
+            return
+        destination.incoming.extend((owner, rid, wrapped[0]) for rid, wrapped in items)
+        destination.incoming_requests += len(items)
+        destination.incoming_tokens += tokens
+        if owner in self._workers:  # until its next report says so itself
+            self._workers[owner].incoming_requests -= len(items)
+            self._workers[owner].incoming_tokens -= tokens
+        self.stats.migrations += len(items)
+        self.stats.kv_bytes_moved += kv_bytes
+
+    def take(self, worker: str) -> list[list]:
+        """The moved requests waiting for `worker`, each ref wrapped in a list (so it stays a ref)."""
+        me = self._workers.get(worker)
+        if me is None:
+            return []
+        items, me.incoming = me.incoming, []
+        me.holding.update((rid, owner) for owner, rid, _ in items)
+        return [[ref] for _, _, ref in items]
+
+    def deliver(self, worker: str, results: list[Any]) -> None:
+        """Results of requests `worker` took, for their owners."""
+        me = self._workers.get(worker)
+        for result in results:
+            owner = me.holding.pop(result.request_id, None) if me is not None else None
+            if owner in self._workers:
+                self._workers[owner].results.append(result)
+
+    def collect(self, worker: str) -> tuple[list[Any], dict[str, list | None]]:
+        """(Results of `worker`'s own requests finished elsewhere, {request id: [checkpoint ref] or None}
+        for its requests lost with their holder)."""
+        me = self._workers.get(worker)
+        if me is None:
+            return [], {}
+        results, lost, me.results, me.lost = me.results, me.lost, [], []
+        return results, self.recover(lost)
+
+    # ------------------------------------------------------------ checkpoints and recovery
+    def checkpoint(self, items: list[tuple[Checkpoint, bytes]]) -> None:
+        """Keep each request's latest snapshot (pickled MigratedRequest) as an object this actor owns."""
+        for info, blob in items:
+            self._checkpoints[info.request_id] = info.with_ref(ray.put(blob))
+            self.stats.checkpoints += 1
+            self.stats.checkpoint_bytes += info.kv_bytes
+
+    def report_costs(self, costs: RecoveryCosts | None) -> None:
+        """Recovery costs as an engine actor measured them (its checkpoint copies included)."""
+        if costs is not None:
+            self._costs = costs
+
+    def checkpointed(self, request_ids: list[str]) -> dict[str, int]:
+        """{request id: generated tokens at its checkpoint} for those of `request_ids` that have one."""
+        return {rid: self._checkpoints[rid].generated for rid in request_ids if rid in self._checkpoints}
+
+    def done(self, request_ids: list[str]) -> None:
+        """These requests finished: their checkpoints are dropped."""
+        for rid in request_ids:
+            self._checkpoints.pop(rid, None)
+
+    def recover(self, request_ids: list[str]) -> dict[str, list | None]:
+        """For requests that must run again: {request id: [checkpoint ref]} where restoring it is faster
+        than recomputing (measured costs), None where it is not or there is no checkpoint."""
+        out: dict[str, list | None] = {}
+        for rid in request_ids:
+            point = self._checkpoints.get(rid)
+            restore = point is not None and self._costs is not None and restore_is_faster(point, self._costs)
+            out[rid] = [point.ref] if restore else None
+            if restore:
+                self.stats.restored += 1
+            elif point is not None:
+                self.stats.recomputed += 1
+        return out
+
+    def recovered(self, request_ids: list[str]) -> dict[str, list]:
+        """`recover` for the rows of a rerun task: only the requests to restore from a checkpoint."""
+        known = [rid for rid in request_ids if rid in self._checkpoints]
+        return {rid: ref for rid, ref in self.recover(known).items() if ref is not None}
+
+    def summary(self) -> BalancerStats:
+        return self.stats
+
+    # ------------------------------------------------------------ failures
+    async def watch_workers(self) -> None:
+        """Runs for the actor's life (started by start_work_balancer): reaps dead engine actors."""
+        while True:
+            await asyncio.sleep(STALE_S / 2)
+            now = time.monotonic()
+            for name, worker in list(self._workers.items()):
+                if now - worker.seen > STALE_S and not await _alive(worker.handle, name):
+                    self._reap(name)
+
+    def _reap(self, name: str) -> None:
+        worker = self._workers.pop(name, None)
+        if worker is None:
+            return
+        orphans = [(owner, rid) for rid, owner in worker.holding.items()]
+        orphans += [(owner, rid) for owner, rid, _ in worker.incoming]
+        for owner, rid in orphans:
+            self._return_to_owner(owner, [rid])
+            self.stats.lost += 1
+
+    def _return_to_owner(self, owner: str, request_ids: list[str]) -> None:
+        if owner in self._workers:
+            self._workers[owner].lost.extend(request_ids)
+
+
+async def _alive(handle: Any, name: str) -> bool:
+    """Whether the actor behind `handle` still runs the balancing agent called `name` (a restarted actor
+    keeps its handle but not its agents)."""
+    try:
+        return await handle.__ray_call__.remote(_has_agent, name)
+    except ray.exceptions.RayActorError:
+        return False
+
+
+def _has_agent(_actor: Any, name: str) -> bool:
+    from batchgen.operators.balancing import AGENTS
+
+    return name in AGENTS
+
+
+def start_work_balancer(low_water: int, partition_below: int) -> Any:
+    """The job's WorkBalancer actor (no CPU of its own: it records loads and passes references)."""
+    balancer = ray.remote(num_cpus=0, max_concurrency=1000)(WorkBalancer).remote(low_water, partition_below)
+    balancer.watch_workers.remote()
+    return balancer

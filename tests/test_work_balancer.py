@@ -1,0 +1,134 @@
+"""The WorkBalancer's decisions (balancing, PARTITION, failures, checkpoints) and the recovery cost
+model, on the class itself: no Ray runtime."""
+
+from __future__ import annotations
+
+import asyncio
+
+from batchgen.engine import EngineLoad, Result
+from batchgen.operators import work_balancer
+from batchgen.operators.recovery_cost import Checkpoint, RecoveryCosts, restore_is_faster
+from batchgen.operators.work_balancer import WorkBalancer
+
+
+def load(requests: int, tokens: int) -> EngineLoad:
+    return EngineLoad(requests, tokens, 1.0)
+
+
+def report(balancer: WorkBalancer, worker: str, requests: int, tokens: int, serving: bool = True):
+    return balancer.report(worker, f"handle-{worker}", load(requests, tokens), serving)
+
+
+def test_the_busiest_actor_gives_about_half_the_token_difference_to_a_hungry_one():
+    balancer = WorkBalancer(low_water=4, partition_below=0, max_batch=5, min_share=0.2)
+    assert report(balancer, "idle", 1, 10) == (0, None)  # nobody to take from yet
+    assert report(balancer, "mid", 6, 110) == (3, "idle")  # (110 - 10) / 2 = 50 tokens: 3 of its 6 requests
+    assert report(balancer, "busy", 30, 3000) == (5, "idle")  # capped at max_batch
+    assert report(balancer, "mid", 6, 110) == (0, None)  # no longer the busiest
+    balancer.send("busy", "idle", [("r1", ["ref1"]), ("r2", ["ref2"]), ("r3", ["ref3"])], kv_bytes=300, tokens=300)
+    assert report(balancer, "busy", 27, 2700) == (0, None)  # "idle" has 1 + 3 requests coming: not hungry
+    assert balancer.take("idle") == [["ref1"], ["ref2"], ["ref3"]]
+    balancer.deliver("idle", [Result("r1", [1])])
+    assert balancer.collect("busy") == ([Result("r1", [1])], {})
+    assert balancer.collect("busy") == ([], {})
+    assert (balancer.stats.migrations, balancer.stats.kv_bytes_moved) == (3, 300)
+
+
+def test_close_loads_and_single_requests_are_left_alone():
+    balancer = WorkBalancer(low_water=100, partition_below=0, min_share=0.2)
+    report(balancer, "a", 10, 1000)
+    assert report(balancer, "b", 10, 1300) == (0, None)  # half the difference is 150 <= 20 % of 1300
+    assert report(balancer, "b", 10, 2000) == (2, "a")  # 500 tokens: 2 or 3 of its 10 requests
+    assert report(balancer, "b", 1, 5000) == (0, None)  # one request cannot be split
+
+
+def test_the_tail_is_partitioned_evenly_over_the_serving_actors():
+    balancer = WorkBalancer(low_water=1, partition_below=16)
+    report(balancer, "a", 0, 0)
+    report(balancer, "b", 0, 0)
+    report(balancer, "c", 0, 0, serving=False)  # between calls: Ray Data may kill it, it takes nothing
+    assert report(balancer, "busy", 12, 120) == (4, "a")  # 12 over 3 serving actors: 4 each
+    balancer.send("busy", "a", [(f"r{i}", [i]) for i in range(4)], 0, 40)
+    assert report(balancer, "busy", 8, 80) == (4, "b")
+    balancer.send("busy", "b", [(f"s{i}", [i]) for i in range(4)], 0, 40)
+    assert report(balancer, "busy", 4, 40) == (0, None)
+    assert balancer.stats.partition_events == 2
+    assert balancer.has_surplus("a")  # requests are on their way to it: a finished call stays open
+    for worker, prefix in (("a", "r"), ("b", "s")):
+        balancer.take(worker)
+        balancer.deliver(worker, [Result(f"{prefix}{i}", [1]) for i in range(4)])
+        report(balancer, worker, 0, 0)
+    assert balancer.has_surplus("a")  # "busy" still holds 4 of the tail
+    report(balancer, "busy", 1, 10)
+    assert not balancer.has_surplus("a")  # one request left: nothing to spread
+
+
+def test_only_an_actor_serving_a_call_takes_work_and_finished_calls_stay_while_work_can_move():
+    balancer = WorkBalancer(low_water=4, partition_below=0, min_share=0.2)
+    report(balancer, "between-calls", 0, 0, serving=False)
+    assert report(balancer, "busy", 20, 2000) == (0, None)
+    assert balancer.has_surplus("between-calls")
+    report(balancer, "between-calls", 0, 0)
+    assert report(balancer, "busy", 20, 2000) == (10, "between-calls")
+    report(balancer, "busy", 10, 1000)
+    report(balancer, "between-calls", 10, 1000)
+    assert not balancer.has_surplus("between-calls") and not balancer.has_surplus("busy")
+
+
+def test_requests_held_by_a_dead_actor_go_back_to_their_owner_with_their_checkpoints(monkeypatch):
+    balancer = WorkBalancer(low_water=4, partition_below=0)
+    report(balancer, "owner", 10, 1000)
+    report(balancer, "holder", 0, 0)
+    balancer.send("owner", "holder", [("a", ["ref-a"]), ("b", ["ref-b"])], 0, 200)
+    balancer.take("holder")
+    balancer.send("owner", "holder", [("c", ["ref-c"])], 0, 100)  # sent, not taken yet
+    monkeypatch.setattr(work_balancer.ray, "put", stored)
+    balancer.checkpoint([(Checkpoint("a", kv_bytes=1000, prompt_tokens=50, generated=40), b"a"),
+                         (Checkpoint("b", kv_bytes=10**12, prompt_tokens=5, generated=1), b"b")])
+    balancer.report_costs(RecoveryCosts(copy_bytes_per_s=1e9, prefill_s_per_token=1e-3, decode_step_s=1e-2))
+
+    alive = {"handle-owner": True, "handle-holder": False}
+
+    async def ping(handle, name):
+        return alive[handle]
+
+    monkeypatch.setattr(work_balancer, "_alive", ping)
+    monkeypatch.setattr(work_balancer, "STALE_S", 0.0)
+    asyncio.run(_one_watch(balancer))
+    results, lost = balancer.collect("owner")
+    # "a": 1 us to copy its KV against 0.45 s to recompute; "b": 1,000 s against 15 ms; "c": no checkpoint
+    assert results == [] and lost == {"a": ["ckpt-a"], "b": None, "c": None}
+    assert (balancer.stats.lost, balancer.stats.restored, balancer.stats.recomputed) == (3, 1, 1)
+    balancer.send("owner", "holder", [("d", ["ref-d"])], 0, 100)  # named before it died: the owner keeps it
+    assert balancer.collect("owner") == ([], {"d": None})
+    balancer.deliver("holder", [Result("a", [1])])  # a late Result from the dead holder goes nowhere
+    assert balancer.collect("owner") == ([], {})
+
+
+async def _one_watch(balancer: WorkBalancer) -> None:
+    task = asyncio.create_task(balancer.watch_workers())
+    await asyncio.sleep(0.05)
+    task.cancel()
+
+
+def stored(blob: bytes) -> str:
+    """Stands in for ray.put: the object the balancer keeps for a checkpoint."""
+    return f"ckpt-{blob.decode()}"
+
+
+def test_a_rerun_task_restores_only_the_requests_worth_restoring_and_finished_ones_are_forgotten(monkeypatch):
+    balancer = WorkBalancer(low_water=4, partition_below=0)
+    monkeypatch.setattr(work_balancer.ray, "put", stored)
+    balancer.checkpoint([(Checkpoint("row-1", 1000, 50, 40), b"1"), (Checkpoint("row-2", 1000, 50, 40), b"2")])
+    assert balancer.recovered(["row-1", "row-2", "row-3"]) == {}  # no costs measured yet: recompute
+    balancer.report("w", "h", load(1, 1), True, RecoveryCosts(1e9, 1e-3, 1e-2))
+    balancer.done(["row-2"])
+    assert balancer.checkpointed(["row-1", "row-2"]) == {"row-1": 40}
+    assert balancer.recovered(["row-1", "row-2", "row-3"]) == {"row-1": ["ckpt-1"]}
+
+
+def test_recovery_cost_compares_the_copy_with_prefill_and_decode_again():
+    costs = RecoveryCosts(copy_bytes_per_s=1e8, prefill_s_per_token=1e-3, decode_step_s=2e-2)
+    # recompute: 100 * 1 ms + 10 * 20 ms = 0.3 s
+    assert restore_is_faster(Checkpoint("r", kv_bytes=2 * 10**7, prompt_tokens=100, generated=10), costs)  # 0.2 s
+    assert not restore_is_faster(Checkpoint("r", kv_bytes=4 * 10**7, prompt_tokens=100, generated=10), costs)
