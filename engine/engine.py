@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -177,28 +177,36 @@ class Engine:
             self._continue_or_finish(seq, prefilled.first_token_ids[seq.sample_index])
 
     def load(self) -> EngineLoad:
-        """What this engine still has to do, as a balancer compares engines (engine/migration.py)."""
-        tokens = 0
-        for state in self._requests.values():
-            sampling = state.request.sampling
-            if len(state.samples) < sampling.n:  # not forked yet: nothing generated
-                tokens += sampling.max_tokens * sampling.n
-            else:
-                tokens += sum(sampling.max_tokens - len(s.generated) for s in state.samples
-                              if s.phase is not Phase.FINISHED)
+        """What this engine still has to do, as a balancer compares engines (engine/engine_load.py)."""
+        tokens = sum(map(self._remaining_tokens, self._requests.values()))
         return EngineLoad(len(self._requests), tokens, self.stats.step_seconds)
 
-    def movable_requests(self, count: int) -> list[str]:
-        """Up to `count` requests another engine could continue, oldest first: prompts still waiting, then
-        requests suspended in host pages, then decoding ones (moving those spreads the tail: PARTITION)."""
-        out: list[str] = []
+    def movable_requests(self, tokens: int, keep: Container[str] = ()) -> list[str]:
+        """Requests another engine could continue whose output tokens still to generate come closest to
+        `tokens` in all, taken oldest first: prompts still waiting, then requests suspended in host pages,
+        then decoding ones (moving those spreads the tail: PARTITION). Never every request, none in `keep`."""
+        out: dict[str, None] = {}
+        total, limit = 0, len(self._requests) - 1
         queues = (self.scheduler.waiting, self.scheduler.suspended.values(), self.scheduler.running.values())
         for seq in itertools.chain(*queues):
-            if len(out) >= count:
+            if total >= tokens or len(out) >= limit:
                 break
-            if seq.request_id not in out and self._movable(self._requests[seq.request_id]):
-                out.append(seq.request_id)
-        return out
+            rid = seq.request_id
+            state = self._requests[rid]
+            if rid in out or rid in keep or not self._movable(state):
+                continue
+            more = self._remaining_tokens(state)
+            if total + more - tokens <= tokens - total:  # it brings the total closer to `tokens`
+                out[rid] = None
+                total += more
+        return list(out)
+
+    def _remaining_tokens(self, state: _RequestState) -> int:
+        """Output tokens the request may still generate: each unfinished sample's max_tokens left."""
+        sampling = state.request.sampling
+        if len(state.samples) < sampling.n:  # not forked yet: nothing generated
+            return sampling.max_tokens * sampling.n
+        return sum(sampling.max_tokens - len(s.generated) for s in state.samples if s.phase is not Phase.FINISHED)
 
     def suspended_requests(self) -> list[str]:
         """Requests whose every unfinished sample sits in host pages: their snapshot is a checkpoint."""

@@ -36,7 +36,8 @@ from batchgen.engine.errors import InvalidRequestError
 from batchgen.engine.migration import MigratedRequest
 from batchgen.engine.request import Request, Result
 
-LOAD_REFRESH_S = 0.05  # `load` is recounted after a step at most this often (it walks every request)
+LOAD_REFRESH_S = 0.05  # `load` is recounted after a step at most this often (it walks every request), and
+# always after the step that leaves the engine idle
 
 _Command = tuple[Callable[[], None], list[Future]]  # what to run on the engine thread, whose futures it owns
 
@@ -125,11 +126,14 @@ class EngineLoop:
 
         self._inbox.put((command, []))
 
-    def export(self, count: int) -> Future:
-        """Take up to `count` movable requests out of the engine (Engine.movable_requests); the future
-        resolves to their MigratedRequests. Their Results come back through `resolve` (or `rerun`)."""
+    def export(self, tokens: int) -> Future:
+        """Take requests with about `tokens` output tokens still to generate out of the engine
+        (Engine.movable_requests), never one adopted from another engine (it moves once: its Result goes
+        back along one hop); the future resolves to their MigratedRequests. Their Results come back
+        through `resolve` (or `rerun`)."""
         def command() -> list[MigratedRequest]:
-            moved = [m for m in map(self.engine.export_request, self.engine.movable_requests(count)) if m]
+            ids = self.engine.movable_requests(tokens, keep=self._adopted)
+            moved = [m for m in map(self.engine.export_request, ids) if m]
             self._exported.update((m.request.request_id, m.request) for m in moved)
             return moved
 
@@ -190,11 +194,12 @@ class EngineLoop:
 
         def command() -> None:
             try:
-                done.set_result(fn())
+                value = fn()
             except BaseException as exc:
                 done.set_exception(exc)
                 raise
             self._refresh_load()
+            done.set_result(value)
 
         self._inbox.put((command, [done]))
         return done
@@ -222,7 +227,7 @@ class EngineLoop:
             except BaseException as exc:  # handed to every waiting caller
                 self._fail(exc)
                 continue
-            if time.perf_counter() - self._load_at > LOAD_REFRESH_S:
+            if not self.engine.has_unfinished() or time.perf_counter() - self._load_at > LOAD_REFRESH_S:
                 self._refresh_load()
             for result in finished:
                 self._finish(result)

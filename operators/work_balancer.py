@@ -5,10 +5,11 @@ engine actor's side).
 Every engine actor reports its load (EngineLoad) every REPORT_S, never per token, and is told what to
 export and to whom:
 - balancing: an actor serving a call with fewer than `low_water` requests, counting those on their way
-  to it, is hungry; the busiest actor (by output tokens still to generate) gives the hungriest about
-  half the difference, oldest requests first. Loads within `min_share` of each other are left alone.
-- PARTITION: once the whole job holds fewer than `partition_below` requests, its tail is spread evenly:
-  an actor above its even share of them gives the excess to the least loaded actor serving a call.
+  to it, is hungry; the busiest actor (by output tokens still to generate) gives the least loaded
+  hungry one requests worth about half the difference, oldest first. Loads within `min_share` of the
+  busier one are left alone.
+- PARTITION: once the whole job holds fewer than `partition_below` requests, its tail is spread evenly
+  the same way over every actor serving a call, hungry or not.
 Only an actor serving a call takes work: Ray Data keeps such an actor, while it may kill one without a
 task at any time once the input is exhausted.
 
@@ -29,7 +30,6 @@ it from the prompt, by the costs the engine actors measured (operators/recovery_
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +41,7 @@ from batchgen.operators.recovery_cost import Checkpoint, RecoveryCosts, restore_
 
 REPORT_S = 0.25  # how often an engine actor reports and exchanges moved requests and their Results
 STALE_S = 2.0  # an actor silent this long is checked for life
+MIN_SHARE = 0.05  # loads closer than this share of the busier one are left alone (a move costs KV copies)
 
 
 @dataclass
@@ -69,7 +70,7 @@ class _Worker:
 class BalancerStats:
     migrations: int = 0  # requests moved between engine actors
     kv_bytes_moved: int = 0
-    partition_events: int = 0  # moves made to spread the job's tail evenly
+    partition_events: int = 0  # moves made while the job's tail is spread (PARTITION)
     lost: int = 0  # moved requests whose holder died (returned to their owners)
     restored: int = 0  # requests recovered from a checkpoint
     recomputed: int = 0  # requests recovered from their prompt
@@ -79,9 +80,8 @@ class BalancerStats:
 
 
 class WorkBalancer:
-    def __init__(self, low_water: int, partition_below: int, max_batch: int = 64, min_share: float = 0.2) -> None:
-        self.low_water, self.partition_below = low_water, partition_below
-        self.max_batch, self.min_share = max_batch, min_share
+    def __init__(self, low_water: int, partition_below: int, min_share: float = MIN_SHARE) -> None:
+        self.low_water, self.partition_below, self.min_share = low_water, partition_below, min_share
         self._workers: dict[str, _Worker] = {}
         self._checkpoints: dict[str, Checkpoint] = {}
         self._costs: RecoveryCosts | None = None
@@ -90,36 +90,33 @@ class WorkBalancer:
     # ------------------------------------------------------------ loads and moves
     def report(self, worker: str, handle: Any, load: EngineLoad, serving: bool,
                costs: RecoveryCosts | None = None) -> tuple[int, str | None]:
-        """Record `worker`'s load and whether it is serving a call; returns (how many requests it should
-        export now, to whom)."""
+        """Record `worker`'s load and whether it is serving a call; returns (output tokens' worth of
+        requests it should export now, to whom)."""
         me = self._workers.setdefault(worker, _Worker(handle))
         me.load, me.serving, me.seen = load, serving, time.monotonic()
         me.incoming_requests = me.incoming_tokens = 0
         self.stats.busy_s[worker] = load.busy_s
         if costs is not None:
             self._costs = costs
-        give, target = self._plan(worker)
-        return (give, target) if give > 0 else (0, None)
+        return self._plan(worker)
 
     def _plan(self, worker: str) -> tuple[int, str | None]:
+        """The busiest actor (by output tokens still to generate) gives the least loaded actor serving a
+        call half the difference; outside the job's tail only to an actor short of requests."""
         me = self._workers[worker]
         takers = {name: w for name, w in self._workers.items() if name != worker and w.serving}
-        if not takers or me.load.requests < 2:
+        if not takers or me.load.requests < 2 or max(self._workers.values(), key=lambda w: w.tokens) is not me:
             return 0, None
-        total = sum(w.requests for w in self._workers.values())
-        if total < self.partition_below:
-            target = min(takers, key=lambda n: takers[n].requests)
-            share = math.ceil(total / (len(takers) + 1))
-            give = min(me.requests - share, share - takers[target].requests, me.load.requests - 1)
-            if give > 0:
-                self.stats.partition_events += 1
-            return give, target
-        hungry = [n for n, w in takers.items() if w.requests < self.low_water]
-        if not hungry or max(self._workers, key=lambda n: self._workers[n].tokens) != worker:
+        if not self._in_tail():
+            takers = {name: w for name, w in takers.items() if w.requests < self.low_water}
+        if not takers:
             return 0, None
-        target = min(hungry, key=lambda n: takers[n].tokens)
-        surplus = self._surplus(me.tokens, takers[target].tokens)
-        return min(self.max_batch, me.load.requests - 1, round(surplus * me.requests / max(1, me.tokens))), target
+        target = min(takers, key=lambda name: takers[name].tokens)
+        surplus = int(self._surplus(me.tokens, takers[target].tokens))
+        return (surplus, target) if surplus else (0, None)
+
+    def _in_tail(self) -> bool:
+        return sum(w.requests for w in self._workers.values()) < self.partition_below
 
     def _surplus(self, busy: int, idle: int) -> float:
         """Tokens to move from a `busy` load to an `idle` one: half the difference, 0 while that is within
@@ -129,21 +126,14 @@ class WorkBalancer:
 
     def has_surplus(self, worker: str) -> bool:
         """Whether `worker` should keep a finished call open: requests were sent to it or it holds some, or
-        some other actor has work that could move to it."""
+        another actor has enough more work that some of it would move to it."""
         me = self._workers.get(worker)
         if me is None:
             return False
         if me.incoming or me.holding:
             return True
-        total = sum(w.requests for w in self._workers.values())
-        for name, other in self._workers.items():
-            if name == worker or other.load.requests < 2:
-                continue
-            if total < self.partition_below and other.requests > me.requests + 1:
-                return True
-            if self._surplus(other.tokens, me.tokens):
-                return True
-        return False
+        return any(other.load.requests > 1 and self._surplus(other.tokens, me.tokens)
+                   for name, other in self._workers.items() if name != worker)
 
     def send(self, owner: str, target: str, items: list[tuple[str, list]], kv_bytes: int, tokens: int) -> None:
         """`owner` exported these (request id, [ref]) for `target`, carrying `kv_bytes` of KV and `tokens`
@@ -158,6 +148,7 @@ class WorkBalancer:
         if owner in self._workers:  # until its next report says so itself
             self._workers[owner].incoming_requests -= len(items)
             self._workers[owner].incoming_tokens -= tokens
+        self.stats.partition_events += self._in_tail()
         self.stats.migrations += len(items)
         self.stats.kv_bytes_moved += kv_bytes
 
@@ -237,8 +228,10 @@ class WorkBalancer:
         while True:
             await asyncio.sleep(STALE_S / 2)
             now = time.monotonic()
-            for name, worker in list(self._workers.items()):
-                if now - worker.seen > STALE_S and not await _alive(worker.handle, name):
+            stale = [(name, w) for name, w in self._workers.items() if now - w.seen > STALE_S]
+            alive = await asyncio.gather(*(_alive(w.handle, name) for name, w in stale))
+            for (name, worker), up in zip(stale, alive):
+                if not up and self._workers.get(name) is worker:
                     self._reap(name)
 
     def _reap(self, name: str) -> None:
@@ -258,9 +251,11 @@ class WorkBalancer:
 
 async def _alive(handle: Any, name: str) -> bool:
     """Whether the actor behind `handle` still runs the balancing agent called `name` (a restarted actor
-    keeps its handle but not its agents)."""
+    keeps its handle but not its agents). An actor too busy to answer within STALE_S counts as alive."""
     try:
-        return await handle.__ray_call__.remote(_has_agent, name)
+        return await asyncio.wait_for(handle.__ray_call__.remote(_has_agent, name), STALE_S)
+    except asyncio.TimeoutError:
+        return True
     except ray.exceptions.RayActorError:
         return False
 

@@ -118,7 +118,7 @@ def test_a_checkpoint_of_a_suspended_request_continues_elsewhere_as_the_request_
     while not snapshots:
         finished.extend(source.step())
         suspended = source.suspended_requests()
-        assert source.movable_requests(len(source._requests))[: len(source.scheduler.waiting)] == [
+        assert source.movable_requests(10**9)[: len(source.scheduler.waiting)] == [
             s.request_id for s in source.scheduler.waiting]  # waiting prompts first, oldest first
         snapshots = {rid: source.snapshot_request(rid) for rid in suspended}
     assert all(s.samples and all(x.kv is not None or x.finish_reason for x in s.samples) for s in snapshots.values())
@@ -149,8 +149,8 @@ def test_engine_loops_move_requests_and_their_results_return_to_the_owner(demo):
         call = asyncio.ensure_future(owner.run([r.request_id for r in requests], admit))
         while owner.load.requests < len(requests):  # admitted (the load is recounted after each command)
             await asyncio.sleep(0.01)
-        moved = await asyncio.wrap_future(owner.export(3))
-        assert 0 < len(moved) <= 3 and owner.load.requests == len(requests) - len(moved)
+        moved = await asyncio.wrap_future(owner.export(100))  # output tokens' worth: 2 to 5 of the 6 requests
+        assert 1 < len(moved) < len(requests) and owner.load.requests == len(requests) - len(moved)
         moved_ids.extend(m.request.request_id for m in moved)
         kept, lost = moved[:-1], moved[-1]
         back: list = []

@@ -19,14 +19,14 @@ def report(balancer: WorkBalancer, worker: str, requests: int, tokens: int, serv
     return balancer.report(worker, f"handle-{worker}", load(requests, tokens), serving)
 
 
-def test_the_busiest_actor_gives_about_half_the_token_difference_to_a_hungry_one():
-    balancer = WorkBalancer(low_water=4, partition_below=0, max_batch=5, min_share=0.2)
+def test_the_busiest_actor_gives_half_the_token_difference_to_the_least_loaded_hungry_one():
+    balancer = WorkBalancer(low_water=4, partition_below=0, min_share=0.2)
     assert report(balancer, "idle", 1, 10) == (0, None)  # nobody to take from yet
-    assert report(balancer, "mid", 6, 110) == (3, "idle")  # (110 - 10) / 2 = 50 tokens: 3 of its 6 requests
-    assert report(balancer, "busy", 30, 3000) == (5, "idle")  # capped at max_batch
-    assert report(balancer, "mid", 6, 110) == (0, None)  # no longer the busiest
-    balancer.send("busy", "idle", [("r1", ["ref1"]), ("r2", ["ref2"]), ("r3", ["ref3"])], kv_bytes=300, tokens=300)
-    assert report(balancer, "busy", 27, 2700) == (0, None)  # "idle" has 1 + 3 requests coming: not hungry
+    assert report(balancer, "mid", 6, 110) == (50, "idle")  # (110 - 10) / 2
+    assert report(balancer, "busy", 30, 3000) == (1495, "idle")
+    assert report(balancer, "mid", 6, 110) == (0, None)  # not the busiest: only the busiest gives
+    balancer.send("busy", "idle", [("r1", ["ref1"]), ("r2", ["ref2"]), ("r3", ["ref3"])], kv_bytes=300, tokens=1500)
+    assert report(balancer, "busy", 27, 1500) == (0, None)  # "idle" has 1 + 3 requests coming: not hungry
     assert balancer.take("idle") == [["ref1"], ["ref2"], ["ref3"]]
     balancer.deliver("idle", [Result("r1", [1])])
     assert balancer.collect("busy") == ([Result("r1", [1])], {})
@@ -38,41 +38,41 @@ def test_close_loads_and_single_requests_are_left_alone():
     balancer = WorkBalancer(low_water=100, partition_below=0, min_share=0.2)
     report(balancer, "a", 10, 1000)
     assert report(balancer, "b", 10, 1300) == (0, None)  # half the difference is 150 <= 20 % of 1300
-    assert report(balancer, "b", 10, 2000) == (2, "a")  # 500 tokens: 2 or 3 of its 10 requests
+    assert report(balancer, "b", 10, 2000) == (500, "a")
     assert report(balancer, "b", 1, 5000) == (0, None)  # one request cannot be split
 
 
-def test_the_tail_is_partitioned_evenly_over_the_serving_actors():
+def test_the_tail_is_partitioned_over_every_serving_actor_hungry_or_not():
     balancer = WorkBalancer(low_water=1, partition_below=16)
-    report(balancer, "a", 0, 0)
-    report(balancer, "b", 0, 0)
+    report(balancer, "a", 2, 100)  # not hungry (low water 1), but the job's tail is spread regardless
+    report(balancer, "b", 3, 300)
     report(balancer, "c", 0, 0, serving=False)  # between calls: Ray Data may kill it, it takes nothing
-    assert report(balancer, "busy", 12, 120) == (4, "a")  # 12 over 3 serving actors: 4 each
-    balancer.send("busy", "a", [(f"r{i}", [i]) for i in range(4)], 0, 40)
-    assert report(balancer, "busy", 8, 80) == (4, "b")
-    balancer.send("busy", "b", [(f"s{i}", [i]) for i in range(4)], 0, 40)
-    assert report(balancer, "busy", 4, 40) == (0, None)
+    assert report(balancer, "busy", 8, 800) == (350, "a")
+    balancer.send("busy", "a", [(f"r{i}", [i]) for i in range(3)], 0, 300)
+    assert report(balancer, "busy", 5, 500) == (100, "b")  # now b is the least loaded
+    balancer.send("busy", "b", [("s", ["ref"])], 0, 100)
     assert balancer.stats.partition_events == 2
-    assert balancer.has_surplus("a")  # requests are on their way to it: a finished call stays open
-    for worker, prefix in (("a", "r"), ("b", "s")):
-        balancer.take(worker)
-        balancer.deliver(worker, [Result(f"{prefix}{i}", [1]) for i in range(4)])
-        report(balancer, worker, 0, 0)
-    assert balancer.has_surplus("a")  # "busy" still holds 4 of the tail
-    report(balancer, "busy", 1, 10)
-    assert not balancer.has_surplus("a")  # one request left: nothing to spread
+    big = WorkBalancer(low_water=1, partition_below=4)  # the same loads outside the tail: nobody is hungry
+    for name, requests, tokens in (("a", 2, 100), ("b", 3, 300), ("busy", 8, 800)):
+        assert report(big, name, requests, tokens) == (0, None)
 
 
 def test_only_an_actor_serving_a_call_takes_work_and_finished_calls_stay_while_work_can_move():
     balancer = WorkBalancer(low_water=4, partition_below=0, min_share=0.2)
     report(balancer, "between-calls", 0, 0, serving=False)
     assert report(balancer, "busy", 20, 2000) == (0, None)
-    assert balancer.has_surplus("between-calls")
+    assert balancer.has_surplus("between-calls")  # a finished call of it would stay open
     report(balancer, "between-calls", 0, 0)
-    assert report(balancer, "busy", 20, 2000) == (10, "between-calls")
+    assert report(balancer, "busy", 20, 2000) == (1000, "between-calls")
+    balancer.send("busy", "between-calls", [("r", ["ref"])], 0, 1000)
     report(balancer, "busy", 10, 1000)
-    report(balancer, "between-calls", 10, 1000)
-    assert not balancer.has_surplus("between-calls") and not balancer.has_surplus("busy")
+    assert balancer.has_surplus("between-calls")  # requests are on their way to it
+    balancer.take("between-calls")
+    assert balancer.has_surplus("between-calls")  # it holds them
+    balancer.deliver("between-calls", [Result("r", [1])])
+    report(balancer, "between-calls", 0, 0)
+    report(balancer, "busy", 1, 1000)
+    assert not balancer.has_surplus("between-calls")  # one request left: nothing to spread
 
 
 def test_requests_held_by_a_dead_actor_go_back_to_their_owner_with_their_checkpoints(monkeypatch):
