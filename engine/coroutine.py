@@ -7,7 +7,8 @@ thousands of Python generators: suspended coroutines at the same program point a
 together as rows of one `CoroutineGroup`, so YIELD is returning the group, COMBINE is a
 concatenation and resuming is one module call on the combined rows. `partition` re-splits a
 group's rows, which is how attention micro-batches come apart again after a COMBINE-d MoE call.
-(PARTITION across devices and MIGRATE across engine actors are not implemented yet.)
+(MIGRATE and data-parallel PARTITION across engine actors are operators/work_balancer.py's;
+tensor-parallel PARTITION across devices is not implemented yet.)
 """
 
 from __future__ import annotations

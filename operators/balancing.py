@@ -33,7 +33,7 @@ import ray
 
 from batchgen.engine import Engine, EngineLoop, InvalidRequestError, MigratedRequest, Result
 from batchgen.operators.recovery_cost import Checkpoint, RecoveryCosts, measured_costs
-from batchgen.operators.work_balancer import REPORT_S
+from batchgen.operators.work_balancer import REPORT_S, incarnation
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +54,13 @@ async def run_requests(loop: EngineLoop, agent: BalancingAgent | None, request_i
 CHECKPOINT_S = 2.0  # how often suspended requests are checkpointed
 CHECKPOINT_TOKENS = 16  # a request is checkpointed again once it decoded this many more tokens
 
-AGENTS: set[str] = set()  # the agents of this process, by name: the balancer's test of an actor's life
-
 
 class BalancingAgent:
     def __init__(self, balancer: Any, loop: EngineLoop) -> None:
         self.balancer, self.loop = balancer, loop
         self.name = uuid.uuid4().hex[:12]
-        self.handle = ray.get_runtime_context().current_actor
+        actor_id = ray.get_runtime_context().get_actor_id()
+        self.actor = (actor_id, incarnation(actor_id)[1])  # how the balancer tells this incarnation is alive
         self._finished: list[Result] = []  # Results of adopted requests, filled on the engine thread
         self._holding = 0  # adopted requests whose Result has not been sent back yet
         self._serving = 0  # calls of this actor's UDF in progress
@@ -69,7 +68,6 @@ class BalancingAgent:
         self._copied_bytes, self._copy_s = 0, 0.0
         self._last_checkpoint = time.monotonic()
         self._lock = threading.Lock()
-        AGENTS.add(self.name)
         threading.Thread(target=asyncio.run, args=(self._cycle(),), name="batchgen-balancing", daemon=True).start()
 
     # ------------------------------------------------------------ the UDF's side
@@ -133,7 +131,7 @@ class BalancingAgent:
     async def _exchange(self) -> None:
         with self._lock:
             serving = self._serving > 0
-        give, target = await self.balancer.report.remote(self.name, self.handle, self.loop.load, serving,
+        give, target = await self.balancer.report.remote(self.name, self.actor, self.loop.load, serving,
                                                          self._costs())
         if give:
             moved = await asyncio.wrap_future(self.loop.export(give))

@@ -16,10 +16,11 @@ task at any time once the input is exhausted.
 A moved request has one holder at a time, so no two live actors decode it. Its Result comes back
 here and on to the actor that exported it (its owner), whose task returns it, exactly once.
 
-Failures. An actor that has not reported for STALE_S is asked whether it is still the incarnation
-that reported (Ray restarts a dead actor under the same handle); if not, it is dead: the requests it
-held go back to their owners, each with its latest checkpoint. Results addressed to a dead owner are
-dropped: Ray Data reruns the owner's tasks, and the rerun recovers each request (`recover`).
+Failures. An actor that has not reported for STALE_S is looked up in Ray's actor table: unless it is
+alive and still the incarnation that reported (Ray restarts a dead actor under the same id), it is
+dead: the requests it held go back to their owners, each with its latest checkpoint. Results
+addressed to a dead owner are dropped: Ray Data reruns the owner's tasks, and the rerun recovers each
+request (`recover`).
 
 Checkpoints. Engine actors hand over snapshots of their requests suspended in host pages, which this
 actor stores as objects it owns so that they outlive the engine actor; the latest per request id is
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray._private import state as ray_state
 
 from batchgen.engine.engine_load import EngineLoad
 from batchgen.operators.recovery_cost import Checkpoint, RecoveryCosts, restore_is_faster
@@ -46,7 +48,7 @@ MIN_SHARE = 0.05  # loads closer than this share of the busier one are left alon
 
 @dataclass
 class _Worker:
-    handle: Any  # its actor handle, to check it is alive
+    actor: tuple[str, int]  # its actor id and restart count (`incarnation`), to tell whether it is alive
     load: EngineLoad = field(default_factory=lambda: EngineLoad(0, 0, 0.0))
     serving: bool = False  # a call of its UDF is running: Ray Data keeps it, it can take work
     seen: float = 0.0
@@ -88,11 +90,11 @@ class WorkBalancer:
         self.stats = BalancerStats()
 
     # ------------------------------------------------------------ loads and moves
-    def report(self, worker: str, handle: Any, load: EngineLoad, serving: bool,
+    def report(self, worker: str, actor: tuple[str, int], load: EngineLoad, serving: bool,
                costs: RecoveryCosts | None = None) -> tuple[int, str | None]:
-        """Record `worker`'s load and whether it is serving a call; returns (output tokens' worth of
-        requests it should export now, to whom)."""
-        me = self._workers.setdefault(worker, _Worker(handle))
+        """Record `worker`'s load and whether it is serving a call (`actor`: its actor id and restart
+        count); returns (output tokens' worth of requests it should export now, to whom)."""
+        me = self._workers.setdefault(worker, _Worker(actor))
         me.load, me.serving, me.seen = load, serving, time.monotonic()
         me.incoming_requests = me.incoming_tokens = 0
         self.stats.busy_s[worker] = load.busy_s
@@ -228,10 +230,8 @@ class WorkBalancer:
         while True:
             await asyncio.sleep(STALE_S / 2)
             now = time.monotonic()
-            stale = [(name, w) for name, w in self._workers.items() if now - w.seen > STALE_S]
-            alive = await asyncio.gather(*(_alive(w.handle, name) for name, w in stale))
-            for (name, worker), up in zip(stale, alive):
-                if not up and self._workers.get(name) is worker:
+            for name, worker in list(self._workers.items()):
+                if now - worker.seen > STALE_S and incarnation(worker.actor[0]) != ("ALIVE", worker.actor[1]):
                     self._reap(name)
 
     def _reap(self, name: str) -> None:
@@ -249,21 +249,11 @@ class WorkBalancer:
             self._workers[owner].lost.extend(request_ids)
 
 
-async def _alive(handle: Any, name: str) -> bool:
-    """Whether the actor behind `handle` still runs the balancing agent called `name` (a restarted actor
-    keeps its handle but not its agents). An actor too busy to answer within STALE_S counts as alive."""
-    try:
-        return await asyncio.wait_for(handle.__ray_call__.remote(_has_agent, name), STALE_S)
-    except asyncio.TimeoutError:
-        return True
-    except ray.exceptions.RayActorError:
-        return False
-
-
-def _has_agent(_actor: Any, name: str) -> bool:
-    from batchgen.operators.balancing import AGENTS
-
-    return name in AGENTS
+def incarnation(actor_id: str) -> tuple[str, int]:
+    """(state, restarts) of an actor, from Ray's actor table (GCS): a restarted actor keeps its id but
+    counts one more restart, so ("ALIVE", n) tells whether the incarnation that reported is still up."""
+    info = ray_state.actors(actor_id)
+    return info["State"], info["NumRestarts"]
 
 
 def start_work_balancer(low_water: int, partition_below: int) -> Any:

@@ -16,7 +16,7 @@ def load(requests: int, tokens: int) -> EngineLoad:
 
 
 def report(balancer: WorkBalancer, worker: str, requests: int, tokens: int, serving: bool = True):
-    return balancer.report(worker, f"handle-{worker}", load(requests, tokens), serving)
+    return balancer.report(worker, (f"actor-{worker}", 0), load(requests, tokens), serving)
 
 
 def test_the_busiest_actor_gives_half_the_token_difference_to_the_least_loaded_hungry_one():
@@ -87,12 +87,9 @@ def test_requests_held_by_a_dead_actor_go_back_to_their_owner_with_their_checkpo
                          (Checkpoint("b", kv_bytes=10**12, prompt_tokens=5, generated=1), b"b")])
     balancer.report_costs(RecoveryCosts(copy_bytes_per_s=1e9, prefill_s_per_token=1e-3, decode_step_s=1e-2))
 
-    alive = {"handle-owner": True, "handle-holder": False}
-
-    async def ping(handle, name):
-        return alive[handle]
-
-    monkeypatch.setattr(work_balancer, "_alive", ping)
+    # the actor table: the owner runs as it reported, the holder's actor was restarted (a new incarnation)
+    table = {"actor-owner": ("ALIVE", 0), "actor-holder": ("ALIVE", 1)}
+    monkeypatch.setattr(work_balancer, "incarnation", table.get)
     monkeypatch.setattr(work_balancer, "STALE_S", 0.0)
     asyncio.run(_one_watch(balancer))
     results, lost = balancer.collect("owner")
@@ -121,7 +118,7 @@ def test_a_rerun_task_restores_only_the_requests_worth_restoring_and_finished_on
     monkeypatch.setattr(work_balancer.ray, "put", stored)
     balancer.checkpoint([(Checkpoint("row-1", 1000, 50, 40), b"1"), (Checkpoint("row-2", 1000, 50, 40), b"2")])
     assert balancer.recovered(["row-1", "row-2", "row-3"]) == {}  # no costs measured yet: recompute
-    balancer.report("w", "h", load(1, 1), True, RecoveryCosts(1e9, 1e-3, 1e-2))
+    balancer.report("w", ("actor-w", 0), load(1, 1), True, RecoveryCosts(1e9, 1e-3, 1e-2))
     balancer.done(["row-2"])
     assert balancer.checkpointed(["row-1", "row-2"]) == {"row-1": 40}
     assert balancer.recovered(["row-1", "row-2", "row-3"]) == {"row-1": ["ckpt-1"]}
