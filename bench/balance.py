@@ -1,6 +1,6 @@
 """MIGRATE between engine actors: batch completion time of a skewed job with and without it.
 
-    python bench/balance.py [--json] [--rows 64] [--long-tokens 96] [--short-tokens 8] [--model bench-moe]
+    python bench/balance.py [--json] [--rows 128] [--long-tokens 128] [--short-tokens 8] [--model bench-moe]
 
 `batchgen run --mode single` with 2 engine actors of 1 CPU each, the rows in 8 blocks, greedy,
 ignore_eos. Skewed: every long-output row (`--long-tokens`) in the first four blocks, every short one
@@ -59,8 +59,8 @@ def run(model: str, input_dir: Path, output: Path, rows_per_block: int, migrate:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="bench-moe")
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--long-tokens", type=int, default=96)
+    parser.add_argument("--rows", type=int, default=128)
+    parser.add_argument("--long-tokens", type=int, default=128)
     parser.add_argument("--short-tokens", type=int, default=8)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

@@ -51,6 +51,7 @@ async def run_requests(loop: EngineLoop, agent: BalancingAgent | None, request_i
 
     return await loop.run(request_ids, admit)
 
+LINGER_GRACE_S = 4 * REPORT_S  # a finished call waits this long for fresh loads before asking to stay
 CHECKPOINT_S = 2.0  # how often suspended requests are checkpointed
 CHECKPOINT_TOKENS = 16  # a request is checkpointed again once it decoded this many more tokens
 
@@ -109,13 +110,18 @@ class BalancingAgent:
         return {rid: pickle.loads(blob) for rid, blob in zip(refs, blobs)}
 
     async def _linger(self) -> None:
-        await asyncio.sleep(2 * REPORT_S)  # a report of this actor's new load first, then ask
+        """Only the actor's last call in progress stays: any other keeps the actor serving. It first waits
+        LINGER_GRACE_S for fresh loads (this actor's and the others'), then stays while it should."""
+        waited = 0.0
         while True:
             with self._lock:
-                holding = self._holding
-            if not holding and not await self.balancer.has_surplus.remote(self.name):
+                holding, others = self._holding, self._serving > 1
+            if others:
+                return
+            if waited >= LINGER_GRACE_S and not holding and not await self.balancer.has_surplus.remote(self.name):
                 return
             await asyncio.sleep(REPORT_S)
+            waited += REPORT_S
 
     # ------------------------------------------------------------ the agent's thread
     async def _cycle(self) -> None:

@@ -16,7 +16,7 @@ from batchgen.operators.work_balancer import start_work_balancer
 
 LONG = {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True}
 SEEDED = {"temperature": 0.9, "seed": 7, "max_tokens": 64, "ignore_eos": True}
-SHORT = {"temperature": 0.0, "max_tokens": 2, "ignore_eos": True}
+SHORT = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}  # long enough to see the other's load
 
 
 def skewed_blocks(prompts: list[str]) -> tuple[list[pa.Table], list[list[int]]]:

@@ -30,7 +30,7 @@ import pytest
 import uvicorn
 from pipeline_helpers import stop_string
 
-from batchgen.engine import Completion, Engine, EngineLoop, Request, SamplingParams
+from batchgen.engine import Completion, Engine, EngineLoad, EngineLoop, Request, SamplingParams
 from batchgen.operators import BatchGen
 from batchgen.pipelines.cli import build_parser
 from batchgen.pipelines.openai_batch.serve_cli import create_serve_app, open_store
@@ -641,6 +641,9 @@ class _BrokenEngine:
 
     def has_unfinished(self) -> bool:
         return self.requests > 0
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(self.requests, 0, 0.0)
 
     def step(self):
         raise RuntimeError("device lost")

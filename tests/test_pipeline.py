@@ -26,6 +26,7 @@ from batchgen.engine import Request, SamplingParams
 from batchgen.engine.reference import ReferenceRunner
 from batchgen.operators import BatchGen, Decode, Prefill
 from batchgen.operators.engine_factory import load_engine
+from batchgen.pipelines.cli import summary_text
 from batchgen.pipelines.pipeline import JobConfig, run_job
 
 ROWS = 20
@@ -108,6 +109,12 @@ def test_split_pipeline_writes_every_row_once_in_order_despite_an_engine_crash(
     assert summary.progress.generated_tokens == ROWS * SAMPLING["max_tokens"]
     # the decode stage reported its rows as they left the engines (a crashed task's rows may count twice)
     assert summary.progress.finished_rows >= ROWS and summary.progress.finished_tokens >= ROWS * SAMPLING["max_tokens"]
+    # two decode actors share a balancer (one actor, none), which the summary reports: busy time for each
+    # engine actor that reported (the crashed one and its restart included)
+    assert (summary.balancing is not None) == (decode_actors > 1)
+    if summary.balancing is not None:
+        assert len(summary.balancing.busy_s) >= 2 and sum(summary.balancing.busy_s.values()) > 0
+        assert "engine busy" in summary_text(summary) and "migrated" in summary_text(summary)
 
 
 def test_engine_actor_killed_holding_rows_of_two_tasks_loses_and_repeats_nothing(
