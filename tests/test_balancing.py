@@ -6,6 +6,7 @@ and recomputes the others."""
 from __future__ import annotations
 
 import pyarrow as pa
+import pytest
 import ray
 from crash_injection import crashing_agent, read_marker
 from pipeline_helpers import ENGINE, engine_outputs, workload
@@ -13,6 +14,8 @@ from pipeline_helpers import ENGINE, engine_outputs, workload
 from batchgen.connectors.indexed_parquet import ROW_INDEX
 from batchgen.operators import BatchGen
 from batchgen.operators.work_balancer import start_work_balancer
+
+pytestmark = pytest.mark.slow  # end to end on a Ray runtime
 
 LONG = {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True}
 SEEDED = {"temperature": 0.9, "seed": 7, "max_tokens": 64, "ignore_eos": True}
@@ -35,12 +38,19 @@ ENGINE_MODEL: list[str] = []  # the tiny-moe directory, set by the fixture of ea
 
 
 def run_two_actors(stage: type, blocks: list[pa.Table], balancer, engine: dict) -> list[dict]:
-    """A block per actor (one task in flight each), every row's output sorted by row index."""
-    ds = ray.data.from_arrow(blocks).map_batches(
-        stage, batch_size=blocks[0].num_rows, batch_format="pyarrow", num_cpus=0.5,
-        compute=ray.data.ActorPoolStrategy(size=2, max_tasks_in_flight_per_actor=1),
-        fn_constructor_kwargs={"model": ENGINE_MODEL[0], "balancer": balancer, **engine})
-    return sorted(ds.take_all(), key=lambda r: r[ROW_INDEX])
+    """A block per actor (one task in flight each, both actors started before the first task: else the
+    first one ready may take both blocks in turn), every row's output sorted by row index."""
+    context = ray.data.DataContext.get_current()
+    wait = context.wait_for_min_actors_s
+    context.wait_for_min_actors_s = 120
+    try:
+        ds = ray.data.from_arrow(blocks).map_batches(
+            stage, batch_size=blocks[0].num_rows, batch_format="pyarrow", num_cpus=0.5,
+            compute=ray.data.ActorPoolStrategy(size=2, max_tasks_in_flight_per_actor=1),
+            fn_constructor_kwargs={"model": ENGINE_MODEL[0], "balancer": balancer, **engine})
+        return sorted(ds.take_all(), key=lambda r: r[ROW_INDEX])
+    finally:
+        context.wait_for_min_actors_s = wait
 
 
 def test_an_idle_actor_takes_work_from_a_busy_one_and_outputs_do_not_change(ray_cluster, tiny_moe_dir):

@@ -30,6 +30,8 @@ from batchgen.operators.engine_factory import load_engine
 from batchgen.pipelines.openai_batch.ray_backend import NO_LOGPROBS
 from batchgen.pipelines.openai_batch.store import BatchStore
 
+pytestmark = pytest.mark.slow  # end to end on a Ray runtime
+
 CHAT = "/v1/chat/completions"
 # one engine actor taking two-row blocks: several part files per batch, so progress shows mid-batch
 RAY_JOB = {"mode": "single", "concurrency": 1, "batch_size": 2, "rows_per_block": 2}

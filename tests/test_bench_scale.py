@@ -7,7 +7,7 @@ import json
 import pytest
 from bench_helpers import import_bench
 
-ROWS = 100
+ROWS = 20
 
 
 @pytest.mark.slow

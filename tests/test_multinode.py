@@ -9,7 +9,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from pipeline_helpers import ENGINE, SAMPLING, engine_outputs, read_output, workload, write_input
+
+pytestmark = pytest.mark.slow  # end to end on a Ray runtime
 
 ROWS = 12
 STORE_BYTES = 128 << 20  # per node; the blocks of this job are a few MiB

@@ -29,6 +29,8 @@ from batchgen.operators.engine_factory import load_engine
 from batchgen.pipelines.cli import summary_text
 from batchgen.pipelines.pipeline import JobConfig, run_job
 
+pytestmark = pytest.mark.slow  # end to end on a Ray runtime
+
 ROWS = 20
 
 
