@@ -37,6 +37,10 @@ from batchgen.operators.work_balancer import REPORT_S, incarnation
 
 log = logging.getLogger(__name__)
 
+LINGER_GRACE_S = 4 * REPORT_S  # a finished call waits this long for fresh loads before asking to stay
+CHECKPOINT_S = 2.0  # how often suspended requests are checkpointed
+CHECKPOINT_TOKENS = 16  # a request is checkpointed again once it decoded this many more tokens
+
 
 async def run_requests(loop: EngineLoop, agent: BalancingAgent | None, request_ids: list[str],
                        add: Callable[[Engine, int], None]) -> list[Result]:
@@ -50,10 +54,6 @@ async def run_requests(loop: EngineLoop, agent: BalancingAgent | None, request_i
             add(engine, i)
 
     return await loop.run(request_ids, admit)
-
-LINGER_GRACE_S = 4 * REPORT_S  # a finished call waits this long for fresh loads before asking to stay
-CHECKPOINT_S = 2.0  # how often suspended requests are checkpointed
-CHECKPOINT_TOKENS = 16  # a request is checkpointed again once it decoded this many more tokens
 
 
 class BalancingAgent:
