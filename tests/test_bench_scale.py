@@ -1,6 +1,7 @@
 """bench/scale.py --quick --json end to end (in this process; each `batchgen run` is a subprocess with its
-own Ray runtime, as the bench measures it): every row of both sizes comes out of the engine alone, the
-pipeline and the passthrough, and the process accounts find the driver and the engine actor."""
+own Ray runtime, as the bench measures it; the passthrough runs on the session's runtime): every row of
+both sizes comes out of the engine alone, the pipeline and the passthrough, and the process accounts find
+the driver and the engine actor."""
 
 import json
 
@@ -11,7 +12,7 @@ ROWS = 20
 
 
 @pytest.mark.slow
-def test_quick_json_report(monkeypatch, capsys):
+def test_quick_json_report(ray_cluster, monkeypatch, capsys):
     bench = import_bench(monkeypatch, "scale")
     bench.main(["--quick", "--json", "--rows", str(ROWS)])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
