@@ -230,9 +230,9 @@ class Engine:
             if seq.phase is not Phase.FINISHED:
                 kv = torch.empty(self.kv.geometry.packed_nbytes(seq.kv_len), dtype=torch.uint8)
                 self.kv.export(seq, kv)
-            migrated.samples.append(MigratedSample(seq.sample_index, list(seq.generated), seq.logprobs, kv,
-                                                   seq.kv_len, seq.finish_reason, seq.stop_text_end,
-                                                   seq.finished_at))
+            logprobs = None if seq.logprobs is None else list(seq.logprobs)  # a checkpoint is read as it decodes on
+            migrated.samples.append(MigratedSample(seq.sample_index, list(seq.generated), logprobs, kv, seq.kv_len,
+                                                   seq.finish_reason, seq.stop_text_end, seq.finished_at))
         return migrated
 
     def export_request(self, request_id: str) -> MigratedRequest | None:
