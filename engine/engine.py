@@ -208,11 +208,15 @@ class Engine:
             return sampling.max_tokens * sampling.n
         return sum(sampling.max_tokens - len(s.generated) for s in state.samples if s.phase is not Phase.FINISHED)
 
-    def suspended_requests(self) -> list[str]:
-        """Requests whose every unfinished sample sits in host pages: their snapshot is a checkpoint."""
-        out = dict.fromkeys(s.request_id for s in self.scheduler.suspended.values())
-        return [rid for rid in out if all(s.phase in (Phase.SUSPENDED, Phase.FINISHED)
-                                          for s in self._requests[rid].samples)]
+    def suspended_requests(self) -> dict[str, int]:
+        """{request id: tokens generated} of the requests whose every unfinished sample sits in host pages:
+        their snapshot is a checkpoint."""
+        out = {}
+        for rid in dict.fromkeys(s.request_id for s in self.scheduler.suspended.values()):
+            samples = self._requests[rid].samples
+            if all(s.phase in (Phase.SUSPENDED, Phase.FINISHED) for s in samples):
+                out[rid] = max(len(s.generated) for s in samples)
+        return out
 
     def snapshot_request(self, request_id: str) -> MigratedRequest | None:
         """A copy of what another engine needs to continue the request from where it is now, leaving it

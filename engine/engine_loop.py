@@ -173,7 +173,10 @@ class EngineLoop:
                 if request is None:
                     continue
                 try:
-                    self.engine.import_request(checkpoint) if checkpoint else self.engine.add_request(request)
+                    if checkpoint is None:
+                        self.engine.add_request(request)
+                    else:
+                        self.engine.import_request(checkpoint)
                 except InvalidRequestError as exc:
                     self._finish(Result(rid, [], error=str(exc)))
 
@@ -183,8 +186,8 @@ class EngineLoop:
         """Copies of the requests suspended in host pages (Engine.snapshot_request), but those for which
         `skip(request_id, tokens generated)` says a checkpoint is recent enough."""
         def command() -> list[MigratedRequest]:
-            snapshots = (self.engine.snapshot_request(rid) for rid in self.engine.suspended_requests())
-            return [s for s in snapshots if s is not None and not skip(s.request.request_id, s.generated_tokens)]
+            wanted = [rid for rid, generated in self.engine.suspended_requests().items() if not skip(rid, generated)]
+            return [s for s in map(self.engine.snapshot_request, wanted) if s is not None]
 
         return self._call(command)
 

@@ -81,12 +81,12 @@ class BalancingAgent:
 
         def admit(engine: Engine) -> None:
             for i, rid in enumerate(request_ids):
-                try:
-                    if rid in restored:
+                if rid in restored:
+                    try:
                         engine.import_request(restored[rid])
                         continue
-                except InvalidRequestError:
-                    pass  # recomputed instead
+                    except InvalidRequestError:
+                        pass  # recomputed instead
                 add(engine, i)
 
         with self._lock:

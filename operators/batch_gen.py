@@ -74,14 +74,15 @@ class BatchGen:
         outcomes = [RowOutcome() for _ in range(num_rows(block))]
         requests: list[tuple[int, Request]] = []
         # a numbered row has the same request id when its task runs again: its checkpoint is found
-        ids = (f"row-{i}" for i in column_values(block, ROW_INDEX)) if ROW_INDEX in names(block) else self._ids
+        numbered = column_values(block, ROW_INDEX) if ROW_INDEX in names(block) else None
         for i, row in enumerate(rows(block, (*PROMPT_COLUMNS, SAMPLING_PARAMS))):
             parsed = self.parser.parse(row)
             if isinstance(parsed, str):
                 outcomes[i].error = parsed
                 continue
             outcomes[i].num_prompt_tokens = len(parsed.prompt_token_ids)
-            requests.append((i, Request(next(ids), parsed.prompt_token_ids, sampling=parsed.sampling)))
+            rid = next(self._ids) if numbered is None else f"row-{numbered[i]}"
+            requests.append((i, Request(rid, parsed.prompt_token_ids, sampling=parsed.sampling)))
 
         def add(engine: Engine, i: int) -> None:
             engine.add_request(requests[i][1])
