@@ -52,8 +52,11 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     storage_options: dict[str, Any] | None = None,
+    weights: bool = True,
 ) -> LoadedModel:
-    """Load the checkpoint at `uri` (local path, s3://, memory://, or a preset name such as "tiny-moe")."""
+    """Load the checkpoint at `uri` (local path, s3://, memory://, or a preset name such as "tiny-moe").
+    `weights=False`: only its shape, on the "meta" device (config and tokenizer read, no weight file): what the
+    planner needs of a model too large for this machine."""
     torch_dtype = parse_dtype(dtype)
     uri = resolve_preset(str(uri)) or str(uri)
     fs, root = filesystem(uri, storage_options)
@@ -63,8 +66,9 @@ def load_model(
         tokenizer = read_tokenizer(meta_dir, files, uri)
         eos_token_ids = _eos_token_ids(meta_dir, files, config, tokenizer)
     shards = _shard_paths(fs, root, files, uri)
-    model = _build_empty(family, config, torch_dtype, torch.device(device))
-    _fill_weights(model, family, fs, shards, uri)
+    model = _build_empty(family, config, torch_dtype, torch.device(device if weights else "meta"))
+    if weights:
+        _fill_weights(model, family, fs, shards, uri)
     return LoadedModel(model.eval(), config, tokenizer, eos_token_ids, int(config.max_position_embeddings),
                        torch_dtype, uri)
 

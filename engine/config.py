@@ -22,23 +22,25 @@ class EngineConfig:
     dtype: str = "float32"  # weights and KV, when the engine is built from a checkpoint URI
     device: str = "auto"  # "auto" picks cuda when present
     page_size: int = 64
-    kv_budget_bytes: int | None = None  # device page pool; None = a share of free device memory
-    host_kv_budget_bytes: int | None = None  # host page pool; None = a share of free host memory
-    staging_fraction: float = 0.25  # coroutine mode: share of a set KV budget kept for streaming
+    # Fields left None are planned when the engine is built (engine/planner): the configuration with the
+    # shortest predicted batch completion time under the memory available; a value given here always wins.
+    kv_budget_bytes: int | None = None  # device page pool (resident pages + staging pool)
+    host_kv_budget_bytes: int | None = None  # host page pool
+    staging_fraction: float | None = None  # coroutine mode: share of the device budget kept for streaming
     # coroutine mode, how host-resident sequences decode: True streams their KV layer by layer through a
     # staging pool in device memory; False attends on the host pages in place; None (auto) streams
     # unless the device is the CPU, whose "host" pages already are device memory
     stream_host_kv: bool | None = None
-    b_attn: int = 256  # max sequences per attention micro-batch
-    b_moe: int = 8192  # max tokens per MoE (feed-forward) batch
-    max_num_seqs: int = 256  # sequences resident in the engine (over-subscription bound)
+    b_attn: int | None = None  # max sequences per attention micro-batch
+    b_moe: int | None = None  # max tokens per MoE (feed-forward) batch
+    max_num_seqs: int | None = None  # sequences resident in the engine (over-subscription bound)
     max_prefill_tokens: int = 4096  # prompt tokens per step; a longer prompt is prefilled in chunks
     # prefill micro-batches join the same step's decode micro-batches in one MoE batch (COMBINE), so a
     # refill never stalls decoding; False runs prefill steps apart from decode steps
     mixed_steps: bool = True
     # prompts sharing whole pages of a prefix reuse those pages' KV instead of prefilling them again
     prefix_caching: bool = True
-    refill_threshold: float = 0.5  # refill prompts when decoding sequences fall under this share
+    refill_threshold: float | None = None  # refill prompts when decoding sequences fall under this share
     max_model_len: int | None = None  # None = the checkpoint's context length
     seed: int = 0
 
@@ -50,9 +52,9 @@ class EngineConfig:
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu", "cuda")
                                                      or self.device.startswith("cuda:")):
             raise ValueError(f"engine device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        for name in ("page_size", "b_attn", "b_moe", "max_num_seqs", "max_prefill_tokens"):
+        for name in ("page_size", "max_prefill_tokens"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("kv_budget_bytes", "host_kv_budget_bytes", "max_model_len"):
+        for name in ("b_attn", "b_moe", "max_num_seqs", "kv_budget_bytes", "host_kv_budget_bytes", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         _check_int("seed", self.seed, minimum=0)
@@ -63,6 +65,8 @@ class EngineConfig:
             raise ValueError(f"engine option stream_host_kv must be true, false or null, got {self.stream_host_kv!r}")
         for name in ("staging_fraction", "refill_threshold"):
             value = getattr(self, name)
+            if value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 raise ValueError(f"engine option {name} must be a number in [0, 1], got {value!r}")
 

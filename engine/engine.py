@@ -24,6 +24,7 @@ from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.migration import MigratedRequest, MigratedSample
 from batchgen.engine.model_runner import MicroBatchLimits, ModelRunner
 from batchgen.engine.models.loaded_model import LoadedModel
+from batchgen.engine.planner.planner import resolve_config
 from batchgen.engine.prefill_output import PrefillOutput
 from batchgen.engine.request import Completion, Request, Result
 from batchgen.engine.request_normalizer import RequestNormalizer
@@ -48,7 +49,7 @@ class _RequestState:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, **overrides):
-        self.config = EngineConfig.from_kwargs(config, **overrides)
+        self.config = resolve_config(loaded, EngineConfig.from_kwargs(config, **overrides))
         self.loaded = loaded
         self.model = loaded.model.eval()
         self.device = loaded.device
@@ -60,7 +61,7 @@ class Engine:
         stream_host = self.config.stream_host_kv
         if stream_host is None:
             stream_host = self.device.type != "cpu"
-        budget = plan_kv_budget(self.config, spec, loaded.dtype, self.max_model_len, self.device, stream_host)
+        budget = plan_kv_budget(self.config, stream_host)
         self.kv = KVManager(spec, self.config.page_size, loaded.dtype, budget, self.device, stream_host,
                             self.config.prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv)
@@ -179,7 +180,10 @@ class Engine:
     def load(self) -> EngineLoad:
         """What this engine still has to do, as a balancer compares engines (engine/engine_load.py)."""
         tokens = sum(map(self._remaining_tokens, self._requests.values()))
-        return EngineLoad(len(self._requests), tokens, self.stats.step_seconds)
+        config = self.config
+        return EngineLoad(len(self._requests), tokens, self.stats.step_seconds,
+                          refill_below=max(1, int(config.refill_threshold * config.max_num_seqs)),
+                          batch=config.max_num_seqs)
 
     def movable_requests(self, tokens: int, keep: Container[str] = ()) -> list[str]:
         """Requests another engine could continue whose output tokens still to generate come closest to

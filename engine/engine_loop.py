@@ -60,6 +60,7 @@ class EngineLoop:
                                         daemon=True)
         self._thread.start()
         self.engine: Engine = ready.result()
+        self.load = self.engine.load()
         self.max_outstanding = max_outstanding or 2 * self.engine.config.max_num_seqs
         self._outstanding = 0  # requests handed over by `run` whose futures are not done
         self._room = threading.Condition()

@@ -1,32 +1,50 @@
-"""How many bytes each KV tier gets when the user did not say: a pure function of the config,
-the model's cache geometry and the memory that is free."""
+"""The memory an engine may use for KV and activations, and the KV tiers of a configuration.
+
+Without explicit budgets the planner (engine/planner) sizes the tiers within these limits: half the
+free memory of a GPU, a modest share of a CPU machine's free memory (several engine actors may share
+one node, and host pages there are the same memory as device pages).
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_manager import KVBudget
-from batchgen.engine.models.context import KVSpec
+
+GPU_KV_SHARE = 0.5
+CPU_KV_SHARE = 0.05
+ACTIVATION_SHARE = 0.05  # of the free device memory, for the feed-forward batch's activations
 
 
-def plan_kv_budget(config: EngineConfig, spec: KVSpec, dtype: torch.dtype, max_model_len: int,
-                   device: torch.device, stream_host: bool) -> KVBudget:
-    """Explicit budgets win; otherwise what `max_num_seqs` full contexts need, capped by a modest share
-    of free memory (several engine actors may share one node)."""
-    token_bytes = spec.num_layers * spec.num_kv_heads * (spec.k_dim + spec.v_dim) * dtype.itemsize
-    wanted = token_bytes * config.max_num_seqs * max_model_len
-    share = 0.5 if device.type == "cuda" else 0.05
-    device_bytes = config.kv_budget_bytes or min(wanted, int(available_memory_bytes(device) * share))
-    host_bytes = config.host_kv_budget_bytes or min(wanted, int(available_memory_bytes(torch.device("cpu")) * 0.05))
-    if config.mode != "coroutine" or not stream_host:  # no staging pool: nothing streams through one
-        return KVBudget(device_bytes, host_bytes, 0)
-    staging = int(device_bytes * config.staging_fraction) if config.kv_budget_bytes else 0
-    if not staging:
-        staging = min(int(device_bytes * 0.05), token_bytes * max_model_len * config.b_attn)
-    return KVBudget(device_bytes, host_bytes, staging)
+@dataclass(frozen=True)
+class MemoryLimits:
+    device_kv_bytes: int  # device pages (resident + staging)
+    host_kv_bytes: int  # host pages
+    activation_bytes: int  # one feed-forward batch's activations
+
+
+def memory_limits(device_type: str, config: EngineConfig, free: int, host_free: int) -> MemoryLimits:
+    """What the planner may give each tier, from the free device and host memory beside the loaded model:
+    an explicit budget is the limit itself."""
+    share = GPU_KV_SHARE if device_type == "cuda" else CPU_KV_SHARE
+    return MemoryLimits(device_kv_bytes=config.kv_budget_bytes or int(free * share),
+                        host_kv_bytes=config.host_kv_budget_bytes or int(host_free * CPU_KV_SHARE),
+                        activation_bytes=int(free * ACTIVATION_SHARE))
+
+
+def plan_kv_budget(config: EngineConfig, stream_host: bool) -> KVBudget:
+    """The tiers of a configuration whose budgets are set: the staging pool is part of the device budget,
+    and only exists where host-resident sequences decode by streaming through it."""
+    if config.kv_budget_bytes is None or config.host_kv_budget_bytes is None:
+        raise ValueError("KV budgets are planned before the tiers are laid out (engine/planner)")
+    staging = 0
+    if config.mode == "coroutine" and stream_host:
+        staging = int(config.kv_budget_bytes * config.staging_fraction)
+    return KVBudget(config.kv_budget_bytes, config.host_kv_budget_bytes, staging)
 
 
 def available_memory_bytes(device: torch.device) -> int:

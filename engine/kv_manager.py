@@ -32,7 +32,9 @@ class KVBudget:
 
 class KVManager:
     def __init__(self, spec: KVSpec, page_size: int, dtype: torch.dtype, budget: KVBudget,
-                 device: torch.device, stream_host: bool, prefix_caching: bool, reserve_pages: int = 2):
+                 device: torch.device, stream_host: bool, prefix_caching: bool, reserve_pages: int = 2,
+                 host_device: torch.device = torch.device("cpu")):
+        """`host_device`: where host pages live; the planner replays schedules on "meta" pools (no storage)."""
         self.geometry = PoolGeometry(spec, page_size, dtype)
         self.page_size = page_size
         self.reserve_pages = reserve_pages
@@ -40,7 +42,7 @@ class KVManager:
         self.device = KVPool(self.geometry, self.geometry.pages_in_budget(resident_bytes), device,
                              cache=prefix_caching)
         self.host = KVPool(self.geometry, self.geometry.pages_in_budget(budget.host_bytes),
-                           torch.device("cpu"), pin=True, cache=prefix_caching)
+                           host_device, pin=True, cache=prefix_caching)
         stage_geometry = PoolGeometry(KVSpec(1, spec.num_kv_heads, spec.k_dim, spec.v_dim), page_size, dtype)
         self.stage = KVPool(stage_geometry, stage_geometry.pages_in_budget(budget.staging_bytes), device)
         self.stream_host = stream_host  # host-resident KV decodes through `stage` (else on host pages in place)

@@ -82,7 +82,10 @@ class BalancerStats:
 
 
 class WorkBalancer:
-    def __init__(self, low_water: int, partition_below: int, min_share: float = MIN_SHARE) -> None:
+    def __init__(self, low_water: int | None = None, partition_below: int | None = None,
+                 min_share: float = MIN_SHARE) -> None:
+        """`low_water` / `partition_below`: None takes each engine's own, as it reports them in its load (its
+        refill threshold in requests; the largest batch of any engine)."""
         self.low_water, self.partition_below, self.min_share = low_water, partition_below, min_share
         self._workers: dict[str, _Worker] = {}
         self._checkpoints: dict[str, Checkpoint] = {}
@@ -110,7 +113,8 @@ class WorkBalancer:
         if not takers or me.load.requests < 2 or max(self._workers.values(), key=lambda w: w.tokens) is not me:
             return 0, None
         if not self._in_tail():
-            takers = {name: w for name, w in takers.items() if w.requests < self.low_water}
+            takers = {name: w for name, w in takers.items()
+                      if w.requests < (w.load.refill_below if self.low_water is None else self.low_water)}
         if not takers:
             return 0, None
         target = min(takers, key=lambda name: takers[name].tokens)
@@ -118,7 +122,10 @@ class WorkBalancer:
         return (surplus, target) if surplus else (0, None)
 
     def _in_tail(self) -> bool:
-        return sum(w.requests for w in self._workers.values()) < self.partition_below
+        below = self.partition_below
+        if below is None:
+            below = max(w.load.batch for w in self._workers.values())
+        return sum(w.requests for w in self._workers.values()) < below
 
     def _surplus(self, busy: int, idle: int) -> float:
         """Tokens to move from a `busy` load to an `idle` one: half the difference, 0 while that is within
@@ -256,8 +263,9 @@ def incarnation(actor_id: str) -> tuple[str, int]:
     return info["State"], info["NumRestarts"]
 
 
-def start_work_balancer(low_water: int, partition_below: int) -> Any:
-    """The job's WorkBalancer actor (no CPU of its own: it records loads and passes references)."""
+def start_work_balancer(low_water: int | None = None, partition_below: int | None = None) -> Any:
+    """The job's WorkBalancer actor (no CPU of its own: it records loads and passes references); thresholds
+    as WorkBalancer takes them."""
     balancer = ray.remote(num_cpus=0, max_concurrency=1000)(WorkBalancer).remote(low_water, partition_below)
     balancer.watch_workers.remote()
     return balancer

@@ -23,6 +23,7 @@ from typing import Any
 from batchgen.operators.work_balancer import BalancerStats
 from batchgen.pipelines.cli_args import json_object, parse_json_object
 from batchgen.pipelines.openai_batch.serve_cli import add_serve_parser, run_serve
+from batchgen.pipelines.plan_cli import add_plan_parser, run_plan
 from batchgen.pipelines.pipeline import JobConfig, JobError, JobSummary, execute_job, plan_job
 from batchgen.pipelines.progress import Progress
 from batchgen.pipelines.ray_runtime import init_ray
@@ -35,6 +36,7 @@ _ACTOR_COUNTS = {
     "--decode-concurrency": "decode engine actors (disaggregated)",
     "--concurrency": "engine actors (single)",
     "--tokenize-concurrency": "tokenizer actors, CPU only (disaggregated)",
+    "--engine-actors": "engine actors in all (disaggregated): the planner splits them between prefill and decode",
 }
 
 
@@ -109,6 +111,10 @@ def job_config(args: argparse.Namespace) -> JobConfig:
     for name in _SAMPLING_FLAGS:
         if getattr(args, name, None) is not None:
             values["sampling_params"][name] = getattr(args, name)
+    if values.get("engine_actors") is not None and any(
+            values.get(k) is not None for k in ("prefill_concurrency", "decode_concurrency")):
+        raise UsageError("--engine-actors lets the planner split the engine actors: drop --prefill-concurrency "
+                         "and --decode-concurrency, or give those two alone")
     missing = [f"--{name}" for name in ("model", "input", "output") if not values.get(name)]
     if missing:
         raise UsageError(f"missing {', '.join(missing)} (on the command line or in --config)")
@@ -242,6 +248,9 @@ def summary_text(s: JobSummary) -> str:
         f"  start-up     engines ready at {seconds(s.engines_ready_s)} ("
         + (", ".join(f"{a.stage} constructed in {a.init_s:.1f} s" for a in s.engine_actors) or "none started") + ")",
         *balancing_lines(s.balancing),
+        *([] if s.stage_split is None else [
+            f"  stages       planned {s.stage_split.prefill_actors} prefill + {s.stage_split.decode_actors} decode "
+            f"engine actors (simulated BCT {s.stage_split.predicted_bct_s:.1f} s)"]),
     ])
 
 
@@ -259,6 +268,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[Any], argparse.ArgumentParser], Callable[
     "run": (add_run_parser, run_command),
     "demo": (add_demo_parser, demo_command),
     "serve": (add_serve_parser, run_serve),
+    "plan": (add_plan_parser, run_plan),
 }
 
 

@@ -38,11 +38,13 @@ from batchgen.connectors.indexed_parquet import (
 )
 from batchgen.connectors.io import StorageError, check_writable, filesystem
 from batchgen.engine import EngineConfig, SamplingParams
+from batchgen.engine.planner.stage_split import StageSplit
 from batchgen.engine.quantile_sketch import QuantileSketch
 from batchgen.operators import BatchGen, Decode, Prefill, Tokenize, engine_actor_pool
 from batchgen.operators.actor_ready import EngineActorReady
 from batchgen.operators.columns import ERROR, check_input_columns
 from batchgen.operators.work_balancer import BalancerStats, start_work_balancer
+from batchgen.pipelines.job_planning import plan_stages
 from batchgen.pipelines.progress import Progress, ProgressTracker, ReportWritten
 from batchgen.pipelines.progress import update as update_progress
 
@@ -80,6 +82,9 @@ class JobConfig:
     list_outputs: bool | None = None
     # MIGRATE requests from busy to idle engine actors (several of them: single, or the decode stage)
     migrate: bool = True
+    # disaggregated: this many engine actors in all, split between prefill and decode by the planner (which
+    # also fixes the engine settings left unset, for the job's input); prefill/decode_concurrency are ignored
+    engine_actors: int | None = None
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -89,6 +94,14 @@ class JobConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise JobError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.engine_actors is not None:
+            if self.mode != "disaggregated":
+                raise JobError("engine_actors splits a disaggregated pipeline's engine actors; in single mode give "
+                               "concurrency")
+            if isinstance(self.engine_actors, bool) or not isinstance(self.engine_actors, int) \
+                    or self.engine_actors < 2:
+                raise JobError(f"engine_actors must be an integer >= 2 (a prefill and a decode actor at least), got "
+                               f"{self.engine_actors!r}")
         if not isinstance(self.migrate, bool):
             raise JobError(f"migrate must be true or false, got {self.migrate!r}")
         for name in ("engine_resources", "prefill_resources", "decode_resources"):
@@ -122,6 +135,7 @@ class JobSummary:
     completion_time_p99_s: float | None
     engine_actors: list[EngineActorReady] = field(default_factory=list)  # each engine actor started by the run
     balancing: BalancerStats | None = None  # MIGRATE between the engine actors, when there was a balancer
+    stage_split: StageSplit | None = None  # the planner's split of engine_actors, when asked for
     started_at: float = 0.0  # wall clock at the run's start, to place the engine actors' ready times
 
     @property
@@ -172,6 +186,9 @@ def plan_job(config: JobConfig) -> JobPlan:
 def execute_job(plan: JobPlan, on_progress: Callable[[Progress], None] | None = None,
                 poll_s: float = 0.5) -> JobSummary:
     config, source = plan.config, plan.source
+    split = None
+    if config.engine_actors is not None:
+        config, split = plan_stages(config)
     progress = Progress(total_rows=source.num_rows, skipped_rows=source.skip.count)
     tracker = ProgressTracker.remote()
     started, started_at = time.perf_counter(), time.time()
@@ -186,6 +203,7 @@ def execute_job(plan: JobPlan, on_progress: Callable[[Progress], None] | None = 
     update_progress(progress, tracker)
     summary = _summarise(config, progress)
     summary.engine_actors, summary.started_at = ray.get(tracker.ready_actors.remote()), started_at
+    summary.stage_split = split
     if balancer is not None:
         summary.balancing = ray.get(balancer.summary.remote())
         ray.kill(balancer)
@@ -232,13 +250,12 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource, progress: ray
 
 def _work_balancer(config: JobConfig) -> ray.actor.ActorHandle | None:
     """The job's WorkBalancer when its decoding stage has several engine actors to balance (None otherwise).
-    An actor is short of work under the engine's refill threshold (its share of max_num_seqs); the job's
-    tail is PARTITIONed once it would fit one engine's batch."""
+    An actor is short of work under its engine's refill threshold (its share of max_num_seqs, as the engine
+    reports it: planned or given); the job's tail is PARTITIONed once it would fit one engine's batch."""
     engine_actors = config.concurrency if config.mode == "single" else config.decode_concurrency
     if not config.migrate or engine_actors < 2:
         return None
-    engine = EngineConfig.from_kwargs(**config.engine)
-    return start_work_balancer(max(1, int(engine.refill_threshold * engine.max_num_seqs)), engine.max_num_seqs)
+    return start_work_balancer()
 
 
 def _pool(size: int) -> ray.data.ActorPoolStrategy:

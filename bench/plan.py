@@ -1,0 +1,171 @@
+"""The planner against a sweep: does the configuration it picks run as fast as the best of a dozen others,
+faster than the old fixed defaults, and does it predict each step's time?
+
+    python bench/plan.py [--json] [--num-prompts 128] [--scenarios unconstrained,kv_budget,experts64]
+
+Scenarios (bench/bct.py's bench-moe workload, greedy, fixed output lengths):
+- unconstrained: device KV holds every sequence's full context;
+- kv_budget: device KV holds 16 sequences of mean full context (bct.py's budget scenario);
+- experts64: unconstrained, on the preset with 64 experts, top-4.
+
+In each scenario the same engine runs, one after another in one process: the sweep (configurations
+spanning max_num_seqs, b_attn, b_moe and the refill threshold), the planner's choice for the scenario's
+memory and workload, and the old fixed defaults (max_num_seqs 256, b_attn 256, b_moe 8192, refill 0.5,
+staging 0.25). Every run is timed step by step and compared with the planner's prediction of the same
+configuration (the scheduler replayed, each step priced by the cost curves): the median relative error
+over steps. The profile is measured fresh at the start (its time is reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bct import WorkloadSpec, all_contexts_bytes, budget_bytes, make_workload, requests_for  # noqa: E402
+from roofline import MoEShape  # noqa: E402
+
+from batchgen.connectors.checkpoint import load_model  # noqa: E402
+from batchgen.engine import Engine, EngineConfig  # noqa: E402
+from batchgen.engine.kv_budget import MemoryLimits, plan_kv_budget  # noqa: E402
+from batchgen.engine.planner import PLANNED_FIELDS, WorkloadShape, plan_engine  # noqa: E402
+from batchgen.engine.planner.profiler import profile_model  # noqa: E402
+from batchgen.engine.planner.schedule_pricing import SchedulePricer  # noqa: E402
+from batchgen.engine.planner.schedule_replay import replay_schedule  # noqa: E402
+
+PAGE_SIZE = 64
+OLD_DEFAULTS = {"max_num_seqs": 256, "refill_threshold": 0.5, "b_attn": 256, "b_moe": 8192, "staging_fraction": 0.25}
+# (max_num_seqs, refill_threshold, b_attn, b_moe): small to large populations, tiny to whole micro-batches
+SWEEP = ((8, 0.5, 8, 8192), (16, 0.5, 16, 8192), (16, 0.75, 8, 1024), (32, 0.5, 32, 8192), (32, 0.25, 16, 512),
+         (64, 0.5, 64, 8192), (64, 0.75, 16, 2048), (128, 0.5, 128, 8192), (128, 0.5, 32, 256),
+         (128, 0.5, 128, 64), (256, 0.5, 64, 16384), (256, 0.5, 16, 4096), (512, 0.5, 512, 16384))
+SCENARIOS = {"unconstrained": ("bench-moe", None), "kv_budget": ("bench-moe", 16),
+             "experts64": ("bench-moe?experts=64&top_k=4", None)}
+
+
+@dataclasses.dataclass
+class Measured:
+    bct_s: float
+    step_s: list[float]
+    tokens: list[list[int]]
+
+
+def run_config(loaded, config: EngineConfig, requests) -> Measured:
+    """BCT from the first request to the last result, each step timed."""
+    engine = Engine(loaded, config)
+    gc.collect()
+    start = time.perf_counter()
+    for request in requests:
+        engine.add_request(request)
+    steps, results = [], []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        results.extend(engine.step())
+        steps.append(time.perf_counter() - t0)
+    bct = time.perf_counter() - start
+    by_id = {r.request_id: r for r in results}
+    del engine
+    return Measured(bct, steps, [by_id[r.request_id].outputs[0].token_ids for r in requests])
+
+
+def predicted_steps(loaded, config: EngineConfig, workload: WorkloadShape, curves) -> list[float]:
+    schedule = replay_schedule(config, plan_kv_budget(config, stream_host=loaded.device.type != "cpu"),
+                               loaded.model.kv_spec(), loaded.dtype, workload, loaded.device.type != "cpu")
+    return SchedulePricer(schedule, curves).step_seconds(config.b_attn, config.b_moe).tolist()
+
+
+def step_errors(predicted: list[float], measured: list[float]) -> list[float]:
+    if len(predicted) != len(measured):
+        raise RuntimeError(f"the replay predicted {len(predicted)} steps, the engine ran {len(measured)}")
+    return [abs(p - m) / m for p, m in zip(predicted, measured)]
+
+
+def scenario(name: str, model: str, budget_seqs: int | None, num_prompts: int, log) -> dict:
+    loaded = load_model(model)
+    shape = MoEShape.from_hf_config(loaded.config.to_dict())
+    spec = WorkloadSpec(num_prompts=num_prompts)
+    workload = make_workload(spec, shape.vocab)
+    shape_only = WorkloadShape(tuple(map(len, workload.prompts)), tuple(workload.max_tokens))
+    everything = all_contexts_bytes(shape, workload)
+    device_bytes = budget_bytes(shape, workload, budget_seqs) if budget_seqs else everything
+    memory = MemoryLimits(device_kv_bytes=device_bytes, host_kv_bytes=everything, activation_bytes=1 << 30)
+    base = EngineConfig(page_size=PAGE_SIZE, kv_budget_bytes=device_bytes, host_kv_budget_bytes=everything)
+    requests = requests_for(workload)
+    run_config(loaded, dataclasses.replace(base, **OLD_DEFAULTS), requests_for(make_workload(
+        WorkloadSpec(num_prompts=4, seed=1, prompt_len=(16, 32), mu=1.0), shape.vocab)))  # warm-up
+
+    start = time.perf_counter()
+    curves = profile_model(loaded, progress=False)
+    profile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    plan = plan_engine(loaded, base, workload=shape_only, curves=curves, limits=memory)
+    plan_s = time.perf_counter() - start
+    log(f"[{name}] profiled in {profile_s:.1f} s, planned in {plan_s:.1f} s: "
+        f"{ {k: getattr(plan.config, k) for k in PLANNED_FIELDS if k not in ('kv_budget_bytes', 'host_kv_budget_bytes')} }"
+        f" predicted {plan.predicted_bct_s:.1f} s")
+
+    configs = {f"sweep{i}": dataclasses.replace(base, max_num_seqs=n, refill_threshold=r, b_attn=a, b_moe=m,
+                                               staging_fraction=0.25)
+               for i, (n, r, a, m) in enumerate(SWEEP)}
+    configs["planned"] = plan.config
+    configs["default"] = dataclasses.replace(base, **OLD_DEFAULTS)
+    runs, errors, reference = {}, [], None
+    for label, config in configs.items():
+        measured = run_config(loaded, config, requests)
+        predicted = predicted_steps(loaded, config, shape_only, curves)
+        errs = step_errors(predicted, measured.step_s)
+        errors.extend(errs)
+        reference = reference or measured.tokens
+        differing = sum(a != b for a, b in zip(reference, measured.tokens))
+        runs[label] = {"config": {k: getattr(config, k) for k in ("max_num_seqs", "refill_threshold", "b_attn", "b_moe")},
+                       "bct_s": round(measured.bct_s, 3), "predicted_bct_s": round(sum(predicted), 3),
+                       "steps": len(measured.step_s), "median_step_error": round(statistics.median(errs), 4),
+                       "sequences_differing_from_first_run": differing}
+        log(f"[{name}] {label:8s} {runs[label]['config']}: BCT {measured.bct_s:6.2f} s (predicted "
+            f"{sum(predicted):6.2f}), {len(errs)} steps, median step error {statistics.median(errs):.1%}, "
+            f"{differing} sequences differ")
+        gc.collect()
+    swept = [runs[k]["bct_s"] for k in runs if k.startswith("sweep")]
+    best = min(swept + [runs["default"]["bct_s"]])
+    return {"planned_bct_s": runs["planned"]["bct_s"], "best_swept_bct_s": best,
+            "default_bct_s": runs["default"]["bct_s"], "planned_over_best": round(runs["planned"]["bct_s"] / best, 3),
+            "planned_over_default": round(runs["planned"]["bct_s"] / runs["default"]["bct_s"], 3),
+            "median_step_prediction_error": round(statistics.median(errors), 4),
+            "profile_s": round(profile_s, 2), "plan_s": round(plan_s, 2), "kv_budget_bytes": device_bytes,
+            "planned_config": runs["planned"]["config"], "runs": runs}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {list(SCENARIOS)}")
+    args = parser.parse_args(argv)
+    names = args.scenarios.split(",")
+    unknown = set(names) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenarios {sorted(unknown)}; known: {list(SCENARIOS)}")
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    out = {"load_average": os.getloadavg()[0], "threads": torch.get_num_threads(), "num_prompts": args.num_prompts,
+           "scenarios": {}}
+    for name in names:
+        model, budget_seqs = SCENARIOS[name]
+        out["scenarios"][name] = scenario(name, model, budget_seqs, args.num_prompts, log)
+    out["load_average_end"] = os.getloadavg()[0]
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Choose the engine settings the user left unset: the configuration whose replayed schedule has the
+shortest predicted batch completion time for the workload, under the memory really available.
+
+Explicit values always win: a set field is never searched. Planned settings are remembered per
+process (and the profile on disk), so an engine built again plans in milliseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.kv_budget import MemoryLimits, available_memory_bytes, memory_limits, plan_kv_budget
+from batchgen.engine.models.loaded_model import LoadedModel
+from batchgen.engine.planner.cost_curves import CostCurves
+from batchgen.engine.planner.profiler import profile_key, profile_model
+from batchgen.engine.planner.schedule_replay import ReplayError, replay_schedule
+from batchgen.engine.planner.schedule_pricing import SchedulePricer
+from batchgen.engine.planner.step_model import StepShape
+from batchgen.engine.planner.workload import WorkloadShape
+
+PLANNED_FIELDS = ("max_num_seqs", "refill_threshold", "b_attn", "b_moe", "kv_budget_bytes", "host_kv_budget_bytes",
+                  "staging_fraction")
+MAX_NUM_SEQS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+REFILL_THRESHOLDS = (0.25, 0.5, 0.75)
+B_ATTN = (16, 32, 64, 128, 256, 512, 1024, 2048)
+B_MOE = (256, 1024, 4096, 8192, 16384)
+STAGING_FRACTIONS = (0.1, 0.25, 0.5)
+RUNNER_UPS = 5
+
+
+@dataclass(frozen=True)
+class Candidate:
+    settings: dict  # the planned fields' values
+    predicted_bct_s: float
+    steps: int
+
+
+@dataclass
+class Plan:
+    config: EngineConfig  # every planned field set
+    predicted_bct_s: float
+    step_seconds: list[float]  # predicted, in schedule order
+    steps: list[StepShape]
+    runner_ups: list[Candidate]
+    limits: MemoryLimits
+    workload: WorkloadShape
+    curves: CostCurves
+    searched: int = 0  # configurations priced
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        planned = {name: getattr(self.config, name) for name in PLANNED_FIELDS}
+        prefill = sum(1 for s in self.steps if s.prefill)
+        return {"config": planned, "predicted_bct_s": round(self.predicted_bct_s, 3), "steps": len(self.steps),
+                "prefill_steps": prefill,
+                "predicted_step_s": {"mean": round(sum(self.step_seconds) / max(1, len(self.step_seconds)), 5),
+                                     "max": round(max(self.step_seconds, default=0.0), 5)},
+                "runner_ups": [{"config": c.settings, "predicted_bct_s": round(c.predicted_bct_s, 3)}
+                               for c in self.runner_ups],
+                "memory_limits": dataclasses.asdict(self.limits), "workload": self.workload.describe(),
+                "searched": self.searched, "notes": self.notes}
+
+
+def curves_for(loaded: LoadedModel, progress: bool | None = None) -> CostCurves:
+    """The model's cost curves on its device: from the on-disk cache, else profiled now and cached."""
+    path = _cache_dir() / f"curves-{profile_key(loaded)}.json"
+    if path.exists():
+        try:
+            return CostCurves.load(path)
+        except ValueError:
+            path.unlink(missing_ok=True)  # a torn or stale file: measure again
+    curves = profile_model(loaded, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(curves.to_json())
+    tmp.replace(path)
+    return curves
+
+
+def plan_engine(loaded: LoadedModel, config: EngineConfig, workload: WorkloadShape | None = None,
+                curves: CostCurves | None = None, limits: MemoryLimits | None = None,
+                progress: bool | None = None) -> Plan:
+    """Search the unset planned fields of `config` for the shortest predicted BCT of `workload`."""
+    curves = curves or curves_for(loaded, progress)
+    max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+    workload = (workload or WorkloadShape.default(max_model_len)).fit(max_model_len)
+    spec = loaded.model.kv_spec()
+    if loaded.device.type == "meta":  # planning from cost curves measured elsewhere: their device's memory
+        device_type, free, host_free = curves.device_type, curves.device_free_bytes, curves.host_free_bytes
+    else:
+        device_type = loaded.device.type
+        free, host_free = available_memory_bytes(loaded.device), available_memory_bytes(torch.device("cpu"))
+    stream_host = config.stream_host_kv if config.stream_host_kv is not None else device_type != "cpu"
+    limits = limits or memory_limits(device_type, config, free, host_free)
+    return search(config, curves, workload, spec, loaded.dtype, stream_host, limits,
+                  _activation_bytes_per_token(loaded, curves))
+
+
+def search(config: EngineConfig, curves: CostCurves, workload: WorkloadShape, spec, dtype: torch.dtype,
+           stream_host: bool, limits: MemoryLimits, activation_bytes_per_token: int) -> Plan:
+    """Every combination of candidate values for the unset fields, each schedule replayed once (b_attn and
+    b_moe only re-price it, unless host-resident groups made the schedule depend on b_attn)."""
+    token_bytes = curves.kv_bytes_per_token
+    wanted_tokens = -(-workload.max_context // config.page_size) * config.page_size + 2 * config.page_size
+
+    def options(name: str, values) -> tuple:
+        explicit = getattr(config, name)
+        return (explicit,) if explicit is not None else tuple(values)
+
+    enough = next((n for n in MAX_NUM_SEQS if n >= len(workload.prompt_lens)), MAX_NUM_SEQS[-1])
+    seqs_options = options("max_num_seqs", [n for n in MAX_NUM_SEQS if n <= enough])
+    refill_options = options("refill_threshold", REFILL_THRESHOLDS)
+    staging_options = options("staging_fraction", STAGING_FRACTIONS if stream_host and config.mode == "coroutine"
+                              else (0.25,))
+    moe_options = options("b_moe", [b for b in B_MOE if b * activation_bytes_per_token <= limits.activation_bytes]
+                          or B_MOE[:1])
+    admission = curves.host.seconds(prompts=len(workload.prompt_lens))
+    best: list[tuple[float, dict, SchedulePricer]] = []
+    searched = 0
+    notes: list[str] = []
+    for max_num_seqs, refill, staging in itertools.product(seqs_options, refill_options, staging_options):
+        if len(refill_options) > 1 and len(workload.prompt_lens) <= max_num_seqs and refill != 0.5:
+            continue  # every prompt is admitted at once: the refill threshold never matters
+        device = config.kv_budget_bytes or min(limits.device_kv_bytes, token_bytes * max_num_seqs * wanted_tokens)
+        host = config.host_kv_budget_bytes or min(limits.host_kv_bytes, token_bytes * max_num_seqs * wanted_tokens)
+        attn_options = options("b_attn", [b for b in B_ATTN if b < max_num_seqs] + [max_num_seqs])
+        schedule = None
+        for b_attn in attn_options:
+            trial = dataclasses.replace(config, max_num_seqs=max_num_seqs, refill_threshold=refill, b_attn=b_attn,
+                                        b_moe=moe_options[0], kv_budget_bytes=device, host_kv_budget_bytes=host,
+                                        staging_fraction=staging)
+            if schedule is None or any(s.staged for s in schedule):
+                try:
+                    schedule = replay_schedule(trial, plan_kv_budget(trial, stream_host), spec, dtype, workload,
+                                               stream_host)
+                except ReplayError as exc:
+                    notes.append(f"max_num_seqs={max_num_seqs} refill={refill} b_attn={b_attn}: {exc}")
+                    schedule = None
+                    break
+                pricer = SchedulePricer(schedule, curves)
+            for b_moe in moe_options:
+                bct = float(pricer.step_seconds(b_attn, b_moe).sum()) + admission
+                settings = {name: getattr(trial, name) for name in PLANNED_FIELDS} | {"b_moe": b_moe}
+                best.append((bct, settings, pricer))
+                searched += 1
+    if not best:
+        raise ValueError(f"no configuration can run the workload within the memory limits {limits}: "
+                         + "; ".join(notes[:3]))
+    best.sort(key=lambda item: (item[0], -item[1]["max_num_seqs"]))
+    bct, settings, pricer = best[0]
+    times = pricer.step_seconds(settings["b_attn"], settings["b_moe"]).tolist()
+    runner_ups = [Candidate(s, b, len(p.steps)) for b, s, p in best[1 : 1 + RUNNER_UPS]]
+    return Plan(dataclasses.replace(config, **settings), bct, times, pricer.steps, runner_ups, limits, workload,
+                curves, searched, notes)
+
+
+_PLANS: dict[tuple, EngineConfig] = {}
+_LOCK = threading.Lock()
+
+
+def resolve_config(loaded: LoadedModel, config: EngineConfig) -> EngineConfig:
+    """`config` with every planned field set: as given, or planned for the default workload (once per
+    process for a model, device and set of explicit values)."""
+    if all(getattr(config, name) is not None for name in PLANNED_FIELDS):
+        return config
+    key = (profile_key(loaded), config)
+    with _LOCK:
+        if key not in _PLANS:
+            _PLANS[key] = plan_engine(loaded, config).config
+        return _PLANS[key]
+
+
+def _activation_bytes_per_token(loaded: LoadedModel, curves: CostCurves) -> int:
+    """Bytes one token of a feed-forward batch holds at its peak: hidden rows in and out, and each routed
+    expert's gate, up and product rows."""
+    c = loaded.config
+    hidden = c.hidden_size
+    inner = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+    return (4 * hidden + 3 * inner * max(1, curves.top_k)) * loaded.dtype.itemsize
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("BATCHGEN_CACHE", Path.home() / ".cache" / "batchgen")) / "plans"

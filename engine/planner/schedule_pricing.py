@@ -1,0 +1,62 @@
+"""Price a replayed schedule for many (b_attn, b_moe) pairs at once.
+
+Per step, the layer DAG of step_model is a chain on the compute stream unless host-resident groups stream
+their KV through the staging pool (a copy stream beside it). A chain's critical path is the sum of its
+nodes, and every curve is linear in its features, so all micro-batches of one kind price as one term
+with a call count: whole schedules become a few vector operations. Steps with a copy stream are priced
+on their DAG.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen.engine.planner.cost_curves import CostCurves
+from batchgen.engine.planner.step_model import StepShape, step_seconds
+
+
+class SchedulePricer:
+    def __init__(self, steps: list[StepShape], curves: CostCurves):
+        def column(values) -> torch.Tensor:
+            return torch.tensor(list(values), dtype=torch.float64)
+
+        self.steps, self.curves = steps, curves
+        self.prefill_chunks = column(len(s.prefill) for s in steps)
+        self.prefill_tokens = column(sum(e - b for b, e in s.prefill) for s in steps)
+        self.pairs = column(sum((e - b) * (b + e + 1) / 2 for b, e in s.prefill) for s in steps)
+        self.resident = column(len(s.resident) for s in steps)
+        self.groups = column(len(s.staged) for s in steps)
+        self.decoding = column(s.decoding for s in steps)
+        self.kv_tokens = column(sum(s.resident) + sum(map(sum, s.staged)) for s in steps)
+        self.rows = column(s.completed + s.decoding for s in steps)
+        self.migrated = column(s.migrated_bytes for s in steps)
+        self.tokens = self.prefill_tokens + self.decoding
+        self.streamed = [i for i, s in enumerate(steps) if s.staged and s.streams_host]
+
+    def step_seconds(self, b_attn: int, b_moe: int) -> torch.Tensor:
+        c = self.curves
+        pa, da, hd, hs = (x.coefficients for x in (c.prefill_attention, c.decode_attention, c.head, c.host))
+        prefill_calls, decode_calls = self._attention_calls(b_attn)
+        decode = decode_calls * da[0] + self.decoding * da[1] + self.kv_tokens * da[2]
+        prefill = prefill_calls * pa[0] + self.prefill_chunks * pa[1] + self.prefill_tokens * pa[2] + self.pairs * pa[3]
+        full, rest = torch.div(self.tokens, b_moe, rounding_mode="floor"), torch.remainder(self.tokens, b_moe)
+        ffn = full * c.ffn_seconds(b_moe) + (rest > 0) * c.ffn_seconds(rest)
+        head = (self.rows > 0) * (hd[0] + self.rows * hd[1])
+        features = self.host_features(b_attn)
+        host = sum(coef * features[name] for name, coef in zip(c.host.features, hs))
+        out = c.num_layers * (prefill + decode + ffn) + head + host + self.migrated / c.copy_bytes_per_s
+        for i in self.streamed:
+            out[i] = step_seconds(self.steps[i], c, b_attn, b_moe)
+        return out
+
+    def host_features(self, b_attn: int) -> dict[str, torch.Tensor]:
+        """Each step's host-cost features (cost_curves.HOST, in order): one step, its sequences, its attention
+        micro-batches, no admissions (priced once per prompt, apart)."""
+        prefill_calls, decode_calls = self._attention_calls(b_attn)
+        return {"calls": torch.ones_like(self.decoding), "seqs": self.decoding + self.prefill_chunks,
+                "micro_batches": prefill_calls + decode_calls,
+                "prompts": torch.zeros_like(self.decoding)}
+
+    def _attention_calls(self, b_attn: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill and decode attention micro-batches per step, cut as the model runner cuts them."""
+        return torch.ceil(self.prefill_chunks / b_attn), torch.ceil(self.resident / b_attn) + self.groups

@@ -1,0 +1,90 @@
+"""Every step a configuration would run, without running the model: the engine's own scheduler and KV
+manager replayed over page pools without storage ("meta" tensors), each sequence generating exactly its
+planned output length."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.kv_manager import KVBudget, KVManager
+from batchgen.engine.models.context import KVSpec
+from batchgen.engine.planner.step_model import StepShape
+from batchgen.engine.planner.workload import WorkloadShape
+from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.sequence import Phase, Sequence
+
+META = torch.device("meta")
+
+
+class ReplayError(RuntimeError):
+    """The configuration cannot run the workload (a sequence that never fits, a full host pool)."""
+
+
+def replay_schedule(config: EngineConfig, budget: KVBudget, spec: KVSpec, dtype: torch.dtype,
+                    workload: WorkloadShape, stream_host: bool, max_steps: int = 1_000_000) -> list[StepShape]:
+    """The shape of every step the engine would take to run `workload` from an empty start.
+
+    Prompts are distinct (no shared prefix), so the replay runs without the page cache: admission order
+    and every placement are then the same as the engine's with it."""
+    config = dataclasses.replace(config, prefix_caching=False)
+    kv = KVManager(spec, config.page_size, dtype, budget, META, stream_host, prefix_caching=False, host_device=META)
+    scheduler = Scheduler(config, kv)
+    targets: dict[int, int] = {}
+    for i, (prompt, output) in enumerate(zip(workload.prompt_lens, workload.output_lens)):
+        seq = Sequence(seq_id=i, request_id=str(i), sample_index=0, prompt_ids=[0] * prompt,
+                       sampling=SamplingParams(max_tokens=output, ignore_eos=True), eos_token_ids=frozenset(),
+                       arrival=i)
+        try:
+            scheduler.check_fits(prompt + output)
+        except ValueError as exc:
+            raise ReplayError(str(exc)) from None
+        targets[i] = output
+        scheduler.admit(seq)
+    steps: list[StepShape] = []
+    while scheduler.has_work():
+        if len(steps) >= max_steps:
+            raise ReplayError(f"no end after {max_steps} steps")
+        moved = kv.bytes_moved
+        try:
+            plan = scheduler.schedule()
+        except RuntimeError as exc:
+            raise ReplayError(str(exc)) from None
+        if plan is None:
+            raise ReplayError("the scheduler found nothing to run while sequences wait: the KV budget is too "
+                              "small for this workload")
+        chunks = plan.prefill.chunks if plan.prefill else []
+        decode = plan.decode
+        steps.append(StepShape(
+            prefill=tuple((c.start, c.end) for c in chunks),
+            resident=tuple(s.kv_len + 1 for s in decode.resident) if decode else (),
+            staged=tuple(tuple(s.kv_len + 1 for s in group) for group in decode.staged_groups) if decode else (),
+            completed=sum(c.completes for c in chunks),
+            migrated_bytes=kv.bytes_moved - moved,
+            streams_host=stream_host,
+        ))
+        for c in chunks:
+            c.seq.kv_len = c.end
+            if c.completes:
+                _accept(scheduler, c.seq, targets, decoding=False)
+        for seq in decode.seqs if decode else ():
+            seq.kv_len += 1
+            _accept(scheduler, seq, targets, decoding=True)
+    return steps
+
+
+def _accept(scheduler: Scheduler, seq: Sequence, targets: dict[int, int], decoding: bool) -> None:
+    """One more generated token; the sequence leaves when it has all of them (as Engine._accept_token)."""
+    seq.generated.append(0)
+    if len(seq.generated) < targets[seq.seq_id]:
+        if not decoding:
+            scheduler.place_decoding(seq)
+        return
+    if decoding:
+        scheduler.remove(seq)
+    else:
+        scheduler.kv.free(seq)
+        seq.phase = Phase.FINISHED

@@ -1,0 +1,41 @@
+"""A job's workload as the planner sees it: the prompt lengths and output budgets of its input's first rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from batchgen.connectors.io import filesystem
+from batchgen.engine.models.loaded_model import LoadedModel
+from batchgen.engine.planner import WorkloadShape
+from batchgen.engine.request_normalizer import RequestNormalizer
+from batchgen.engine.sampling_params import SamplingParams
+from batchgen.operators.columns import PROMPT_COLUMNS, SAMPLING_PARAMS, RowParser
+
+SAMPLED_ROWS = 2048  # input rows read to learn the workload's prompt and output lengths
+
+
+def input_workload(uri: str, loaded: LoadedModel, defaults: SamplingParams, storage_options: dict[str, Any]
+                   ) -> WorkloadShape:
+    """The prompt lengths and max_tokens of the input's first rows, parsed as the pipeline parses them
+    (rows it would reject are left out)."""
+    fs, path = filesystem(uri, storage_options)
+    files = sorted(f for f in fs.find(path) if f.endswith(".parquet")) if fs.isdir(path) else [path]
+    parser = RowParser(RequestNormalizer(loaded.tokenizer, loaded.model.vocab_size, loaded.max_model_len), defaults,
+                       list_outputs=True)
+    prompts, outputs = [], []
+    for file in files:
+        with fs.open(file, "rb") as f:
+            table = pq.read_table(f)
+        names = [c for c in (*PROMPT_COLUMNS, SAMPLING_PARAMS) if c in table.column_names]
+        for row in table.select(names).slice(0, SAMPLED_ROWS - len(prompts)).to_pylist():
+            parsed = parser.parse(row)
+            if not isinstance(parsed, str):
+                prompts.append(len(parsed.prompt_token_ids))
+                outputs.append(parsed.sampling.max_tokens * parsed.sampling.n)
+        if len(prompts) >= SAMPLED_ROWS:
+            break
+    if not prompts:
+        raise ValueError(f"no row of {uri} has a prompt the model can take: nothing to plan for")
+    return WorkloadShape(tuple(prompts), tuple(outputs))

@@ -1,0 +1,44 @@
+"""Planning a disaggregated job: how many of its engine actors prefill, and the engine settings they all
+share, computed once where an engine actor would run (its device is the one profiled)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from batchgen.engine.planner.stage_split import StageSplit
+
+if TYPE_CHECKING:
+    from batchgen.pipelines.pipeline import JobConfig
+
+
+def plan_stages(config: JobConfig) -> tuple[JobConfig, StageSplit]:
+    """`config` with the prefill/decode split of its `engine_actors` and every planned engine field set."""
+    from batchgen.pipelines.pipeline import engine_actor_cpus
+
+    sized = dataclasses.replace(config, prefill_concurrency=1, decode_concurrency=config.engine_actors - 1)
+    task = ray.remote(num_cpus=engine_actor_cpus(sized), num_gpus=config.engine_num_gpus,
+                      resources=config.decode_resources)(_plan_on_engine_node)
+    engine, split = ray.get(task.remote(config.model, config.engine, config.input, config.storage_options,
+                                        config.sampling_params, config.engine_actors))
+    planned = dataclasses.replace(sized, engine={**config.engine, **engine}, prefill_concurrency=split.prefill_actors,
+                                  decode_concurrency=split.decode_actors)
+    return planned, split
+
+
+def _plan_on_engine_node(model: str, engine: dict[str, Any], input_uri: str, storage_options: dict[str, Any],
+                         sampling: dict[str, Any], engine_actors: int) -> tuple[dict[str, Any], StageSplit]:
+    from batchgen.connectors.checkpoint import load_model
+    from batchgen.engine import EngineConfig, SamplingParams
+    from batchgen.engine.planner import PLANNED_FIELDS, plan_engine
+    from batchgen.engine.planner.stage_split import plan_stage_split
+    from batchgen.operators.workload_sample import input_workload
+
+    config = EngineConfig.from_kwargs(**engine)
+    loaded = load_model(model, dtype=config.dtype, device=config.torch_device(), storage_options=storage_options)
+    workload = input_workload(input_uri, loaded, SamplingParams.from_dict(sampling), storage_options)
+    plan = plan_engine(loaded, config, workload=workload, progress=False)
+    split = plan_stage_split(engine_actors, plan.workload, plan.curves, plan.config)
+    return {name: getattr(plan.config, name) for name in PLANNED_FIELDS}, split

@@ -1,0 +1,208 @@
+"""The planner: cost-curve fitting, the layer DAG's critical path, the schedule replay against the engine,
+memory limits, planned defaults against explicit configs, the stage split and `batchgen plan`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from tiny_models import prompts, save_tiny_checkpoint
+
+from batchgen.connectors.checkpoint import load_model
+from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
+from batchgen.engine.kv_budget import MemoryLimits, plan_kv_budget
+from batchgen.engine.planner import PLANNED_FIELDS, CostCurves, LinearCost, WorkloadShape, plan_engine
+from batchgen.engine.planner.cost_curves import HOST, TabulatedCost, nnls
+from batchgen.engine.planner.layer_dag import LayerDag
+from batchgen.engine.planner.planner import curves_for, resolve_config
+from batchgen.engine.planner.schedule_pricing import SchedulePricer
+from batchgen.engine.planner.schedule_replay import replay_schedule
+from batchgen.engine.planner.stage_split import plan_stage_split
+from batchgen.engine.planner.step_model import StepShape, step_seconds
+from batchgen.pipelines.cli import main
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mixtral")
+    save_tiny_checkpoint("mixtral", directory)
+    return load_model(str(directory))
+
+
+def synthetic_curves(**overrides) -> CostCurves:
+    """Curves with round numbers, so a test knows every price."""
+    values = dict(key="synthetic", device_type="cuda", device_free_bytes=1 << 34, host_free_bytes=1 << 35,
+                  num_layers=4, num_experts=8, top_k=2, kv_bytes_per_token=4096,
+                  decode_attention=LinearCost(("calls", "seqs", "kv_tokens"), (1e-4, 1e-6, 1e-8)),
+                  prefill_attention=LinearCost(("calls", "seqs", "tokens", "pairs"), (2e-4, 1e-6, 2e-6, 1e-9)),
+                  feed_forward=TabulatedCost(((1, 1e-3), (64, 2e-3), (1024, 8e-3), (8192, 5e-2))),
+                  head=LinearCost(("calls", "rows"), (1e-4, 1e-6)),
+                  host=LinearCost(HOST, (1e-3, 2e-5, 3e-4, 1e-5)),
+                  copy_bytes_per_s=1e9)
+    return CostCurves(**{**values, **overrides})
+
+
+def test_linear_fit_recovers_a_known_curve_and_never_goes_negative():
+    rng = random.Random(0)
+    truth = (3e-4, 2e-6, 5e-9)
+    rows = [{"calls": 1, "seqs": rng.randrange(1, 512), "kv_tokens": rng.randrange(64, 1 << 20)} for _ in range(40)]
+    seconds = [sum(c * r[f] for c, f in zip(truth, ("calls", "seqs", "kv_tokens"))) for r in rows]
+    fitted = LinearCost.fit(("calls", "seqs", "kv_tokens"), rows, seconds)
+    assert fitted.coefficients == pytest.approx(truth, rel=1e-6)
+    # a feature that only hurts the fit gets 0, not a negative cost that "pays back"
+    x = torch.tensor([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]], dtype=torch.float64)
+    coef = nnls(x, torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64))
+    assert coef[1] == 0.0 and coef[0] == pytest.approx(2.0)
+
+
+def test_tabulated_cost_interpolates_and_extrapolates_its_points():
+    cost = TabulatedCost(((1, 1.0), (3, 2.0), (7, 10.0)))
+    assert cost.seconds(2) == pytest.approx(1.5)
+    assert cost.seconds(5) == pytest.approx(6.0)
+    assert cost.seconds(9) == pytest.approx(14.0)  # along the last segment
+    assert cost.seconds(torch.tensor([1.0, 7.0])).tolist() == pytest.approx([1.0, 10.0])
+    with pytest.raises(ValueError, match="increasing x"):
+        TabulatedCost(((2, 1.0), (1, 2.0)))
+
+
+def test_critical_path_of_hand_built_dags():
+    dag = LayerDag()
+    a = dag.add("attn0", 2.0, "compute")
+    copy1 = dag.add("copy1", 5.0, "copy")
+    dag.add("attn1", 1.0, "compute", after=(copy1,))  # waits for its copy, not only for attn0
+    dag.add("moe", 3.0, "compute", after=(a,))
+    assert dag.critical_path() == (9.0, ["copy1", "attn1", "moe"])
+    quick = LayerDag()
+    first = quick.add("attn0", 2.0, "compute")
+    copy = quick.add("copy1", 0.5, "copy")  # hidden behind attn0
+    quick.add("attn1", 1.0, "compute", after=(copy,))
+    quick.add("moe", 3.0, "compute", after=(first,))
+    assert quick.critical_path() == (6.0, ["attn0", "attn1", "moe"])
+    assert LayerDag().critical_path() == (0.0, [])
+    with pytest.raises(ValueError, match="unknown nodes"):
+        LayerDag().add("x", 1.0, "compute", after=(3,))
+
+
+@pytest.mark.parametrize("streams_host", [False, True])
+def test_vectorised_pricing_equals_each_step_dag(streams_host):
+    rng = random.Random(1)
+    curves = synthetic_curves()
+    steps = []
+    for _ in range(30):
+        prefill = tuple((0, rng.randrange(1, 300)) for _ in range(rng.randrange(0, 5)))
+        steps.append(StepShape(prefill=prefill, resident=tuple(rng.randrange(1, 900) for _ in range(rng.randrange(40))),
+                               staged=tuple(tuple(rng.randrange(1, 500) for _ in range(rng.randrange(1, 9)))
+                                            for _ in range(rng.randrange(3))),
+                               completed=len(prefill), migrated_bytes=rng.randrange(1 << 20), streams_host=streams_host))
+    for b_attn, b_moe in ((4, 64), (16, 1024), (256, 8192)):
+        vectorised = SchedulePricer(steps, curves).step_seconds(b_attn, b_moe).tolist()
+        assert vectorised == pytest.approx([step_seconds(s, curves, b_attn, b_moe) for s in steps], rel=1e-9)
+
+
+def test_copies_on_the_critical_path_when_host_kv_streams():
+    curves = synthetic_curves(copy_bytes_per_s=1e6)  # slow copies: the copy stream bounds the layer
+    step = StepShape(prefill=(), resident=(), staged=((1000,), (1000,)), completed=0, migrated_bytes=0,
+                     streams_host=True)
+    in_place = dataclasses.replace(step, streams_host=False)
+    copy_s = 1000 * curves.kv_bytes_per_token / curves.num_layers / curves.copy_bytes_per_s
+    assert step_seconds(step, curves, 8, 64) - step_seconds(in_place, curves, 8, 64) >= \
+        curves.num_layers * (2 * copy_s - 2 * curves.decode_attention.seconds(calls=1, seqs=1, kv_tokens=1000))
+
+
+@pytest.mark.parametrize("budget_tokens", [None, 96])
+def test_replay_is_the_engines_schedule_step_by_step(loaded, budget_tokens):
+    """Under a tight KV budget too (sequences yield to host pages and come back)."""
+    spec = loaded.model.kv_spec()
+    token_bytes = spec.num_layers * spec.num_kv_heads * (spec.k_dim + spec.v_dim) * 4
+    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=(3, 40, 17, 5, 30, 12, 9, 22))
+    outputs = [12, 3, 20, 7, 15, 1, 9, 25]
+    config = EngineConfig(page_size=8, max_num_seqs=6, refill_threshold=0.5, b_attn=4, b_moe=64,
+                          kv_budget_bytes=token_bytes * (budget_tokens or 4096), host_kv_budget_bytes=token_bytes * 4096,
+                          staging_fraction=0.25, max_prefill_tokens=48)
+    engine = Engine(loaded, config)
+    for i, (p, n) in enumerate(zip(batch, outputs)):
+        engine.add_request(Request(f"r{i}", prompt_token_ids=p,
+                                   sampling=SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)))
+    per_step = []
+    while engine.has_unfinished():
+        before = engine.stats.sequence_steps
+        engine.step()
+        per_step.append(engine.stats.sequence_steps - before)
+    steps = replay_schedule(config, plan_kv_budget(config, False), spec, loaded.dtype,
+                            WorkloadShape(tuple(map(len, batch)), tuple(outputs)), stream_host=False)
+    assert [len(s.prefill) + s.decoding for s in steps] == per_step
+    if budget_tokens:
+        assert engine.scheduler.yields > 0 and any(s.staged for s in steps)
+
+
+def test_planner_respects_memory_limits_and_keeps_explicit_values(loaded):
+    curves = synthetic_curves(device_type="cpu")
+    workload = WorkloadShape.synthetic(200, (8, 64), mu=2.5, sigma=0.5, max_output=64)
+    limits = MemoryLimits(device_kv_bytes=3 << 20, host_kv_bytes=5 << 20, activation_bytes=2 << 20)
+    plan = plan_engine(loaded, EngineConfig(page_size=8, b_attn=7), workload=workload, curves=curves, limits=limits)
+    config = plan.config
+    assert all(getattr(config, name) is not None for name in PLANNED_FIELDS)
+    assert config.b_attn == 7 and all(c.settings["b_attn"] == 7 for c in plan.runner_ups)
+    assert config.kv_budget_bytes <= limits.device_kv_bytes and config.host_kv_budget_bytes <= limits.host_kv_bytes
+    per_token = (4 * 64 + 3 * 96 * 2) * 4
+    assert config.b_moe * per_token <= limits.activation_bytes
+    assert plan.searched > 10 and plan.predicted_bct_s == pytest.approx(sum(plan.step_seconds) + curves.host.seconds(
+        prompts=200))
+    assert plan.runner_ups[0].predicted_bct_s >= plan.predicted_bct_s
+
+
+def test_planned_defaults_give_the_tokens_of_an_explicit_config(loaded, tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path))
+    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=(3, 9, 17, 5, 30, 12))
+    requests = [Request(f"r{i}", prompt_token_ids=p, sampling=GREEDY) for i, p in enumerate(batch)]
+    planned = Engine(loaded)
+    assert all(getattr(planned.config, name) is not None for name in PLANNED_FIELDS)
+    assert list(tmp_path.glob("plans/curves-*.json"))  # profiled once, cached on disk
+    explicit = Engine(loaded, max_num_seqs=2, b_attn=1, b_moe=3, refill_threshold=0.5, kv_budget_bytes=1 << 20,
+                      host_kv_budget_bytes=1 << 20, staging_fraction=0.25)
+    assert [r.outputs[0].token_ids for r in planned.generate(requests)] == \
+        [r.outputs[0].token_ids for r in explicit.generate(requests)]
+    again = resolve_config(loaded, EngineConfig())
+    assert again == planned.config  # the same process plans a config once
+
+
+def test_stage_split_follows_the_work():
+    curves = synthetic_curves()
+    config = EngineConfig(max_num_seqs=64, b_attn=64, b_moe=8192, refill_threshold=0.5, kv_budget_bytes=1 << 30,
+                          host_kv_budget_bytes=1 << 30, staging_fraction=0.25)
+    prefill_heavy = WorkloadShape((2000,) * 64, (2,) * 64)
+    decode_heavy = WorkloadShape((16,) * 64, (300,) * 64)
+    heavy = plan_stage_split(6, prefill_heavy, curves, config)
+    light = plan_stage_split(6, decode_heavy, curves, config)
+    assert heavy.prefill_actors > light.prefill_actors
+    assert heavy.prefill_actors + heavy.decode_actors == 6 and set(heavy.by_prefill_actors) == {1, 2, 3, 4, 5}
+    assert heavy.predicted_bct_s == min(heavy.by_prefill_actors.values())
+    with pytest.raises(ValueError, match="at least 2"):
+        plan_stage_split(1, decode_heavy, curves, config)
+
+
+def test_batchgen_plan_prints_the_plan_and_the_split(loaded, tmp_path, capsys):
+    model_dir = loaded.uri
+    rows = prompts(vocab_size=loaded.model.vocab_size, lengths=(20, 40, 60, 80) * 10)
+    pq.write_table(pa.table({"prompt_token_ids": rows,
+                             "sampling_params": [{"max_tokens": n} for n in (5, 10, 15, 20) * 10]}),
+                   tmp_path / "in.parquet")
+    curves = tmp_path / "curves.json"
+    curves_file = curves_for(loaded)
+    curves.write_text(curves_file.to_json())
+    assert main(["plan", "--model", model_dir, "--input", str(tmp_path / "in.parquet"), "--engine-actors", "3",
+                 "--curves", str(curves), "--engine", '{"refill_threshold": 0.75}', "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workload"] == {"prompts": 40, "mean_prompt": 50.0, "mean_output": 12.5, "max_output": 20}
+    assert out["config"]["refill_threshold"] == 0.75 and out["predicted_bct_s"] > 0
+    assert out["runner_ups"] and all(r["predicted_bct_s"] >= out["predicted_bct_s"] for r in out["runner_ups"])
+    assert out["stage_split"]["prefill_actors"] + out["stage_split"]["decode_actors"] == 3
+    assert main(["plan", "--model", model_dir, "--curves", str(tmp_path / "missing.json")]) == 2
+    assert "not a cost-curve file" in capsys.readouterr().err
