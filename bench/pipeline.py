@@ -65,12 +65,12 @@ from roofline import MoEShape
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.connectors.presets import build_preset
-from batchgen.engine import EngineConfig
 from batchgen.operators.engine_actor import engine_threads
 from batchgen.pipelines.pipeline import JobConfig, engine_actor_cpus, run_job
 from batchgen.pipelines.ray_runtime import init_ray
 
 DEFAULT_PROMPTS = 1024
+RESIDENT_SEQS = 256  # sequences the KV budgets are sized for
 SHAPES = {"single": ("BatchGen",), "disaggregated": ("Prefill", "Decode")}  # engine stages per shape
 OVERHEAD_GOAL = 0.15
 
@@ -88,7 +88,7 @@ def kv_budgets(shape: MoEShape, workload: Workload) -> tuple[int, int]:
     """(device, host) KV bytes: the longest contexts that can be resident at once (max_num_seqs of
     them) fit on the device twice over, room left after coroutine mode's staging share, as in bct.py's
     unconstrained scenario; without paying for every prompt's KV in each of the three engines."""
-    resident = min(len(workload.prompts), EngineConfig().max_num_seqs)
+    resident = min(len(workload.prompts), RESIDENT_SEQS)
     longest = sorted(range(len(workload.prompts)), key=lambda i: workload.contexts[i])[-resident:]
     host = all_contexts_bytes(shape, Workload([workload.prompts[i] for i in longest],
                                               [workload.max_tokens[i] for i in longest]))

@@ -150,8 +150,9 @@ def test_cancel_stops_the_job_and_keeps_finished_rows(ray_server):
 
 def test_restart_resumes_the_job_from_its_output(ray_server, ray_storage, tiny_moe_dir, loop, caplog):
     client = ray_server.client()
+    # enough rows that the first results come well before the last (the stop below must find the job running)
     lines = [_line(f"r-{i}", {"prompt": f"{PROMPTS[i % 4]} {i}", "max_tokens": 8, "temperature": 0,
-                                  "ignore_eos": True}) for i in range(16)]
+                                  "ignore_eos": True}) for i in range(48)]
     created = _submit(client, lines)
     running = _wait(client, created.id, until=lambda b: b.request_counts.completed >= 2, timeout=300)
     ray_server.stop()  # shuts the job down; the batch stays in_progress
@@ -165,7 +166,7 @@ def test_restart_resumes_the_job_from_its_output(ray_server, ray_storage, tiny_m
             out = _read_lines(client, batch.output_file_id)
         finally:
             restarted.stop()
-    assert batch.status == "completed" and _counts(batch) == (16, 16, 0)
+    assert batch.status == "completed" and _counts(batch) == (48, 48, 0)
     resumed = [r.getMessage() for r in caplog.records if "its job resumes with" in r.getMessage()]
     assert len(resumed) == 1 and int(resumed[0].split("with ")[1].split()[0]) >= running.request_counts.completed
     assert [x["custom_id"] for x in out] == [x["custom_id"] for x in lines]  # every line once, in order

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tiny_models import scheduler_config
+
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.coroutine import CoroutineGroup, ProgramPoint, combine, partition
 from batchgen.engine.kv_manager import KVBudget, KVManager
@@ -16,6 +18,7 @@ from batchgen.engine.sequence import KVLocation, Phase, Sequence
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, k_dim=4, v_dim=3)
 PAGE = 4
 PAGE_BYTES = SPEC.num_layers * PAGE * (SPEC.k_dim + SPEC.v_dim) * 4
+
 
 
 def manager(device_pages: int, host_pages: int = 64, stage_pages: int = 0, reserve: int = 0,
@@ -61,7 +64,7 @@ def test_migrate_round_trip_keeps_kv_bit_exact():
 
 def test_coroutine_mode_yields_the_most_progressed_sequence_first():
     kv = manager(device_pages=3, stage_pages=8)
-    scheduler = Scheduler(EngineConfig(mode="coroutine"), kv)
+    scheduler = Scheduler(scheduler_config(mode="coroutine"), kv)
     few = decoding(scheduler, kv, sequence(0, prompt_len=2, generated=1))  # 3 tokens: 1 page
     most = decoding(scheduler, kv, sequence(1, prompt_len=1, generated=3))  # 4 tokens: page full
     middle = decoding(scheduler, kv, sequence(2, prompt_len=1, generated=2))
@@ -75,7 +78,7 @@ def test_coroutine_mode_yields_the_most_progressed_sequence_first():
 
 def test_lockstep_mode_preempts_the_newest_and_does_not_run_it():
     kv = manager(device_pages=3)
-    scheduler = Scheduler(EngineConfig(mode="lockstep"), kv)
+    scheduler = Scheduler(scheduler_config(mode="lockstep"), kv)
     oldest = decoding(scheduler, kv, sequence(0, prompt_len=1, generated=3))
     decoding(scheduler, kv, sequence(1, prompt_len=1, generated=1))
     newest = decoding(scheduler, kv, sequence(2, prompt_len=1, generated=1))
@@ -86,7 +89,7 @@ def test_lockstep_mode_preempts_the_newest_and_does_not_run_it():
 
 def test_suspended_sequences_refill_the_device_in_fifo_order():
     kv = manager(device_pages=2)
-    scheduler = Scheduler(EngineConfig(mode="lockstep"), kv)
+    scheduler = Scheduler(scheduler_config(mode="lockstep"), kv)
     first, second, third = (decoding(scheduler, kv, sequence(i), KVLocation.HOST) for i in range(3))
     assert list(scheduler.suspended.values()) == [first, second, third]
     plan = scheduler.schedule().decode
@@ -98,7 +101,7 @@ def test_suspended_sequences_refill_the_device_in_fifo_order():
 
 def test_prefill_goes_to_host_when_the_device_is_full_and_refills_below_threshold():
     kv = manager(device_pages=1, stage_pages=4)
-    scheduler = Scheduler(EngineConfig(mode="coroutine", max_num_seqs=4, refill_threshold=0.5), kv)
+    scheduler = Scheduler(scheduler_config(mode="coroutine", max_num_seqs=4), kv)
     for i in range(6):
         scheduler.admit(sequence(i, prompt_len=3))
     plan = scheduler.schedule()
@@ -115,7 +118,7 @@ def test_prefill_goes_to_host_when_the_device_is_full_and_refills_below_threshol
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding():
     kv = manager(device_pages=8)
-    scheduler = Scheduler(EngineConfig(mode="coroutine", max_prefill_tokens=4), kv)
+    scheduler = Scheduler(scheduler_config(mode="coroutine", max_prefill_tokens=4), kv)
     running = decoding(scheduler, kv, sequence(0, prompt_len=2, generated=1))
     long, short = sequence(1, prompt_len=10), sequence(2, prompt_len=3)
     scheduler.admit(long)
@@ -135,7 +138,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding():
 
 def test_without_mixed_steps_a_refill_step_prefills_alone():
     kv = manager(device_pages=8)
-    scheduler = Scheduler(EngineConfig(mode="coroutine", mixed_steps=False), kv)
+    scheduler = Scheduler(scheduler_config(mode="coroutine", mixed_steps=False), kv)
     decoding(scheduler, kv, sequence(0, prompt_len=2, generated=1))
     scheduler.admit(sequence(1, prompt_len=3))
     plan = scheduler.schedule()
@@ -145,7 +148,7 @@ def test_without_mixed_steps_a_refill_step_prefills_alone():
 def test_a_sequence_larger_than_every_pool_is_rejected_up_front():
     kv = manager(device_pages=2, stage_pages=1)
     with pytest.raises(InvalidRequestError, match="does not fit in the KV budget"):
-        Scheduler(EngineConfig(mode="coroutine"), kv).check_fits(40)
+        Scheduler(scheduler_config(mode="coroutine"), kv).check_fits(40)
 
 
 def test_combine_requires_one_program_point_and_partition_restores_rows():

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 from test_engine_scheduling import PAGE, manager, sequence
-from tiny_models import kv_bytes_per_token
+from tiny_models import kv_bytes_per_token, scheduler_config
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, PrefillExporter, Request, SamplingParams
@@ -17,6 +17,7 @@ from batchgen.engine.kv_pool import OutOfPagesError
 from batchgen.engine.page_cache import ROOT, PageCache
 from batchgen.engine.scheduler import PREFIX_WINDOW, Scheduler
 from batchgen.engine.sequence import KVLocation
+
 
 
 def test_index_matches_whole_pages_of_the_exact_prefix():
@@ -213,7 +214,7 @@ def test_a_prompt_whose_carried_prefix_is_missing_is_prefilled_again_with_the_sa
 
 def test_admission_runs_sharers_of_a_resident_prefix_first_and_never_starves_the_head():
     kv = manager(device_pages=64, prefix_caching=True)
-    scheduler = Scheduler(EngineConfig(max_num_seqs=100), kv)
+    scheduler = Scheduler(scheduler_config(max_num_seqs=100), kv)
     cached = sequence(0, prompt_len=9)
     kv.allocate_prompt(cached, KVLocation.DEVICE)
     kv.cache_prompt(cached, 9)

@@ -110,3 +110,10 @@ def kv_bytes_per_token(loaded) -> int:
     """fp32 K and V bytes one token takes over all layers (to size KV budgets in pages)."""
     spec = loaded.model.kv_spec()
     return spec.num_layers * spec.num_kv_heads * (spec.k_dim + spec.v_dim) * 4
+
+
+def scheduler_config(**fields):
+    """An EngineConfig as an engine hands its scheduler one: every planned field set (here to fixed values)."""
+    from batchgen.engine import EngineConfig
+
+    return EngineConfig(**{"max_num_seqs": 256, "refill_threshold": 0.5, "b_attn": 256, "b_moe": 8192, **fields})

@@ -8,6 +8,7 @@ process (and the profile on disk), so an engine built again plans in millisecond
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import itertools
 import os
 import threading
@@ -30,7 +31,7 @@ PLANNED_FIELDS = ("max_num_seqs", "refill_threshold", "b_attn", "b_moe", "kv_bud
                   "staging_fraction")
 MAX_NUM_SEQS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 REFILL_THRESHOLDS = (0.25, 0.5, 0.75)
-B_ATTN = (16, 32, 64, 128, 256, 512, 1024, 2048)
+B_ATTN = (16, 64, 256, 1024)  # and max_num_seqs itself
 B_MOE = (256, 1024, 4096, 8192, 16384)
 STAGING_FRACTIONS = (0.1, 0.25, 0.5)
 RUNNER_UPS = 5
@@ -70,19 +71,22 @@ class Plan:
 
 
 def curves_for(loaded: LoadedModel, progress: bool | None = None) -> CostCurves:
-    """The model's cost curves on its device: from the on-disk cache, else profiled now and cached."""
+    """The model's cost curves on its device: from the on-disk cache, else profiled now and cached. Processes
+    of one machine profiling the same model take turns (a file lock): the first measures, the others read."""
     path = _cache_dir() / f"curves-{profile_key(loaded)}.json"
-    if path.exists():
-        try:
-            return CostCurves.load(path)
-        except ValueError:
-            path.unlink(missing_ok=True)  # a torn or stale file: measure again
-    curves = profile_model(loaded, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(curves.to_json())
-    tmp.replace(path)
-    return curves
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            try:
+                return CostCurves.load(path)
+            except ValueError:
+                pass  # a file of an older layout: measure again
+        curves = profile_model(loaded, progress=progress)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(curves.to_json())
+        tmp.replace(path)
+        return curves
 
 
 def plan_engine(loaded: LoadedModel, config: EngineConfig, workload: WorkloadShape | None = None,
@@ -91,7 +95,6 @@ def plan_engine(loaded: LoadedModel, config: EngineConfig, workload: WorkloadSha
     """Search the unset planned fields of `config` for the shortest predicted BCT of `workload`."""
     curves = curves or curves_for(loaded, progress)
     max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
-    workload = (workload or WorkloadShape.default(max_model_len)).fit(max_model_len)
     spec = loaded.model.kv_spec()
     if loaded.device.type == "meta":  # planning from cost curves measured elsewhere: their device's memory
         device_type, free, host_free = curves.device_type, curves.device_free_bytes, curves.host_free_bytes
@@ -100,8 +103,23 @@ def plan_engine(loaded: LoadedModel, config: EngineConfig, workload: WorkloadSha
         free, host_free = available_memory_bytes(loaded.device), available_memory_bytes(torch.device("cpu"))
     stream_host = config.stream_host_kv if config.stream_host_kv is not None else device_type != "cpu"
     limits = limits or memory_limits(device_type, config, free, host_free)
-    return search(config, curves, workload, spec, loaded.dtype, stream_host, limits,
-                  _activation_bytes_per_token(loaded, curves))
+    per_token = _activation_bytes_per_token(loaded, curves)
+    if workload is not None:
+        return search(config, curves, workload.fit(max_model_len), spec, loaded.dtype, stream_host, limits, per_token)
+    # the generic workload, cut to what a given device budget holds of one sequence; if the budgets cannot
+    # run that many sequences at all, a quarter as many, and so on
+    capacity = max_model_len
+    if config.kv_budget_bytes is not None:
+        pages = config.kv_budget_bytes // (curves.kv_bytes_per_token * config.page_size) - 2  # 2: reserve
+        capacity = min(capacity, max(2, pages * config.page_size))
+    workload = WorkloadShape.default(capacity).fit(max_model_len)
+    while True:
+        try:
+            return search(config, curves, workload, spec, loaded.dtype, stream_host, limits, per_token)
+        except ValueError:
+            if len(workload.prompt_lens) == 1:
+                raise
+            workload = workload.sample(len(workload.prompt_lens) // 4)
 
 
 def search(config: EngineConfig, curves: CostCurves, workload: WorkloadShape, spec, dtype: torch.dtype,

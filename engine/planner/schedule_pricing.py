@@ -1,10 +1,11 @@
 """Price a replayed schedule for many (b_attn, b_moe) pairs at once.
 
-Per step, the layer DAG of step_model is a chain on the compute stream unless host-resident groups stream
-their KV through the staging pool (a copy stream beside it). A chain's critical path is the sum of its
-nodes, and every curve is linear in its features, so all micro-batches of one kind price as one term
-with a call count: whole schedules become a few vector operations. Steps with a copy stream are priced
-on their DAG.
+Per step, the layer DAG of step_model is a chain on the compute stream, plus, when host-resident groups
+stream their KV through the staging pool, a chain of copies on the copy stream. A chain's critical path
+is the sum of its nodes, and every curve is linear in its features, so all micro-batches of one kind
+price as one term with a call count. With copies, the g-th staged attention starts when both the compute
+before it and the first g copies are done: a recurrence over the group index, run for all steps at once.
+Whole schedules become a few vector operations; a test holds them equal to the DAG's critical path.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.engine.planner.cost_curves import CostCurves
-from batchgen.engine.planner.step_model import StepShape, step_seconds
+from batchgen.engine.planner.step_model import StepShape
 
 
 class SchedulePricer:
@@ -31,7 +32,12 @@ class SchedulePricer:
         self.rows = column(s.completed + s.decoding for s in steps)
         self.migrated = column(s.migrated_bytes for s in steps)
         self.tokens = self.prefill_tokens + self.decoding
-        self.streamed = [i for i, s in enumerate(steps) if s.staged and s.streams_host]
+        # host-resident groups of steps that stream them: [steps, most groups], zero-padded
+        width = max((len(s.staged) for s in steps if s.streams_host), default=0)
+        streamed = [list(map(sum, s.staged)) if s.streams_host else [] for s in steps]
+        self.group_kv = torch.tensor([g + [0] * (width - len(g)) for g in streamed], dtype=torch.float64)
+        self.group_seqs = torch.tensor([[len(x) for x in s.staged] * s.streams_host + [0] * (
+            width - len(s.staged) * s.streams_host) for s in steps], dtype=torch.float64)
 
     def step_seconds(self, b_attn: int, b_moe: int) -> torch.Tensor:
         c = self.curves
@@ -39,15 +45,21 @@ class SchedulePricer:
         prefill_calls, decode_calls = self._attention_calls(b_attn)
         decode = decode_calls * da[0] + self.decoding * da[1] + self.kv_tokens * da[2]
         prefill = prefill_calls * pa[0] + self.prefill_chunks * pa[1] + self.prefill_tokens * pa[2] + self.pairs * pa[3]
+        attention = prefill + decode
+        if self.group_kv.shape[1]:  # streamed groups: their attention waits for their copies
+            present = self.group_seqs > 0
+            group_attention = present * (da[0] + self.group_seqs * da[1] + self.group_kv * da[2])
+            copies = torch.cumsum(self.group_kv * (c.kv_bytes_per_token / c.num_layers / c.copy_bytes_per_s), dim=1)
+            done = attention - group_attention.sum(dim=1)  # compute before the first streamed group
+            for g in range(self.group_kv.shape[1]):
+                done = torch.where(present[:, g], torch.maximum(done, copies[:, g]) + group_attention[:, g], done)
+            attention = done
         full, rest = torch.div(self.tokens, b_moe, rounding_mode="floor"), torch.remainder(self.tokens, b_moe)
         ffn = full * c.ffn_seconds(b_moe) + (rest > 0) * c.ffn_seconds(rest)
         head = (self.rows > 0) * (hd[0] + self.rows * hd[1])
         features = self.host_features(b_attn)
         host = sum(coef * features[name] for name, coef in zip(c.host.features, hs))
-        out = c.num_layers * (prefill + decode + ffn) + head + host + self.migrated / c.copy_bytes_per_s
-        for i in self.streamed:
-            out[i] = step_seconds(self.steps[i], c, b_attn, b_moe)
-        return out
+        return c.num_layers * (attention + ffn) + head + host + self.migrated / c.copy_bytes_per_s
 
     def host_features(self, b_attn: int) -> dict[str, torch.Tensor]:
         """Each step's host-cost features (cost_curves.HOST, in order): one step, its sequences, its attention
