@@ -7,8 +7,8 @@ Scenarios (bench/bct.py's bench-moe workload, greedy, fixed output lengths):
 - unconstrained: device KV holds every sequence's full context;
 - kv_budget: device KV holds 16 sequences of mean full context (bct.py's budget scenario);
 - experts64: unconstrained, on the preset with 64 experts, top-4;
-- bulk: unconstrained, 512 short prompts (16-64 tokens) with short outputs (lognormal mu 2.0, at most
-  64): more prompts than the old default max_num_seqs, the case an ETL job meets.
+- bulk: unconstrained, 4x as many prompts (512 by default), short (16-64 tokens), with short outputs
+  (lognormal mu 2.0, at most 64): more prompts than the old default max_num_seqs, as an ETL job has.
 
 In each scenario the same engine runs, one after another in one process: the sweep (configurations
 spanning max_num_seqs, b_attn, b_moe and the refill threshold), the planner's choice for the scenario's
@@ -48,6 +48,7 @@ from batchgen.engine.planner.schedule_pricing import SchedulePricer  # noqa: E40
 from batchgen.engine.planner.schedule_replay import replay_schedule  # noqa: E402
 
 PAGE_SIZE = 64
+SWEPT = ("max_num_seqs", "refill_threshold", "b_attn", "b_moe")
 OLD_DEFAULTS = {"max_num_seqs": 256, "refill_threshold": 0.5, "b_attn": 256, "b_moe": 8192, "staging_fraction": 0.25}
 # (max_num_seqs, refill_threshold, b_attn, b_moe) for 128 prompts (populations scale with the prompt count):
 # small to large populations, tiny to whole micro-batches
@@ -57,7 +58,8 @@ SWEEP = ((8, 0.5, 8, 8192), (16, 0.5, 16, 8192), (16, 0.75, 8, 1024), (32, 0.5, 
 # name -> (model, device KV holding this many mean contexts or None: all of them, workload beside bct.py's)
 SCENARIOS = {"unconstrained": ("bench-moe", None, {}), "kv_budget": ("bench-moe", 16, {}),
              "experts64": ("bench-moe?experts=64&top_k=4", None, {}),
-             "bulk": ("bench-moe", None, dict(num_prompts=512, prompt_len=(16, 64), mu=2.0, max_output=64))}
+             "bulk": ("bench-moe", None, dict(prompt_len=(16, 64), mu=2.0, max_output=64))}
+BULK_PROMPTS = 4  # the bulk scenario runs this many times as many prompts as the others
 
 
 @dataclasses.dataclass
@@ -125,9 +127,9 @@ def scenario(name: str, model: str, budget_seqs: int | None, spec: WorkloadSpec,
     start = time.perf_counter()
     plan = plan_engine(loaded, base, workload=shape_only, curves=curves, limits=memory)
     plan_s = time.perf_counter() - start
-    log(f"[{name}] profiled in {profile_s:.1f} s, planned in {plan_s:.1f} s: "
-        f"{ {k: getattr(plan.config, k) for k in PLANNED_FIELDS if k not in ('kv_budget_bytes', 'host_kv_budget_bytes')} }"
-        f" predicted {plan.predicted_bct_s:.1f} s")
+    planned = {k: getattr(plan.config, k) for k in PLANNED_FIELDS if not k.endswith("budget_bytes")}
+    log(f"[{name}] profiled in {profile_s:.1f} s, planned in {plan_s:.1f} s: {planned} predicted "
+        f"{plan.predicted_bct_s:.1f} s")
 
     scale = max(1, 2 ** round(math.log2(spec.num_prompts / 128)))  # the sweep's populations follow the prompts
     configs = {f"sweep{i}": dataclasses.replace(base, max_num_seqs=n * scale, refill_threshold=r, b_attn=a * scale,
@@ -154,7 +156,7 @@ def scenario(name: str, model: str, budget_seqs: int | None, spec: WorkloadSpec,
         errs = step_errors(predicted, measured.step_s)
         errors.extend(errs)
         differing = sum(a != b for a, b in zip(reference, measured.tokens))
-        runs[label] = {"config": {k: getattr(config, k) for k in ("max_num_seqs", "refill_threshold", "b_attn", "b_moe")},
+        runs[label] = {"config": {k: getattr(config, k) for k in SWEPT},
                        "bct_s": round(measured.bct_s, 3), "predicted_bct_s": round(sum(predicted), 3),
                        "steps": len(measured.step_s), "median_step_error": round(statistics.median(errs), 4),
                        "stolen_s": [round(x, 2) for x in steal[label]],
@@ -176,7 +178,7 @@ def scenario(name: str, model: str, budget_seqs: int | None, spec: WorkloadSpec,
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    parser.add_argument("--num-prompts", type=int, help="prompts of every scenario (default 128; bulk 512)")
+    parser.add_argument("--num-prompts", type=int, default=128, help=f"prompts per scenario (bulk: {BULK_PROMPTS}x)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each configuration; its best BCT counts")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {list(SCENARIOS)}")
     args = parser.parse_args(argv)
@@ -188,8 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     out = {"load_average": os.getloadavg()[0], "threads": torch.get_num_threads(), "scenarios": {}}
     for name in names:
         model, budget_seqs, workload = SCENARIOS[name]
-        if args.num_prompts:
-            workload = {**workload, "num_prompts": args.num_prompts}
+        workload = {**workload, "num_prompts": args.num_prompts * (BULK_PROMPTS if name == "bulk" else 1)}
         out["scenarios"][name] = scenario(name, model, budget_seqs, WorkloadSpec(**workload), args.repeats, log)
     out["load_average_end"] = os.getloadavg()[0]
     if args.json:

@@ -22,6 +22,8 @@ from batchgen.engine.models.context import KVSpec
 from batchgen.engine.page_cache import ROOT, PageKey
 from batchgen.engine.sequence import KVLocation, Sequence
 
+CPU = torch.device("cpu")
+
 
 @dataclass
 class KVBudget:
@@ -33,7 +35,7 @@ class KVBudget:
 class KVManager:
     def __init__(self, spec: KVSpec, page_size: int, dtype: torch.dtype, budget: KVBudget,
                  device: torch.device, stream_host: bool, prefix_caching: bool, reserve_pages: int = 2,
-                 host_device: torch.device = torch.device("cpu")):
+                 host_device: torch.device = CPU):
         """`host_device`: where host pages live; the planner replays schedules on "meta" pools (no storage)."""
         self.geometry = PoolGeometry(spec, page_size, dtype)
         self.page_size = page_size

@@ -23,8 +23,8 @@ from typing import Any
 from batchgen.operators.work_balancer import BalancerStats
 from batchgen.pipelines.cli_args import json_object, parse_json_object
 from batchgen.pipelines.openai_batch.serve_cli import add_serve_parser, run_serve
-from batchgen.pipelines.plan_cli import add_plan_parser, run_plan
 from batchgen.pipelines.pipeline import JobConfig, JobError, JobSummary, execute_job, plan_job
+from batchgen.pipelines.plan_cli import add_plan_parser, run_plan
 from batchgen.pipelines.progress import Progress
 from batchgen.pipelines.ray_runtime import init_ray
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from batchgen.pipelines.cli_args import json_object
 
+
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="plan engine settings (and the stage split) for a model and workload",
                               description=__doc__.split("\n\n")[0])
@@ -87,9 +88,10 @@ def plan_text(out: dict) -> str:
     lines = [f"workload     {out['workload']}",
              f"planned      max_num_seqs={c['max_num_seqs']} refill_threshold={c['refill_threshold']} "
              f"b_attn={c['b_attn']} b_moe={c['b_moe']} staging_fraction={c['staging_fraction']}",
-             f"KV           device {c['kv_budget_bytes'] / 2**20:.1f} MiB, host {c['host_kv_budget_bytes'] / 2**20:.1f} MiB",
-             f"predicted    BCT {out['predicted_bct_s']:.2f} s over {out['steps']} steps "
-             f"(mean {out['predicted_step_s']['mean'] * 1e3:.1f} ms, max {out['predicted_step_s']['max'] * 1e3:.1f} ms)"]
+             f"KV           device {c['kv_budget_bytes'] / 2**20:.1f} MiB, "
+             f"host {c['host_kv_budget_bytes'] / 2**20:.1f} MiB",
+             f"predicted    BCT {out['predicted_bct_s']:.2f} s over {out['steps']} steps (mean "
+             f"{out['predicted_step_s']['mean'] * 1e3:.1f} ms, max {out['predicted_step_s']['max'] * 1e3:.1f} ms)"]
     for i, r in enumerate(out["runner_ups"], 1):
         rc = r["config"]
         lines.append(f"runner-up {i}  max_num_seqs={rc['max_num_seqs']} refill_threshold={rc['refill_threshold']} "

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tiny_models import scheduler_config
 
-from batchgen.engine.config import EngineConfig
 from batchgen.engine.coroutine import CoroutineGroup, ProgramPoint, combine, partition
 from batchgen.engine.kv_manager import KVBudget, KVManager
 from batchgen.engine.models.context import KVSpec

@@ -97,10 +97,11 @@ def test_vectorised_pricing_equals_each_step_dag(streams_host):
     steps = []
     for _ in range(30):
         prefill = tuple((0, rng.randrange(1, 300)) for _ in range(rng.randrange(0, 5)))
-        steps.append(StepShape(prefill=prefill, resident=tuple(rng.randrange(1, 900) for _ in range(rng.randrange(40))),
-                               staged=tuple(tuple(rng.randrange(1, 500) for _ in range(rng.randrange(1, 9)))
-                                            for _ in range(rng.randrange(3))),
-                               completed=len(prefill), migrated_bytes=rng.randrange(1 << 20), streams_host=streams_host))
+        resident = tuple(rng.randrange(1, 900) for _ in range(rng.randrange(40)))
+        staged = tuple(tuple(rng.randrange(1, 500) for _ in range(rng.randrange(1, 9)))
+                       for _ in range(rng.randrange(3)))
+        steps.append(StepShape(prefill=prefill, resident=resident, staged=staged, completed=len(prefill),
+                               migrated_bytes=rng.randrange(1 << 20), streams_host=streams_host))
     for b_attn, b_moe in ((4, 64), (16, 1024), (256, 8192)):
         vectorised = SchedulePricer(steps, curves).step_seconds(b_attn, b_moe).tolist()
         assert vectorised == pytest.approx([step_seconds(s, curves, b_attn, b_moe) for s in steps], rel=1e-9)
@@ -124,7 +125,8 @@ def test_replay_is_the_engines_schedule_step_by_step(loaded, budget_tokens):
     batch = prompts(vocab_size=loaded.model.vocab_size, lengths=(3, 40, 17, 5, 30, 12, 9, 22))
     outputs = [12, 3, 20, 7, 15, 1, 9, 25]
     config = EngineConfig(page_size=8, max_num_seqs=6, refill_threshold=0.5, b_attn=4, b_moe=64,
-                          kv_budget_bytes=token_bytes * (budget_tokens or 4096), host_kv_budget_bytes=token_bytes * 4096,
+                          kv_budget_bytes=token_bytes * (budget_tokens or 4096),
+                          host_kv_budget_bytes=token_bytes * 4096,
                           staging_fraction=0.25, max_prefill_tokens=48)
     engine = Engine(loaded, config)
     for i, (p, n) in enumerate(zip(batch, outputs)):

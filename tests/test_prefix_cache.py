@@ -12,12 +12,10 @@ from tiny_models import kv_bytes_per_token, scheduler_config
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, PrefillExporter, Request, SamplingParams
-from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_pool import OutOfPagesError
 from batchgen.engine.page_cache import ROOT, PageCache
 from batchgen.engine.scheduler import PREFIX_WINDOW, Scheduler
 from batchgen.engine.sequence import KVLocation
-
 
 
 def test_index_matches_whole_pages_of_the_exact_prefix():

@@ -122,4 +122,5 @@ class CostCurves:
         try:
             return cls.from_json(Path(path).read_text())
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path} is not a cost-curve file written by `batchgen plan --save-curves`: {exc}") from exc
+            raise ValueError(f"{path} is not a cost-curve file written by `batchgen plan --save-curves`: "
+                             f"{exc}") from exc

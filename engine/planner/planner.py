@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import hashlib
 import itertools
+import json
 import os
 import threading
 from dataclasses import dataclass, field
@@ -22,8 +24,8 @@ from batchgen.engine.kv_budget import MemoryLimits, available_memory_bytes, memo
 from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.planner.cost_curves import CostCurves
 from batchgen.engine.planner.profiler import profile_key, profile_model
-from batchgen.engine.planner.schedule_replay import ReplayError, replay_schedule
 from batchgen.engine.planner.schedule_pricing import SchedulePricer
+from batchgen.engine.planner.schedule_replay import ReplayError, replay_schedule
 from batchgen.engine.planner.step_model import StepShape
 from batchgen.engine.planner.workload import WorkloadShape
 
@@ -71,22 +73,28 @@ class Plan:
 
 
 def curves_for(loaded: LoadedModel, progress: bool | None = None) -> CostCurves:
-    """The model's cost curves on its device: from the on-disk cache, else profiled now and cached. Processes
-    of one machine profiling the same model take turns (a file lock): the first measures, the others read."""
-    path = _cache_dir() / f"curves-{profile_key(loaded)}.json"
+    """The model's cost curves on its device: from the on-disk cache, else profiled now and cached."""
+    return _disk_cached(f"curves-{profile_key(loaded)}.json", lambda: profile_model(loaded, progress=progress),
+                        CostCurves.from_json, CostCurves.to_json)
+
+
+def _disk_cached(name: str, compute, load, dump):
+    """`load` of the cached file `name`, else `compute()` saved there. Processes of one machine asking for the
+    same file take turns (a file lock): the first computes, the others read (Ray actors of one job)."""
+    path = _cache_dir() / name
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if path.exists():
             try:
-                return CostCurves.load(path)
-            except ValueError:
-                pass  # a file of an older layout: measure again
-        curves = profile_model(loaded, progress=progress)
+                return load(path.read_text())
+            except (ValueError, KeyError, TypeError):
+                pass  # a file of an older layout: compute again
+        value = compute()
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(curves.to_json())
+        tmp.write_text(dump(value))
         tmp.replace(path)
-        return curves
+        return value
 
 
 def plan_engine(loaded: LoadedModel, config: EngineConfig, workload: WorkloadShape | None = None,
@@ -180,20 +188,34 @@ def search(config: EngineConfig, curves: CostCurves, workload: WorkloadShape, sp
                 curves, searched, notes)
 
 
-_PLANS: dict[tuple, EngineConfig] = {}
+_PLANS: dict[str, EngineConfig] = {}
 _LOCK = threading.Lock()
 
 
 def resolve_config(loaded: LoadedModel, config: EngineConfig) -> EngineConfig:
-    """`config` with every planned field set: as given, or planned for the default workload (once per
-    process for a model, device and set of explicit values)."""
+    """`config` with every planned field set: as given, or planned for the default workload, once per model,
+    device, explicit values and (to two digits) free memory: remembered by the process and on disk."""
     if all(getattr(config, name) is not None for name in PLANNED_FIELDS):
         return config
-    key = (profile_key(loaded), config)
+    free = _two_digits(available_memory_bytes(loaded.device))
+    host_free = _two_digits(available_memory_bytes(torch.device("cpu")))
+    limits = memory_limits(loaded.device.type, config, free, host_free)
+    fields = json.dumps([profile_key(loaded), dataclasses.asdict(config), dataclasses.asdict(limits)], sort_keys=True)
+    key = hashlib.sha256(fields.encode()).hexdigest()[:20]
     with _LOCK:
         if key not in _PLANS:
-            _PLANS[key] = plan_engine(loaded, config).config
+            planned = _disk_cached(
+                f"plan-{key}.json",
+                lambda: {n: getattr(plan_engine(loaded, config, limits=limits).config, n) for n in PLANNED_FIELDS},
+                json.loads, json.dumps)
+            _PLANS[key] = dataclasses.replace(config, **planned)
         return _PLANS[key]
+
+
+def _two_digits(n: int) -> int:
+    """`n` rounded down to two significant digits: free memory moves a little between processes."""
+    scale = 10 ** max(0, len(str(n)) - 2)
+    return n // scale * scale
 
 
 def _activation_bytes_per_token(loaded: LoadedModel, curves: CostCurves) -> int:

@@ -22,18 +22,26 @@ from tqdm import tqdm
 
 from batchgen.engine.attention_context import DecodeContext, PrefillContext
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.kv_budget import available_memory_bytes, plan_kv_budget
 from batchgen.engine.kv_pool import KVPool, PoolGeometry
 from batchgen.engine.models.loaded_model import LoadedModel
-from batchgen.engine.kv_budget import available_memory_bytes, plan_kv_budget
-from batchgen.engine.planner.cost_curves import (DECODE_ATTENTION, HEAD, HOST, PREFILL_ATTENTION, CostCurves,
-                                                 LinearCost, TabulatedCost)
+from batchgen.engine.planner.cost_curves import (
+    DECODE_ATTENTION,
+    HEAD,
+    HOST,
+    PREFILL_ATTENTION,
+    CostCurves,
+    LinearCost,
+    TabulatedCost,
+)
 from batchgen.engine.planner.schedule_pricing import SchedulePricer
 from batchgen.engine.planner.schedule_replay import replay_schedule
 from batchgen.engine.planner.workload import WorkloadShape
 
 PAGE = 64
 DECODE_GRID = ((1, 64), (1, 2048), (8, 256), (32, 64), (32, 1024), (128, 128), (128, 512), (256, 256))  # seqs, ctx
-PREFILL_GRID = ((1, 16), (1, 256), (1, 1024), (4, 128), (16, 64), (8, 512), (2, 2048), (64, 8), (256, 8), (64, 64))  # prompts, length
+PREFILL_GRID = ((1, 16), (1, 256), (1, 1024), (4, 128), (16, 64), (8, 512), (2, 2048), (64, 8), (256, 8),
+                (64, 64))  # prompts, length
 FFN_GRID = tuple(2**i for i in range(14))  # tokens: 1 .. 8192
 HEAD_GRID = (1, 64, 512)  # rows
 HOST_RUNS = ((16, 8, 16), (64, 6, 64), (64, 6, 8), (192, 4, 192))  # prompts, output tokens each, b_attn
@@ -55,10 +63,10 @@ def profile_key(loaded: LoadedModel) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-PROFILE_VERSION = 8
+PROFILE_VERSION = 8  # bump when what is measured changes
 # config entries that do not change what a layer costs (token ids, names, init and rope details)
-IGNORED_SUFFIXES = ("token_id", "_token_ids", "_range", "_eps", "_theta", "architectures", "torch_dtype", "rope_scaling",
-                    "rope_parameters", "id2label", "label2id")  # bump when what is measured changes
+IGNORED_SUFFIXES = ("token_id", "_token_ids", "_range", "_eps", "_theta", "architectures", "torch_dtype",
+                    "rope_scaling", "rope_parameters", "id2label", "label2id")
 
 
 def profile_model(loaded: LoadedModel, max_context: int | None = None, progress: bool | None = None) -> CostCurves:
@@ -92,19 +100,19 @@ def profile_model(loaded: LoadedModel, max_context: int | None = None, progress:
             x = torch.randn(seqs, hidden_size, dtype=loaded.dtype, device=device)
             context = _decode_context(seqs, ctx, pool, device)
             record("decode", {"calls": 1, "seqs": seqs, "kv_tokens": seqs * (ctx + 1)},
-                   measure(lambda: attn_layer.attn(x, context)))
+                   measure(lambda x=x, context=context: attn_layer.attn(x, context)))
         for prompts, length in prefill:
             x = torch.randn(prompts * length, hidden_size, dtype=loaded.dtype, device=device)
             context = _prefill_context(prompts, length, pool, device)
             record("prefill", {"calls": 1, "seqs": prompts, "tokens": prompts * length,
                                "pairs": prompts * length * (length + 1) / 2},
-                   measure(lambda: attn_layer.attn(x, context)))
+                   measure(lambda x=x, context=context: attn_layer.attn(x, context)))
         for tokens in FFN_GRID:
             x = torch.randn(tokens, hidden_size, dtype=loaded.dtype, device=device)
-            record("ffn", {"tokens": tokens}, measure(lambda: ffn_layer.ffn(x)))
+            record("ffn", {"tokens": tokens}, measure(lambda x=x: ffn_layer.ffn(x)))
         for n in HEAD_GRID:
             x = torch.randn(n, hidden_size, dtype=loaded.dtype, device=device)
-            record("head", {"calls": 1, "rows": n}, measure(lambda: model.head(x)))
+            record("head", {"calls": 1, "rows": n}, measure(lambda x=x: model.head(x)))
         del pool
         copy_rate = _copy_bytes_per_s(device, measure)
         bar.update()
