@@ -123,17 +123,35 @@ def plan_engine(loaded: LoadedModel, config: EngineConfig, workload: WorkloadSha
     workload = WorkloadShape.default(capacity).fit(max_model_len)
     while True:
         try:
-            return search(config, curves, workload, spec, loaded.dtype, stream_host, limits, per_token)
+            return search(config, curves, workload, spec, loaded.dtype, stream_host, limits, per_token, COARSE)
         except ValueError:
             if len(workload.prompt_lens) == 1:
                 raise
             workload = workload.sample(len(workload.prompt_lens) // 4)
 
 
+@dataclass(frozen=True)
+class SearchSpace:
+    """Candidate values of the planned fields (max_num_seqs and b_attn also capped by the workload)."""
+
+    max_num_seqs: tuple[int, ...] = MAX_NUM_SEQS
+    refill_thresholds: tuple[float, ...] = REFILL_THRESHOLDS
+    b_attn: tuple[int, ...] = B_ATTN
+    b_moe: tuple[int, ...] = B_MOE
+    staging_fractions: tuple[float, ...] = STAGING_FRACTIONS
+
+
+# an engine built without a described workload: a coarser search, so construction stays around a second
+COARSE = SearchSpace(max_num_seqs=(64, 256, 1024), refill_thresholds=(0.5,), b_attn=(64,), b_moe=(1024, 8192),
+                     staging_fractions=(0.25,))
+
+
 def search(config: EngineConfig, curves: CostCurves, workload: WorkloadShape, spec, dtype: torch.dtype,
-           stream_host: bool, limits: MemoryLimits, activation_bytes_per_token: int) -> Plan:
+           stream_host: bool, limits: MemoryLimits, activation_bytes_per_token: int,
+           space: SearchSpace = SearchSpace()) -> Plan:
     """Every combination of candidate values for the unset fields, each schedule replayed once (b_attn and
-    b_moe only re-price it, unless host-resident groups made the schedule depend on b_attn)."""
+    b_moe only re-price it, unless host-resident groups made the schedule depend on b_attn). In lockstep mode
+    the micro-batch sizes are not searched: that policy runs every step as one batch."""
     token_bytes = curves.kv_bytes_per_token
     wanted_tokens = -(-workload.max_context // config.page_size) * config.page_size + 2 * config.page_size
 
@@ -141,13 +159,13 @@ def search(config: EngineConfig, curves: CostCurves, workload: WorkloadShape, sp
         explicit = getattr(config, name)
         return (explicit,) if explicit is not None else tuple(values)
 
-    enough = next((n for n in MAX_NUM_SEQS if n >= len(workload.prompt_lens)), MAX_NUM_SEQS[-1])
-    seqs_options = options("max_num_seqs", [n for n in MAX_NUM_SEQS if n <= enough])
-    refill_options = options("refill_threshold", REFILL_THRESHOLDS)
-    staging_options = options("staging_fraction", STAGING_FRACTIONS if stream_host and config.mode == "coroutine"
-                              else (0.25,))
-    moe_options = options("b_moe", [b for b in B_MOE if b * activation_bytes_per_token <= limits.activation_bytes]
-                          or B_MOE[:1])
+    coroutine = config.mode == "coroutine"
+    enough = next((n for n in space.max_num_seqs if n >= len(workload.prompt_lens)), space.max_num_seqs[-1])
+    seqs_options = options("max_num_seqs", [n for n in space.max_num_seqs if n <= enough])
+    refill_options = options("refill_threshold", space.refill_thresholds if coroutine else (0.5,))
+    staging_options = options("staging_fraction", space.staging_fractions if stream_host and coroutine else (0.25,))
+    moe_options = options("b_moe", [b for b in space.b_moe if b * activation_bytes_per_token <= limits.activation_bytes]
+                          or space.b_moe[:1] if coroutine else space.b_moe[-1:])
     admission = curves.host.seconds(prompts=len(workload.prompt_lens))
     best: list[tuple[float, dict, SchedulePricer]] = []
     searched = 0
@@ -157,7 +175,7 @@ def search(config: EngineConfig, curves: CostCurves, workload: WorkloadShape, sp
             continue  # every prompt is admitted at once: the refill threshold never matters
         device = config.kv_budget_bytes or min(limits.device_kv_bytes, token_bytes * max_num_seqs * wanted_tokens)
         host = config.host_kv_budget_bytes or min(limits.host_kv_bytes, token_bytes * max_num_seqs * wanted_tokens)
-        attn_options = options("b_attn", [b for b in B_ATTN if b < max_num_seqs] + [max_num_seqs])
+        attn_options = options("b_attn", [b for b in space.b_attn if b < max_num_seqs and coroutine] + [max_num_seqs])
         schedule = None
         for b_attn in attn_options:
             trial = dataclasses.replace(config, max_num_seqs=max_num_seqs, refill_threshold=refill, b_attn=b_attn,

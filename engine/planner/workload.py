@@ -43,9 +43,9 @@ class WorkloadShape:
 
     @classmethod
     def default(cls, max_model_len: int) -> WorkloadShape:
-        """What an engine plans for when nobody described the job: 128 chat-sized prompts (32-512 tokens)
-        with a long tail of outputs (median 55, capped at 512), cut to the model's context."""
-        shape = cls.synthetic(128, (32, 512), mu=4.0, sigma=0.8, max_output=512)
+        """What an engine plans for when nobody described the job: a batch job's stream of chat-sized prompts
+        (512 of 32-512 tokens) with a tail of outputs (median 55, capped at 256), cut to the model's context."""
+        shape = cls.synthetic(512, (32, 512), mu=4.0, sigma=0.8, max_output=256)
         return shape.fit(max_model_len)
 
     def fit(self, max_model_len: int) -> WorkloadShape:
