@@ -43,13 +43,13 @@ from batchgen.connectors.checkpoint import load_model  # noqa: E402
 from batchgen.engine import Engine, EngineConfig  # noqa: E402
 from batchgen.engine.kv_budget import MemoryLimits, plan_kv_budget  # noqa: E402
 from batchgen.engine.planner import PLANNED_FIELDS, WorkloadShape, plan_engine  # noqa: E402
+from batchgen.engine.planner.planner import FIXED  # noqa: E402
 from batchgen.engine.planner.profiler import profile_model  # noqa: E402
 from batchgen.engine.planner.schedule_pricing import SchedulePricer  # noqa: E402
 from batchgen.engine.planner.schedule_replay import replay_schedule  # noqa: E402
 
 PAGE_SIZE = 64
 SWEPT = ("max_num_seqs", "refill_threshold", "b_attn", "b_moe")
-OLD_DEFAULTS = {"max_num_seqs": 256, "refill_threshold": 0.5, "b_attn": 256, "b_moe": 8192, "staging_fraction": 0.25}
 # (max_num_seqs, refill_threshold, b_attn, b_moe) for 128 prompts (populations scale with the prompt count):
 # small to large populations, tiny to whole micro-batches
 SWEEP = ((8, 0.5, 8, 8192), (16, 0.5, 16, 8192), (16, 0.75, 8, 1024), (32, 0.5, 32, 8192), (32, 0.25, 16, 512),
@@ -118,7 +118,7 @@ def scenario(name: str, model: str, budget_seqs: int | None, spec: WorkloadSpec,
     memory = MemoryLimits(device_kv_bytes=device_bytes, host_kv_bytes=everything, activation_bytes=1 << 30)
     base = EngineConfig(page_size=PAGE_SIZE, kv_budget_bytes=device_bytes, host_kv_budget_bytes=everything)
     requests = requests_for(workload)
-    run_config(loaded, dataclasses.replace(base, **OLD_DEFAULTS), requests_for(make_workload(
+    run_config(loaded, dataclasses.replace(base, **FIXED), requests_for(make_workload(
         WorkloadSpec(num_prompts=4, seed=1, prompt_len=(16, 32), mu=1.0), shape.vocab)))  # warm-up
 
     start = time.perf_counter()
@@ -136,7 +136,7 @@ def scenario(name: str, model: str, budget_seqs: int | None, spec: WorkloadSpec,
                                                b_moe=m, staging_fraction=0.25)
                for i, (n, r, a, m) in enumerate(SWEEP)}
     configs["planned"] = plan.config
-    configs["default"] = dataclasses.replace(base, **OLD_DEFAULTS)
+    configs["default"] = dataclasses.replace(base, **FIXED)
     best: dict[str, Measured] = {}
     steal: dict[str, list[float]] = {label: [] for label in configs}
     for repeat in range(repeats):  # round-robin: a slow spell of the machine hits every configuration alike

@@ -3,6 +3,10 @@ import os
 # Tests run the engine beside Ray actors and server processes on two cores: OpenMP threads that
 # busy-wait for work lose their core at every small op. Set before torch starts its thread pool.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Engines that tests build take the planner's fixed settings (BATCHGEN_PLAN=0): planning profiles each new model
+# shape for seconds and the tests build dozens of shapes and configs. tests/test_planner.py plans for real, as does
+# `batchgen run --engine-actors` in tests/test_cli.py. Inherited by Ray workers and server subprocesses.
+os.environ.setdefault("BATCHGEN_PLAN", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -19,7 +19,7 @@ from batchgen.engine.kv_budget import MemoryLimits, plan_kv_budget
 from batchgen.engine.planner import PLANNED_FIELDS, CostCurves, LinearCost, WorkloadShape, plan_engine
 from batchgen.engine.planner.cost_curves import HOST, TabulatedCost, nnls
 from batchgen.engine.planner.layer_dag import LayerDag
-from batchgen.engine.planner.planner import curves_for, resolve_config
+from batchgen.engine.planner.planner import FIXED, curves_for, resolve_config
 from batchgen.engine.planner.schedule_pricing import SchedulePricer
 from batchgen.engine.planner.schedule_replay import replay_schedule
 from batchgen.engine.planner.stage_split import plan_stage_split
@@ -162,6 +162,7 @@ def test_planner_respects_memory_limits_and_keeps_explicit_values(loaded):
 
 def test_planned_defaults_give_the_tokens_of_an_explicit_config(loaded, tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path))
+    monkeypatch.setenv("BATCHGEN_PLAN", "1")
     batch = prompts(vocab_size=loaded.model.vocab_size, lengths=(3, 9, 17, 5, 30, 12))
     requests = [Request(f"r{i}", prompt_token_ids=p, sampling=GREEDY) for i, p in enumerate(batch)]
     planned = Engine(loaded)
@@ -173,6 +174,16 @@ def test_planned_defaults_give_the_tokens_of_an_explicit_config(loaded, tmp_path
         [r.outputs[0].token_ids for r in explicit.generate(requests)]
     again = resolve_config(loaded, EngineConfig())
     assert again == planned.config  # the same process plans a config once
+    assert len(list(tmp_path.glob("plans/plan-*.json"))) == 1  # and other processes read it from disk
+
+
+def test_without_planning_unset_fields_take_the_fixed_settings(loaded, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_PLAN", "0")
+    config = resolve_config(loaded, EngineConfig(b_attn=3))
+    assert config.b_attn == 3 and all(getattr(config, k) == v for k, v in FIXED.items() if k != "b_attn")
+    spec = loaded.model.kv_spec()
+    full_contexts = spec.num_layers * spec.num_kv_heads * (spec.k_dim + spec.v_dim) * 4 * 256 * loaded.max_model_len
+    assert 0 < config.kv_budget_bytes <= full_contexts and 0 < config.host_kv_budget_bytes <= full_contexts
 
 
 def test_stage_split_follows_the_work():

@@ -37,6 +37,10 @@ B_ATTN = (16, 64, 256, 1024)  # and max_num_seqs itself
 B_MOE = (256, 1024, 4096, 8192, 16384)
 STAGING_FRACTIONS = (0.1, 0.25, 0.5)
 RUNNER_UPS = 5
+PLANNER_VERSION = 2  # in the key of cached plans: bump when the search or the generic workload changes
+PLAN_ENV = "BATCHGEN_PLAN"
+# what BATCHGEN_PLAN=0 gives the fields a config leaves unset (the KV budgets: max_num_seqs full contexts)
+FIXED = {"max_num_seqs": 256, "refill_threshold": 0.5, "b_attn": 256, "b_moe": 8192, "staging_fraction": 0.25}
 
 
 @dataclass(frozen=True)
@@ -114,20 +118,20 @@ def plan_engine(loaded: LoadedModel, config: EngineConfig, workload: WorkloadSha
     per_token = _activation_bytes_per_token(loaded, curves)
     if workload is not None:
         return search(config, curves, workload.fit(max_model_len), spec, loaded.dtype, stream_host, limits, per_token)
-    # the generic workload, cut to what a given device budget holds of one sequence; if the budgets cannot
-    # run that many sequences at all, a quarter as many, and so on
+    # the generic workload, cut to what a given device budget holds of one sequence; if the budgets cannot run
+    # it even so, cut to half that length, and so on
     capacity = max_model_len
     if config.kv_budget_bytes is not None:
         pages = config.kv_budget_bytes // (curves.kv_bytes_per_token * config.page_size) - 2  # 2: reserve
         capacity = min(capacity, max(2, pages * config.page_size))
-    workload = WorkloadShape.default(capacity).fit(max_model_len)
     while True:
+        workload = WorkloadShape.default(capacity).fit(max_model_len)
         try:
             return search(config, curves, workload, spec, loaded.dtype, stream_host, limits, per_token, COARSE)
-        except ValueError:
-            if len(workload.prompt_lens) == 1:
+        except ValueError:  # no sequence that long fits the budgets (a staging pool, a small host pool)
+            if capacity <= 2 * config.page_size:
                 raise
-            workload = workload.sample(len(workload.prompt_lens) // 4)
+            capacity //= 2
 
 
 @dataclass(frozen=True)
@@ -212,13 +216,17 @@ _LOCK = threading.Lock()
 
 def resolve_config(loaded: LoadedModel, config: EngineConfig) -> EngineConfig:
     """`config` with every planned field set: as given, or planned for the default workload, once per model,
-    device, explicit values and (to two digits) free memory: remembered by the process and on disk."""
+    device, explicit values and free memory (as a power of two): remembered by the process and on disk. With
+    BATCHGEN_PLAN=0 in the environment, the fixed settings of FIXED instead (no profile, no search)."""
     if all(getattr(config, name) is not None for name in PLANNED_FIELDS):
         return config
-    free = _two_digits(available_memory_bytes(loaded.device))
-    host_free = _two_digits(available_memory_bytes(torch.device("cpu")))
+    free = _power_of_two(available_memory_bytes(loaded.device))
+    host_free = _power_of_two(available_memory_bytes(torch.device("cpu")))
     limits = memory_limits(loaded.device.type, config, free, host_free)
-    fields = json.dumps([profile_key(loaded), dataclasses.asdict(config), dataclasses.asdict(limits)], sort_keys=True)
+    if os.environ.get(PLAN_ENV, "1") == "0":
+        return fixed_config(config, loaded, limits)
+    fields = json.dumps([PLANNER_VERSION, profile_key(loaded), dataclasses.asdict(config), dataclasses.asdict(limits)],
+                        sort_keys=True)
     key = hashlib.sha256(fields.encode()).hexdigest()[:20]
     with _LOCK:
         if key not in _PLANS:
@@ -230,10 +238,24 @@ def resolve_config(loaded: LoadedModel, config: EngineConfig) -> EngineConfig:
         return _PLANS[key]
 
 
-def _two_digits(n: int) -> int:
-    """`n` rounded down to two significant digits: free memory moves a little between processes."""
-    scale = 10 ** max(0, len(str(n)) - 2)
-    return n // scale * scale
+def fixed_config(config: EngineConfig, loaded: LoadedModel, limits: MemoryLimits) -> EngineConfig:
+    """The unset fields at FIXED values, KV budgets sized for max_num_seqs full contexts within `limits`."""
+    settings = {name: value for name, value in FIXED.items() if getattr(config, name) is None}
+    max_num_seqs = config.max_num_seqs or FIXED["max_num_seqs"]
+    max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+    spec = loaded.model.kv_spec()
+    wanted = spec.num_layers * spec.num_kv_heads * (spec.k_dim + spec.v_dim) * loaded.dtype.itemsize \
+        * max_num_seqs * max_model_len
+    if config.kv_budget_bytes is None:
+        settings["kv_budget_bytes"] = min(wanted, limits.device_kv_bytes)
+    if config.host_kv_budget_bytes is None:
+        settings["host_kv_budget_bytes"] = min(wanted, limits.host_kv_bytes)
+    return dataclasses.replace(config, **settings)
+
+
+def _power_of_two(n: int) -> int:
+    """The largest power of two not above `n`: free memory moves between processes, the plan should not."""
+    return 1 << max(0, n.bit_length() - 1)
 
 
 def _activation_bytes_per_token(loaded: LoadedModel, curves: CostCurves) -> int:
