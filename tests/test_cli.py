@@ -114,21 +114,6 @@ def test_demo_writes_its_prompts_runs_them_and_prints_a_summary(ray_cluster, tmp
     assert all(1 <= n <= 4 for n in table.column("num_generated_tokens").to_pylist())
 
 
-def test_run_plans_the_stage_split_of_its_engine_actors(ray_cluster, tiny_moe_dir, tmp_path, capsys):
-    input_dir = tmp_path / "in"
-    write_input(str(input_dir), workload(6), files=1)
-    code = main(["run", "--model", tiny_moe_dir, "--input", str(input_dir), "--output", str(tmp_path / "out"),
-                 "--engine-actors", "3", "--batch-size", "2", "--sampling-params", json.dumps(SAMPLING),
-                 "--no-progress"])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    split = next(line for line in out.splitlines() if "stages       planned" in line).split()
-    prefill, decode = int(split[2]), int(split[5])
-    assert prefill + decode == 3 and prefill >= 1 and decode >= 1
-    assert out.count("Prefill constructed") == prefill and out.count("Decode constructed") == decode
-    assert read_output(str(tmp_path / "out")).column("id").to_pylist() == list(range(6))
-
-
 def test_engine_actors_and_explicit_stage_concurrency_conflict(tmp_path, capsys):
     code = main(["run", "--model", "tiny-moe", "--input", str(tmp_path), "--output", str(tmp_path / "out"),
                  "--engine-actors", "3", "--decode-concurrency", "2"])

@@ -223,8 +223,14 @@ def test_structured_rows_follow_their_spec_through_map_batches_and_the_split_pip
         fn_constructor_kwargs={"model": tiny_moe_dir, "sampling_params": SAMPLING, **ENGINE})
     mapped = sorted(ds.take_all(), key=lambda r: r["id"])
     output = str(tmp_path / "out")
-    run_job(JobConfig(model=tiny_moe_dir, input=str(input_dir), output=output, mode="disaggregated",
-                      sampling_params=SAMPLING, engine=ENGINE, batch_size=3, rows_per_block=3))
+    # the split pipeline as `batchgen run --engine-actors 2` runs it: the planner sets the engine settings ENGINE
+    # leaves out, for this input, in a task placed like an engine actor, and splits the two actors
+    summary = run_job(JobConfig(model=tiny_moe_dir, input=str(input_dir), output=output, mode="disaggregated",
+                                sampling_params=SAMPLING, engine=ENGINE, batch_size=3, rows_per_block=3,
+                                engine_actors=2))
+    assert (summary.stage_split.prefill_actors, summary.stage_split.decode_actors) == (1, 1)
+    assert sorted(a.stage for a in summary.engine_actors) == ["Decode", "Prefill"]
+    assert "stages       planned 1 prefill + 1 decode engine actors" in summary_text(summary)
     split = read_output(output).to_pylist()
     for out in (mapped, split):
         assert [r["id"] for r in out] == list(range(10))
