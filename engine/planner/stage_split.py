@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.planner.cost_curves import CostCurves
@@ -70,11 +70,13 @@ def simulate_disaggregated(workload: WorkloadShape, curves: CostCurves, config: 
 
     def start_decode(actor: int) -> None:
         d = decoders[actor]
+        if d.busy:  # arrivals join at the next step
+            return
+        d.seqs = [s for s in d.seqs if s[1] > 0]
         while arrived and len(d.seqs) < config.max_num_seqs:
             i = arrived.popleft()
             d.seqs.append([workload.prompt_lens[i] + 1, workload.output_lens[i] - 1])  # the first token: prefill's
-        d.seqs = [s for s in d.seqs if s[1] > 0]
-        if not d.seqs or d.busy:
+        if not d.seqs:
             return
         shape = StepShape(prefill=(), resident=tuple(s[0] for s in d.seqs), staged=(), completed=0,
                           migrated_bytes=0, streams_host=False)
@@ -109,8 +111,5 @@ def simulate_disaggregated(workload: WorkloadShape, curves: CostCurves, config: 
 
 @dataclass
 class _Decoder:
-    seqs: list[list[int]] = None  # [tokens of KV each decode step reads, tokens still to generate]
+    seqs: list[list[int]] = field(default_factory=list)  # [KV tokens a step reads, tokens still to generate]
     busy: bool = False
-
-    def __post_init__(self) -> None:
-        self.seqs = self.seqs or []
