@@ -21,6 +21,7 @@ import torch
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_budget import MemoryLimits, available_memory_bytes, memory_limits, plan_kv_budget
+from batchgen.engine.kv_pool import PoolGeometry
 from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.planner.cost_curves import CostCurves
 from batchgen.engine.planner.profiler import profile_key, profile_model
@@ -47,7 +48,6 @@ FIXED = {"max_num_seqs": 256, "refill_threshold": 0.5, "b_attn": 256, "b_moe": 8
 class Candidate:
     settings: dict  # the planned fields' values
     predicted_bct_s: float
-    steps: int
 
 
 @dataclass
@@ -168,8 +168,9 @@ def search(config: EngineConfig, curves: CostCurves, workload: WorkloadShape, sp
     seqs_options = options("max_num_seqs", [n for n in space.max_num_seqs if n <= enough])
     refill_options = options("refill_threshold", space.refill_thresholds if coroutine else (0.5,))
     staging_options = options("staging_fraction", space.staging_fractions if stream_host and coroutine else (0.25,))
-    moe_options = options("b_moe", [b for b in space.b_moe if b * activation_bytes_per_token <= limits.activation_bytes]
-                          or space.b_moe[:1] if coroutine else space.b_moe[-1:])
+    fitting_moe = [b for b in space.b_moe if b * activation_bytes_per_token <= limits.activation_bytes]
+    fitting_moe = fitting_moe or space.b_moe[:1]
+    moe_options = options("b_moe", fitting_moe if coroutine else space.b_moe[-1:])
     admission = curves.host.seconds(prompts=len(workload.prompt_lens))
     best: list[tuple[float, dict, SchedulePricer]] = []
     searched = 0
@@ -205,7 +206,7 @@ def search(config: EngineConfig, curves: CostCurves, workload: WorkloadShape, sp
     best.sort(key=lambda item: (item[0], -item[1]["max_num_seqs"]))
     bct, settings, pricer = best[0]
     times = pricer.step_seconds(settings["b_attn"], settings["b_moe"]).tolist()
-    runner_ups = [Candidate(s, b, len(p.steps)) for b, s, p in best[1 : 1 + RUNNER_UPS]]
+    runner_ups = [Candidate(s, b) for b, s, _ in best[1 : 1 + RUNNER_UPS]]
     return Plan(dataclasses.replace(config, **settings), bct, times, pricer.steps, runner_ups, limits, workload,
                 curves, searched, notes)
 
@@ -243,9 +244,7 @@ def fixed_config(config: EngineConfig, loaded: LoadedModel, limits: MemoryLimits
     settings = {name: value for name, value in FIXED.items() if getattr(config, name) is None}
     max_num_seqs = config.max_num_seqs or FIXED["max_num_seqs"]
     max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
-    spec = loaded.model.kv_spec()
-    wanted = spec.num_layers * spec.num_kv_heads * (spec.k_dim + spec.v_dim) * loaded.dtype.itemsize \
-        * max_num_seqs * max_model_len
+    wanted = PoolGeometry(loaded.model.kv_spec(), 1, loaded.dtype).page_bytes * max_num_seqs * max_model_len
     if config.kv_budget_bytes is None:
         settings["kv_budget_bytes"] = min(wanted, limits.device_kv_bytes)
     if config.host_kv_budget_bytes is None:
