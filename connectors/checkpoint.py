@@ -8,6 +8,7 @@ unsupported model_type) raises before any generation, naming the file, tensor or
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from batchgen.connectors.checkpoint_files import (
 )
 from batchgen.connectors.io import filesystem
 from batchgen.connectors.presets import resolve_preset
+from batchgen.engine.models.layers import FusedExperts
 from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.models.registry import ModelFamily, model_family
 from batchgen.engine.models.weight_names import WeightTarget, checkpoint_name, checkpoint_target
@@ -53,10 +55,12 @@ def load_model(
     device: str | torch.device = "cpu",
     storage_options: dict[str, Any] | None = None,
     weights: bool = True,
+    expert_shard: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """Load the checkpoint at `uri` (local path, s3://, memory://, or a preset name such as "tiny-moe").
     `weights=False`: only its shape, on the "meta" device (config and tokenizer read, no weight file): what the
-    planner needs of a model too large for this machine."""
+    planner needs of a model too large for this machine. `expert_shard=(rank, ranks)`: hold only that rank's
+    contiguous share of every MoE layer's routed experts, reading no other expert's bytes (expert parallelism)."""
     torch_dtype = parse_dtype(dtype)
     uri = resolve_preset(str(uri)) or str(uri)
     fs, root = filesystem(uri, storage_options)
@@ -66,7 +70,7 @@ def load_model(
         tokenizer = read_tokenizer(meta_dir, files, uri)
         eos_token_ids = _eos_token_ids(meta_dir, files, config, tokenizer)
     shards = _shard_paths(fs, root, files, uri)
-    model = _build_empty(family, config, torch_dtype, torch.device(device if weights else "meta"))
+    model = _build_empty(family, config, torch_dtype, torch.device(device if weights else "meta"), expert_shard)
     if weights:
         _fill_weights(model, family, fs, shards, uri)
     return LoadedModel(model.eval(), config, tokenizer, eos_token_ids, int(config.max_position_embeddings),
@@ -136,10 +140,14 @@ def _shard_paths(fs, root: str, files: set[str], uri: str) -> list[str]:
     return [posixpath.join(root, name) for name in names]
 
 
-def _build_empty(family: ModelFamily, config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def _build_empty(family: ModelFamily, config, dtype: torch.dtype, device: torch.device,
+                 expert_shard: tuple[int, int] | None = None) -> torch.nn.Module:
     """The model with uninitialised weights in `dtype` on `device`: nothing is computed or allocated twice."""
     with torch.device("meta"), _no_weight_init():
         model = family.build(config)
+        for module in model.modules():
+            if expert_shard is not None and isinstance(module, FusedExperts):
+                module.keep_shard(*expert_shard)
     tied = _tied_parameters(model)
     model = model.to(dtype=dtype).to_empty(device=device).requires_grad_(False)
     for alias, source in tied:  # leaving the meta device gives every module its own Parameter: re-tie
@@ -175,14 +183,18 @@ def _tied_parameters(model: torch.nn.Module) -> list[tuple[str, str]]:
     return tied
 
 
-def _open_shard(fs, path: str) -> tuple[list[str], Callable[[str], torch.Tensor]]:
-    """(tensor names, getter); local files are memory-mapped, remote ones read whole."""
+_Getter = Callable[[str, slice], torch.Tensor]  # (tensor name, rows) -> those rows of the tensor
+
+
+def _open_shard(fs, path: str) -> tuple[list[str], _Getter]:
+    """(tensor names, row getter); local files are memory-mapped (only the rows asked for are read), remote
+    ones read whole."""
     try:
         if isinstance(fs, LocalFileSystem):
             handle = safe_open(path, framework="pt", device="cpu")
-            return list(handle.keys()), handle.get_tensor
+            return list(handle.keys()), lambda name, rows: handle.get_slice(name)[rows]
         tensors = load_safetensors_bytes(fs.cat_file(path))
-        return list(tensors), tensors.__getitem__
+        return list(tensors), lambda name, rows: tensors[name][rows]
     except Exception as exc:  # safetensors raises its own SafetensorError; fsspec backends their own types
         raise CheckpointError(f"cannot read safetensors file {path!r}: {exc}") from exc
 
@@ -191,6 +203,8 @@ def _open_shard(fs, path: str) -> tuple[list[str], Callable[[str], torch.Tensor]
 def _fill_weights(model: torch.nn.Module, family: ModelFamily, fs, shards: list[str], uri: str) -> None:
     params = dict(model.named_parameters())
     aliases = dict(_tied_parameters(model))  # a tied lm_head.weight fills embed_tokens.weight
+    experts = {f"{name}.{param}": module for name, module in model.named_modules()
+               if isinstance(module, FusedExperts) for param in ("gate_up_proj", "down_proj")}
     filled: dict[str, dict[tuple, int]] = {name: {} for name in params}  # param -> {(expert, half): numel}
     ignored = []
     for path in shards:
@@ -201,8 +215,18 @@ def _fill_weights(model: torch.nn.Module, family: ModelFamily, fs, shards: list[
             if param_name not in params:
                 ignored.append(name)
                 continue
+            shard = experts.get(param_name)
+            rows = slice(None)
+            if shard is not None:
+                if target.expert is None:  # a fused [E, ...] tensor: this rank's experts' rows
+                    rows = slice(shard.first_expert, shard.first_expert + shard.num_local_experts)
+                else:
+                    _check_expert(target.expert, shard.num_experts, name, path)
+                    target = dataclasses.replace(target, expert=target.expert - shard.first_expert)
+                    if not 0 <= target.expert < shard.num_local_experts:
+                        continue  # another rank's expert
             dest = _destination(params[param_name], target, name, path)
-            tensor = _read_tensor(get_tensor, name, path)
+            tensor = _read_tensor(get_tensor, name, rows, path)
             if not tensor.dtype.is_floating_point or tensor.element_size() < 2:
                 raise CheckpointError(f"tensor {name!r} in {path} is {tensor.dtype}: quantized weights are not "
                                       "supported; use a float32, bfloat16 or float16 checkpoint")
@@ -222,18 +246,20 @@ def _destination(param: torch.Tensor, target: WeightTarget, name: str, path: str
     """The view of `param` a checkpoint tensor fills: all of it, or one expert's (gate or up) rows."""
     if target.expert is None:
         return param
-    if target.expert >= param.shape[0]:
-        raise CheckpointError(
-            f"tensor {name!r} in {path}: expert {target.expert} is out of range (the config has "
-            f"{param.shape[0]} experts)"
-        )
     rows = param[target.expert]
     return rows if target.half is None else rows.chunk(2, dim=0)[target.half]
 
 
-def _read_tensor(get_tensor: Callable[[str], torch.Tensor], name: str, path: str) -> torch.Tensor:
+def _check_expert(expert: int, num_experts: int, name: str, path: str) -> None:
+    if expert >= num_experts:
+        raise CheckpointError(
+            f"tensor {name!r} in {path}: expert {expert} is out of range (the config has {num_experts} experts)"
+        )
+
+
+def _read_tensor(get_tensor: _Getter, name: str, rows: slice, path: str) -> torch.Tensor:
     try:
-        return get_tensor(name)
+        return get_tensor(name, rows)
     except Exception as exc:  # a truncated or corrupt shard fails here for mmapped files
         raise CheckpointError(f"cannot read tensor {name!r} from {path}: {exc}") from exc
 

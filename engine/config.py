@@ -42,6 +42,9 @@ class EngineConfig:
     prefix_caching: bool = True
     refill_threshold: float | None = None  # refill prompts when decoding sequences fall under this share
     max_model_len: int | None = None  # None = the checkpoint's context length
+    # ranks (one process per device) of one engine: each attends over its own sequences (data parallel) and
+    # holds 1/ep_size of every MoE layer's experts (expert parallel); the experts must split evenly
+    ep_size: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -52,7 +55,7 @@ class EngineConfig:
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu", "cuda")
                                                      or self.device.startswith("cuda:")):
             raise ValueError(f"engine device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        for name in ("page_size", "max_prefill_tokens"):
+        for name in ("page_size", "max_prefill_tokens", "ep_size"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("b_attn", "b_moe", "max_num_seqs", "kv_budget_bytes", "host_kv_budget_bytes", "max_model_len"):
             if getattr(self, name) is not None:

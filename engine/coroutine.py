@@ -87,21 +87,35 @@ def partition(batch: CoroutineGroup, groups: list[tuple[list[Sequence], int, Att
 
 
 def run_layers(model: torch.nn.Module, micro_batches: list[CoroutineGroup], max_moe_tokens: int,
-               on_ffn: Callable[[int], None]) -> torch.Tensor:
+               on_ffn: Callable[[int], None], ffn_calls: int = 0) -> torch.Tensor:
     """All micro-batches walk the layers together. In each layer every micro-batch runs its own
     attention (its own KV context, at most b_attn sequences), then all of them are COMBINE-d into
     feed-forward/MoE calls of at most `max_moe_tokens` tokens, so the experts see the whole step's
     tokens at once; the rows are PARTITIONed back into the micro-batches for the next layer's
-    attention. Returns the hidden rows after the last layer, in micro-batch order."""
+    attention. Returns the hidden rows after the last layer, in micro-batch order.
+
+    `ffn_calls`: under expert parallelism every rank of the engine makes the same number of feed-forward
+    calls per layer (each is a collective), so a rank with fewer rows pads with empty calls up to it."""
     groups = [(b.seqs, b.num_tokens, b.ctx) for b in micro_batches]
     for _ in range(len(model.layers)):
         micro_batches = [resume(model, b) for b in micro_batches]
         merged = combine(micro_batches)
+        parts = list(torch.split(merged.hidden, max_moe_tokens))
+        parts += [merged.hidden[:0]] * (ffn_calls - len(parts))
         outputs = []
-        for rows in torch.split(merged.hidden, max_moe_tokens):
+        for rows in parts:
             on_ffn(rows.shape[0])
             outputs.append(resume(model, CoroutineGroup(merged.seqs, rows, merged.point)).hidden)
         point = next_point(merged.point, len(model.layers))
         merged = CoroutineGroup(merged.seqs, torch.cat(outputs) if len(outputs) > 1 else outputs[0], point)
         micro_batches = partition(merged, groups)
     return torch.cat([b.hidden for b in micro_batches]) if len(micro_batches) > 1 else micro_batches[0].hidden
+
+
+def run_idle_layers(model: torch.nn.Module, ffn_calls: int, empty: torch.Tensor) -> None:
+    """A rank with no rows this step still makes the step's MoE calls (on `empty` [0, D] rows): under expert
+    parallelism its experts serve the other ranks' tokens."""
+    for layer in model.layers:
+        if layer.is_moe:
+            for _ in range(ffn_calls):
+                layer.ffn(empty)

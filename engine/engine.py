@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 import torch
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.engine_load import EngineLoad
+from batchgen.engine.generation import Generates
 from batchgen.engine.grammar import GrammarBackend
 from batchgen.engine.kv_budget import plan_kv_budget
 from batchgen.engine.kv_manager import KVManager
@@ -24,6 +25,8 @@ from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.migration import MigratedRequest, MigratedSample
 from batchgen.engine.model_runner import MicroBatchLimits, ModelRunner
 from batchgen.engine.models.loaded_model import LoadedModel
+from batchgen.engine.parallel.expert_group import FfnCallAgreement, attach_dispatchers
+from batchgen.engine.parallel.rank_group import RankGroup
 from batchgen.engine.planner.planner import resolve_config
 from batchgen.engine.prefill_output import PrefillOutput
 from batchgen.engine.request import Completion, Request, Result
@@ -47,9 +50,12 @@ class _RequestState:
     prefilled: PrefillOutput | None = None
 
 
-class Engine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, **overrides):
-        self.config = resolve_config(loaded, EngineConfig.from_kwargs(config, **overrides))
+class Engine(Generates):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, group: RankGroup | None = None,
+                 **overrides):
+        """`group`: this engine is one rank of an engine spanning several (engine/parallel): `loaded` holds the
+        rank's share of the experts, and every step is taken together with the other ranks."""
+        self.config = resolve_config(loaded, EngineConfig.from_kwargs(config, **overrides), plan=group is None)
         self.loaded = loaded
         self.model = loaded.model.eval()
         self.device = loaded.device
@@ -69,7 +75,11 @@ class Engine:
         limits = MicroBatchLimits(self.config.b_attn if coroutine else _UNBOUNDED,
                                   self.config.b_moe if coroutine else _UNBOUNDED)
         self.stats = EngineMetrics()
-        self.runner = ModelRunner(self.model, self.kv, self.device, limits, self.stats)
+        agree = None
+        if group is not None:
+            agree = FfnCallAgreement(group)
+            attach_dispatchers(self.model, group, self.device)
+        self.runner = ModelRunner(self.model, self.kv, self.device, limits, self.stats, agree)
         self.model.observe_routing(self.stats.record_route)
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self._requests: dict[str, _RequestState] = {}
@@ -96,7 +106,9 @@ class Engine:
     def step(self) -> list[Result]:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
-        if plan is not None:
+        if plan is None:
+            self.runner.idle()
+        else:
             logits = self._forward(plan.prefill, plan.decode)
             done = len(plan.prefill.completed) if plan.prefill else 0
             if plan.prefill:
@@ -120,19 +132,13 @@ class Engine:
         self.stats.aborted_requests += 1
         return True
 
+    @property
+    def ranks(self) -> int:
+        """Processes this engine spans: one (engine/parallel's GroupEngine spans several)."""
+        return 1
+
     def has_unfinished(self) -> bool:
         return bool(self._ready) or self.scheduler.has_work()
-
-    def generate(self, requests: Iterable[Request]) -> list[Result]:
-        requests = list(requests)
-        by_id = {r.request_id: r for r in self.stream(requests)}
-        return [by_id[r.request_id] for r in requests]
-
-    def stream(self, requests: Iterable[Request]) -> Iterator[Result]:
-        for request in requests:
-            self.add_request(request)
-        while self.has_unfinished():
-            yield from self.step()
 
     def metrics(self) -> dict:
         return self.stats.summary(self.kv)

@@ -34,6 +34,7 @@ from batchgen.engine.engine import Engine
 from batchgen.engine.engine_load import EngineLoad
 from batchgen.engine.errors import InvalidRequestError
 from batchgen.engine.migration import MigratedRequest
+from batchgen.engine.parallel.group_engine import GroupEngine
 from batchgen.engine.request import Request, Result
 
 LOAD_REFRESH_S = 0.05  # `load` is recounted after a step at most this often (it walks every request), and
@@ -43,7 +44,7 @@ _Command = tuple[Callable[[], None], list[Future]]  # what to run on the engine 
 
 
 class EngineLoop:
-    def __init__(self, make_engine: Callable[[], Engine], max_outstanding: int | None = None) -> None:
+    def __init__(self, make_engine: Callable[[], Engine | GroupEngine], max_outstanding: int | None = None) -> None:
         """Build the engine on the loop's own thread: loading the model there keeps the model's
         OpenMP team on the thread that runs every step (a second team makes each small op pay a
         wake-up). A construction error is raised here, in the caller."""
@@ -59,9 +60,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, args=(make_engine, ready), name="batchgen-engine",
                                         daemon=True)
         self._thread.start()
-        self.engine: Engine = ready.result()
+        self.engine: Engine | GroupEngine = ready.result()
         self.load = self.engine.load()
-        self.max_outstanding = max_outstanding or 2 * self.engine.config.max_num_seqs
+        self.max_outstanding = max_outstanding or 2 * self.load.batch
         self._outstanding = 0  # requests handed over by `run` whose futures are not done
         self._room = threading.Condition()
 
@@ -209,10 +210,13 @@ class EngineLoop:
         return done
 
     def close(self) -> None:
-        """Stop the thread after the current step; unfinished requests stay unresolved."""
+        """Stop the thread after the current step; unfinished requests stay unresolved. An engine spanning
+        several ranks (engine/parallel) stops them too."""
         self._closed = True
         self._inbox.put(None)
         self._thread.join()
+        if isinstance(self.engine, GroupEngine):
+            self.engine.close()
 
     def _run(self, make_engine: Callable[[], Engine], ready: Future) -> None:
         try:

@@ -30,6 +30,8 @@ class EngineMetrics:
     staged_decode_batches: int = 0  # decode micro-batches over host-resident KV (offloaded COMBINE)
     yields: int = 0
     restores: int = 0
+    # steps with no sequence of its own in which this rank of an expert-parallel engine served its experts
+    expert_only_steps: int = 0
     model_seconds: float = 0.0  # in the model runner: batch building + forward
     forward_seconds: float = 0.0  # the forward alone (layers + LM head)
     step_seconds: float = 0.0
@@ -126,6 +128,7 @@ class EngineMetrics:
             "completion_time_p95": self.completion_times.quantile(0.95),
             "completion_time_p99": self.completion_times.quantile(0.99),
             "max_ffn_tokens": self.max_ffn_tokens,
+            "expert_only_steps": self.expert_only_steps,
             "peak_active": self.peak_active,
             "peak_suspended": self.peak_suspended,
         }

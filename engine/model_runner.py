@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from batchgen.engine.attention_context import DecodeContext, PrefillContext, StagedDecodeContext
-from batchgen.engine.coroutine import CoroutineGroup, ProgramPoint, run_layers
+from batchgen.engine.coroutine import CoroutineGroup, ProgramPoint, run_idle_layers, run_layers
 from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.kv_pool import KVPool
 from batchgen.engine.metrics import EngineMetrics
@@ -27,12 +28,14 @@ class MicroBatchLimits:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVManager, device: torch.device, limits: MicroBatchLimits,
-                 stats: EngineMetrics):
+                 stats: EngineMetrics, agree_ffn_calls: Callable[[int], int] | None = None):
         self.model = model
         self.kv = kv
         self.device = device
         self.limits = limits
         self.stats = stats  # told every feed-forward batch size and the time spent in the forward itself
+        # expert parallelism: this rank's feed-forward calls per layer -> the most any rank of the engine makes
+        self.agree_ffn_calls = agree_ffn_calls
 
     def step(self, chunks: list[PrefillChunk], resident: list[Sequence],
              staged_groups: list[list[Sequence]]) -> torch.Tensor:
@@ -53,17 +56,31 @@ class ModelRunner:
             rows = torch.tensor([end - 1 for c, end in zip(chunks, ends) if c.completes]
                                 + list(range(prefill_tokens, prefill_tokens + decoding)),
                                 dtype=torch.long, device=self.device)
-        logits = self._forward(micro, rows)
+        logits = self._forward(micro, rows, (ends[-1] if chunks else 0) + decoding)
         for c in chunks:
             c.seq.kv_len = c.end
         for s in [*resident, *(s for group in staged_groups for s in group)]:
             s.kv_len += 1
         return logits
 
-    def _forward(self, micro: list[CoroutineGroup], rows: torch.Tensor | None) -> torch.Tensor:
+    def idle(self) -> None:
+        """A step with nothing to run here: under expert parallelism this rank's experts still serve the other
+        ranks' MoE calls."""
+        if self.agree_ffn_calls is None:
+            return
+        calls = self.agree_ffn_calls(0)
+        if calls:
+            self.stats.expert_only_steps += 1
+            embedding = self.model.embed_tokens.weight
+            run_idle_layers(self.model, calls, embedding.new_empty(0, embedding.shape[1]))
+
+    def _forward(self, micro: list[CoroutineGroup], rows: torch.Tensor | None, tokens: int) -> torch.Tensor:
         """The model forward proper: every layer over the micro-batches, then the LM head on `rows`."""
         start = time.perf_counter()
-        hidden = run_layers(self.model, micro, self.limits.b_moe, self.stats.record_ffn_batch)
+        calls = 0
+        if self.agree_ffn_calls is not None:
+            calls = self.agree_ffn_calls(-(-tokens // self.limits.b_moe))
+        hidden = run_layers(self.model, micro, self.limits.b_moe, self.stats.record_ffn_batch, calls)
         logits = self.model.head(hidden if rows is None else hidden[rows])
         self.stats.forward_seconds += time.perf_counter() - start
         return logits

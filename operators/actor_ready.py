@@ -21,11 +21,12 @@ class EngineActorReady:
     node_id: str
     ready_at: float  # wall clock (time.time()) on the actor's node
     init_s: float  # the constructor: model load, KV pools, engine loop
+    ranks: int = 1  # processes (devices) its engine spans (EngineConfig.ep_size)
 
 
-def announce_ready(progress: Any, stage: str, init_started: float) -> None:
+def announce_ready(progress: Any, stage: str, init_started: float, ranks: int = 1) -> None:
     """From an engine actor's constructor (`init_started`: its time.perf_counter() at the start): tell the
     job's progress tracker (`actor_ready`), fire and forget. Outside Ray, or with no tracker, nothing."""
     if progress is not None and ray.is_initialized():
         progress.actor_ready.remote(EngineActorReady(stage, ray.get_runtime_context().get_node_id(), time.time(),
-                                                     time.perf_counter() - init_started))
+                                                     time.perf_counter() - init_started, ranks))

@@ -3,14 +3,25 @@ so neither package imports the other."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
+
+import torch
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, EngineConfig
+from batchgen.engine.parallel.group_engine import GroupEngine, rank_spec, start_engine_group
 
 
-def load_engine(model: str, storage_options: dict[str, Any] | None = None, **engine_options: Any) -> Engine:
-    """`model`: a checkpoint directory, an fsspec URI or a preset name; `engine_options`: EngineConfig fields."""
+def load_engine(model: str, storage_options: dict[str, Any] | None = None,
+                **engine_options: Any) -> Engine | GroupEngine:
+    """`model`: a checkpoint directory, an fsspec URI or a preset name; `engine_options`: EngineConfig fields.
+    With `ep_size` N > 1 the engine spans N ranks, this process being rank 0 (engine/parallel): the threads this
+    process has are shared among them, and each rank loads only its own experts."""
     config = EngineConfig.from_kwargs(**engine_options)
+    if config.ep_size > 1:
+        load = functools.partial(load_model, model, dtype=config.dtype, storage_options=storage_options)
+        threads = max(1, torch.get_num_threads() // config.ep_size)
+        return start_engine_group(rank_spec(load, config, threads))
     loaded = load_model(model, dtype=config.dtype, device=config.torch_device(), storage_options=storage_options)
     return Engine(loaded, config)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.engine import PrefillExporter, PrefillOutput
+from batchgen.engine import EngineConfig, PrefillExporter, PrefillOutput
 from batchgen.operators import stage_columns as sc
 from batchgen.operators.actor_ready import announce_ready
 from batchgen.operators.blocks import Block, column_values, num_rows, to_block, with_columns
@@ -30,6 +30,9 @@ class Prefill:
                  **engine_options: Any) -> None:
         """progress: the job's tracker, told when this actor is ready (operators/engine_actor.py)."""
         init_started = time.perf_counter()
+        if EngineConfig.from_kwargs(**engine_options).ep_size > 1:
+            raise ValueError("the prefill stage runs one rank per engine actor: ep_size > 1 (an engine over several "
+                             "ranks) serves BatchGen and Decode only")
         prepare_engine_process()
         self.exporter = PrefillExporter(load_engine(model, storage_options, **engine_options))
         announce_ready(progress, "Prefill", init_started)

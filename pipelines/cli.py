@@ -80,7 +80,8 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampling-params", type=json_object, help="sampling defaults as JSON (rows override)")
     p.add_argument("--engine", type=json_object, help='EngineConfig fields as JSON, e.g. {"max_num_seqs": 512}')
     p.add_argument("--engine-num-cpus", type=float, help="CPUs per engine actor (default: a share of the cluster)")
-    p.add_argument("--engine-num-gpus", type=float, help="GPUs per engine actor (default 0)")
+    p.add_argument("--engine-num-gpus", type=float,
+                   help="GPUs per engine rank (default 0); an engine actor asks for ep_size times this")
     for stage, actors in (("engine", "BatchGen (single)"), ("prefill", "prefill"), ("decode", "decode")):
         p.add_argument(f"--{stage}-resources", type=json_object,
                        help=f'custom Ray resources each {actors} engine actor asks for, to pin it to the nodes '
@@ -246,7 +247,8 @@ def summary_text(s: JobSummary) -> str:
         f"  per row      completion time p50 {seconds(s.completion_time_p50_s)}, "
         f"p99 {seconds(s.completion_time_p99_s)}",
         f"  start-up     engines ready at {seconds(s.engines_ready_s)} ("
-        + (", ".join(f"{a.stage} constructed in {a.init_s:.1f} s" for a in s.engine_actors) or "none started") + ")",
+        + (", ".join(f"{a.stage}{f' over {a.ranks} ranks' if a.ranks > 1 else ''} constructed in {a.init_s:.1f} s"
+                     for a in s.engine_actors) or "none started") + ")",
         *balancing_lines(s.balancing),
         *([] if s.stage_split is None else [
             f"  stages       planned {s.stage_split.prefill_actors} prefill + {s.stage_split.decode_actors} decode "

@@ -71,7 +71,7 @@ class JobConfig:
     decode_concurrency: int = 1
     tokenize_concurrency: int = 1
     engine_num_cpus: float | None = None  # per engine actor; None: a share of the cluster's CPUs
-    engine_num_gpus: float = 0.0
+    engine_num_gpus: float = 0.0  # per rank of an engine (an engine actor asks for ep_size times this)
     # custom Ray resources each engine actor asks for, to pin a stage to the nodes that offer them,
     # e.g. {"decode_node": 1}: `engine_resources` for BatchGen (single), the others per split stage
     engine_resources: dict[str, float] = field(default_factory=dict)
@@ -112,9 +112,12 @@ class JobConfig:
                 raise JobError(f"{name} must map resource names to amounts >= 0, got {value!r}")
         try:
             defaults = SamplingParams.from_dict(self.sampling_params)
-            EngineConfig.from_kwargs(**self.engine)
+            engine = EngineConfig.from_kwargs(**self.engine)
         except (ValueError, TypeError) as exc:
             raise JobError(str(exc)) from None
+        if engine.ep_size > 1 and self.mode != "single":
+            raise JobError(f"ep_size {engine.ep_size}: an engine over several ranks runs in single mode (the prefill "
+                           "stage runs one rank per actor)")
         if defaults.n > 1 and self.list_outputs is False:
             raise JobError(f"sampling n={defaults.n} needs list outputs; drop list_outputs=False")
 
@@ -224,7 +227,9 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource, progress: ray
     balancing = {} if balancer is None else {"balancer": balancer}
 
     def engine_res(resources: dict[str, float]) -> dict[str, Any]:
-        return {"num_cpus": engine_actor_cpus(config), "num_gpus": config.engine_num_gpus, "resources": resources}
+        ranks = EngineConfig.from_kwargs(**config.engine).ep_size  # engine_num_gpus is per rank
+        return {"num_cpus": engine_actor_cpus(config), "num_gpus": config.engine_num_gpus * ranks,
+                "resources": resources}
 
     cpu_res = {"num_cpus": _CPU_STAGE_CPUS}
     ds = source.read_dataset(num_cpus=_CPU_STAGE_CPUS)

@@ -17,6 +17,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchgen.engine.models.context import AttentionContext
 from batchgen.kernels import ops
+from batchgen.kernels.expert_parallel import LocalDispatcher
 
 # Rope types whose frequencies depend only on the config. "dynamic" and "longrope" re-derive them from
 # the longest sequence in the batch, which makes a token's output depend on its batch neighbours.
@@ -161,19 +162,40 @@ class SoftmaxTopKRouter(nn.Module):
 
 
 class FusedExperts(nn.Module):
-    """All routed experts' weights in the transformers-5 fused layout, computed by kernels.ops.fused_moe.
+    """The routed experts' weights in the transformers-5 fused layout, computed by kernels.ops.fused_moe.
 
-    gate_up_proj [E, 2I, D] (gate rows, then up rows); down_proj [E, D, I].
+    gate_up_proj [E, 2I, D] (gate rows, then up rows); down_proj [E, D, I]. Under expert parallelism a rank
+    keeps only experts [first_expert, first_expert + E / ranks) (`keep_shard`, before the weights load) and its
+    dispatcher sends each token to the ranks holding its experts and sums their results back; on one rank the
+    dispatcher is the identity.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.num_experts = num_experts
+        self.first_expert = 0
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.dispatcher = LocalDispatcher(num_experts)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.gate_up_proj.shape[0]
+
+    def keep_shard(self, rank: int, ranks: int) -> None:
+        """Hold only rank `rank`'s contiguous share of the experts (the parameters are re-made empty)."""
+        if self.num_experts % ranks:
+            raise ValueError(f"expert parallel: {self.num_experts} experts do not split evenly over {ranks} ranks")
+        local = self.num_experts // ranks
+        self.first_expert = rank * local
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(self, name)
+            setattr(self, name, nn.Parameter(full.new_empty((local, *full.shape[1:])), requires_grad=False))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return ops.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        sent = self.dispatcher.dispatch(x, topk_ids, topk_weights)
+        y = ops.fused_moe(sent.x, self.gate_up_proj, self.down_proj, sent.topk_weights, sent.topk_ids)
+        return self.dispatcher.combine(y, sent)
 
 
 class SparseMoE(nn.Module):

@@ -215,16 +215,17 @@ _PLANS: dict[str, EngineConfig] = {}
 _LOCK = threading.Lock()
 
 
-def resolve_config(loaded: LoadedModel, config: EngineConfig) -> EngineConfig:
+def resolve_config(loaded: LoadedModel, config: EngineConfig, plan: bool = True) -> EngineConfig:
     """`config` with every planned field set: as given, or planned for the default workload, once per model,
     device, explicit values and free memory (as a power of two): remembered by the process and on disk. With
-    BATCHGEN_PLAN=0 in the environment, the fixed settings of FIXED instead (no profile, no search)."""
+    BATCHGEN_PLAN=0 in the environment, or `plan` False (a rank of an engine spanning several: the profiler
+    times one rank's layer alone, which an expert-parallel layer cannot be), the fixed settings of FIXED."""
     if all(getattr(config, name) is not None for name in PLANNED_FIELDS):
         return config
     free = _power_of_two(available_memory_bytes(loaded.device))
     host_free = _power_of_two(available_memory_bytes(torch.device("cpu")))
     limits = memory_limits(loaded.device.type, config, free, host_free)
-    if os.environ.get(PLAN_ENV, "1") == "0":
+    if not plan or os.environ.get(PLAN_ENV, "1") == "0":
         return fixed_config(config, loaded, limits)
     fields = json.dumps([PLANNER_VERSION, profile_key(loaded), dataclasses.asdict(config), dataclasses.asdict(limits)],
                         sort_keys=True)

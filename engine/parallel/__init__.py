@@ -1,0 +1,1 @@
+"""One engine over several ranks (one process per device): data-parallel attention, expert-parallel MoE."""

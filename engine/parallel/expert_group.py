@@ -1,0 +1,43 @@
+"""What makes one rank's model part of an expert-parallel engine: its MoE layers dispatch through the group,
+and its steps make as many MoE calls as every other rank's."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from batchgen.engine.models.layers import FusedExperts
+from batchgen.engine.parallel.rank_group import RankGroup
+from batchgen.kernels.expert_parallel import make_dispatcher
+
+
+def attach_dispatchers(model: torch.nn.Module, group: RankGroup, device: torch.device) -> None:
+    """Route every MoE layer's tokens through the group (all-to-all; DeepEP on CUDA when installed). The model
+    must hold this rank's share of the experts (connectors' load_model(expert_shard=(rank, ranks)))."""
+    dispatchers = {}  # one per expert count: DeepEP buffers are large, every layer shares one
+    for name, module in model.named_modules():
+        if not isinstance(module, FusedExperts):
+            continue
+        local = module.num_experts // group.size
+        if module.num_local_experts * group.size != module.num_experts or module.first_expert != group.rank * local:
+            raise ValueError(
+                f"{name} holds experts {module.first_expert}..{module.first_expert + module.num_local_experts - 1} "
+                f"of {module.num_experts}; rank {group.rank} of {group.size} needs {group.rank * local}.."
+                f"{(group.rank + 1) * local - 1} (load the model with expert_shard=({group.rank}, {group.size}))"
+            )
+        if module.num_experts not in dispatchers:
+            dispatchers[module.num_experts] = make_dispatcher(module.num_experts, "auto", group.data, device)
+        module.dispatcher = dispatchers[module.num_experts]
+
+
+class FfnCallAgreement:
+    """Each step, every rank's feed-forward calls per layer -> the most any rank makes (one small all-reduce),
+    so every rank makes that many, empty ones included, and the MoE collectives pair up."""
+
+    def __init__(self, group: RankGroup):
+        self.group = group
+
+    def __call__(self, local_calls: int) -> int:
+        calls = torch.tensor([local_calls], dtype=torch.int64)
+        dist.all_reduce(calls, op=dist.ReduceOp.MAX, group=self.group.control)
+        return int(calls.item())

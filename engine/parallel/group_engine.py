@@ -1,0 +1,219 @@
+"""One logical engine over several ranks: data-parallel attention, expert-parallel MoE.
+
+The leader (rank 0, the caller's process) starts ranks 1..N-1 as processes of their own, one per device.
+Each rank holds its own Engine: its own sequences, scheduler and KV pools, and 1/N of every MoE layer's
+experts. Every step all ranks step together (a round: engine/parallel/rank_round.py); a step's MoE batch
+is dispatched to the experts' ranks by all-to-all and combined back, and a rank with no sequences of its
+own still serves its experts. The leader places each new request on the rank with the least work left,
+and answers the same calls as an Engine, so EngineLoop, the Ray operators and the Batch API drive it
+unchanged.
+"""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+from typing import Any
+
+from batchgen.engine.engine import Engine
+from batchgen.engine.engine_load import EngineLoad
+from batchgen.engine.errors import InvalidRequestError
+from batchgen.engine.generation import Generates
+from batchgen.engine.migration import MigratedRequest
+from batchgen.engine.parallel.rank_group import RankGroup, free_address, leave_rank_group
+from batchgen.engine.parallel.rank_round import RankCall, RankReply, Round, broadcast_round, gather_replies, run_round
+from batchgen.engine.parallel.rank_worker import RankSpec, build_rank_engine
+from batchgen.engine.prefill_output import PrefillOutput
+from batchgen.engine.request import Request, Result
+
+STOP_TIMEOUT_S = 30.0
+# metrics that add up over ranks (the rest are the leader's)
+SUMMED_METRICS = (
+    "generated_tokens", "prompt_tokens", "finished_requests", "failed_requests", "aborted_requests",
+    "prefill_steps", "decode_steps", "mixed_steps", "chunked_prefills", "handoff_prefills", "migrated_out",
+    "migrated_in", "staged_decode_batches", "yields", "restores", "bytes_moved", "prefill_tokens_saved", "moe_calls",
+    "expert_only_steps",
+)
+
+
+def start_engine_group(spec: RankSpec) -> GroupEngine:
+    """Start ranks 1..N-1 and build rank 0 here; raises GroupStartError naming any rank that failed."""
+    workers = []
+    for rank in range(1, spec.size):
+        worker = subprocess.Popen([sys.executable, "-m", "batchgen.engine.parallel.rank_worker"],
+                                  stdin=subprocess.PIPE)
+        worker.stdin.write(pickle.dumps((rank, spec)))
+        worker.stdin.close()
+        workers.append(worker)
+    try:
+        engine, group = build_rank_engine(spec, 0)
+    except BaseException:
+        _stop(workers)
+        raise
+    return GroupEngine(engine, group, workers)
+
+
+def rank_spec(load, config, threads: int) -> RankSpec:
+    """The spec of a group of `config.ep_size` ranks on this machine."""
+    return RankSpec(free_address(), config.ep_size, config, load, threads)
+
+
+class GroupEngine(Generates):
+    def __init__(self, engine: Engine, group: RankGroup, workers: list[subprocess.Popen]):
+        self.engine = engine  # the leader's own rank
+        self.group = group
+        self._workers = workers
+        self._calls: list[list[RankCall]] = [[] for _ in range(group.size)]
+        self._queued_tokens = [0] * group.size  # output tokens placed on each rank since its last reply
+        self._replies = [RankReply() for _ in range(group.size)]
+        self._where: dict[str, int] = {}  # request id -> the rank holding it
+        self._failed: list[Result] = []  # queued calls a rank refused
+        self._round(step=False)  # every rank's load
+
+    # what callers read of an engine: the leader's (every rank runs the same model and options)
+    @property
+    def config(self):
+        return self.engine.config
+
+    @property
+    def normalizer(self):
+        return self.engine.normalizer
+
+    @property
+    def stats(self):
+        return self.engine.stats
+
+    @property
+    def ranks(self) -> int:
+        return self.group.size
+
+    # ------------------------------------------------------------ the Engine interface
+    def add_request(self, request: Request) -> None:
+        self._place(request.request_id, request.sampling, "add_request", request)
+
+    def add_prefilled(self, prefilled: PrefillOutput) -> None:
+        self._place(prefilled.request.request_id, prefilled.request.sampling, "add_prefilled", prefilled)
+
+    def check_prefilled(self, prefilled: PrefillOutput) -> None:
+        if prefilled.request.request_id in self._where:
+            raise InvalidRequestError(f"duplicate request_id {prefilled.request.request_id!r}")
+        self.engine.check_prefilled(prefilled)
+
+    def import_request(self, migrated: MigratedRequest) -> None:
+        rid = migrated.request.request_id
+        if rid in self._where:
+            raise InvalidRequestError(f"duplicate request_id {rid!r}")
+        rank = self._least_loaded()
+        self._call_now(rank, "import_request", migrated)
+        self._where[rid] = rank
+
+    def step(self) -> list[Result]:
+        results = [r for reply in self._round(step=True) for r in reply.results]
+        for result in results:
+            self._where.pop(result.request_id, None)
+        failed, self._failed = self._failed, []
+        return failed + results
+
+    def abort(self, request_id: str) -> bool:
+        rank = self._where.pop(request_id, None)
+        if rank is None:
+            return False
+        self._calls[rank].append(RankCall("abort", (request_id,)))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._failed) or any(self._calls) or any(r.unfinished for r in self._replies)
+
+    def load(self) -> EngineLoad:
+        loads = [r.load for r in self._replies]
+        return EngineLoad(sum(x.requests for x in loads), sum(x.tokens for x in loads) + sum(self._queued_tokens),
+                          self.engine.stats.step_seconds, sum(x.refill_below for x in loads),
+                          sum(x.batch for x in loads))
+
+    def metrics(self) -> dict:
+        per_rank = [self._call_now(rank, "metrics") for rank in range(self.ranks)]
+        merged = dict(per_rank[0])
+        for key in SUMMED_METRICS:
+            merged[key] = sum(m[key] for m in per_rank)
+        merged["bct_s"] = max(m["bct_s"] for m in per_rank)
+        merged["tokens_per_s"] = merged["generated_tokens"] / merged["bct_s"] if merged["bct_s"] else 0.0
+        merged["ranks"] = per_rank
+        return merged
+
+    def movable_requests(self, tokens: int, keep=()) -> list[str]:
+        """Taken from the rank with the most work left (a request moves with its rank's KV)."""
+        rank = max(range(self.ranks), key=lambda r: self._replies[r].load.tokens)
+        return self._call_now(rank, "movable_requests", tokens, set(keep))
+
+    def export_request(self, request_id: str) -> MigratedRequest | None:
+        rank = self._where.get(request_id)
+        if rank is None:
+            return None
+        migrated = self._call_now(rank, "export_request", request_id)
+        if migrated is not None:
+            del self._where[request_id]
+        return migrated
+
+    def snapshot_request(self, request_id: str) -> MigratedRequest | None:
+        rank = self._where.get(request_id)
+        return None if rank is None else self._call_now(rank, "snapshot_request", request_id)
+
+    def suspended_requests(self) -> dict[str, int]:
+        out = {}
+        for rank in range(self.ranks):
+            out.update(self._call_now(rank, "suspended_requests"))
+        return out
+
+    def close(self) -> None:
+        """Stop every rank and leave the group."""
+        if self._workers is None:
+            return
+        broadcast_round(self.group, None)
+        _stop(self._workers)
+        self._workers = None
+        leave_rank_group()
+
+    # ------------------------------------------------------------------ internals
+    def _place(self, request_id: str, sampling, method: str, payload: Any) -> None:
+        """Queue the request on the rank with the least work left; it reaches the rank with the next round."""
+        rank = self._least_loaded()
+        self._calls[rank].append(RankCall(method, (payload,), request_id))
+        self._queued_tokens[rank] += sampling.max_tokens * sampling.n
+        self._where.setdefault(request_id, rank)
+
+    def _least_loaded(self) -> int:
+        return min(range(self.ranks), key=lambda r: self._replies[r].load.tokens + self._queued_tokens[r])
+
+    def _call_now(self, rank: int, method: str, *args: Any) -> Any:
+        """Run one call on `rank` now (with whatever is queued), returning its value or raising its error."""
+        self._calls[rank].append(RankCall(method, args))
+        ok, value = self._round(step=False)[rank].values[-1]
+        if not ok:
+            raise value
+        return value
+
+    def _round(self, step: bool) -> list[RankReply]:
+        calls, self._calls = self._calls, [[] for _ in range(self.ranks)]
+        broadcast_round(self.group, Round(calls, step))
+        replies = gather_replies(self.group, run_round(self.engine, calls[0], step))
+        broken = [f"engine rank {rank}: {reply.failure}" for rank, reply in enumerate(replies) if reply.failure]
+        if broken:
+            raise RuntimeError("; ".join(broken))
+        for reply, sent in zip(replies, calls):
+            for call, (ok, value) in zip(sent, reply.values):
+                if not ok and call.request_id is not None:  # a queued request the rank refused
+                    self._where.pop(call.request_id, None)
+                    self._failed.append(Result(call.request_id, [], error=str(value)))
+        self._replies = replies
+        self._queued_tokens = [0] * self.ranks
+        return replies
+
+
+def _stop(workers: list[subprocess.Popen]) -> None:
+    for worker in workers:
+        try:
+            worker.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()

@@ -1,0 +1,81 @@
+"""One round of an engine group: the leader's calls for every rank, then (optionally) one step of all ranks.
+
+Every rank runs the same rounds in the same order, so the steps' MoE collectives line up: a round is the
+unit of lockstep. The leader broadcasts the round, each rank runs its own calls on its Engine, steps it if
+the round says so, and the leader gathers one reply per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from batchgen.engine.engine import Engine
+from batchgen.engine.engine_load import EngineLoad
+from batchgen.engine.errors import InvalidRequestError
+from batchgen.engine.parallel.rank_group import RankGroup
+from batchgen.engine.request import Result
+
+# Engine methods the leader may call on a rank (nothing else runs from a round).
+RANK_METHODS = frozenset({
+    "add_request", "abort", "add_prefilled", "check_prefilled", "import_request", "export_request",
+    "snapshot_request", "suspended_requests", "movable_requests", "metrics",
+})
+
+
+@dataclass(frozen=True)
+class RankCall:
+    method: str
+    args: tuple
+    request_id: str | None = None  # the request a failed call answers for, with an error Result
+
+
+@dataclass(frozen=True)
+class Round:
+    calls: list[list[RankCall]]  # per rank
+    step: bool
+
+
+@dataclass
+class RankReply:
+    values: list[tuple[bool, Any]] = field(default_factory=list)  # per call: (True, value) or (False, error)
+    results: list[Result] = field(default_factory=list)
+    load: EngineLoad = EngineLoad(0, 0, 0.0)
+    unfinished: bool = False
+    failure: str | None = None  # the rank's engine broke: the whole group fails
+
+
+def run_round(engine: Engine, calls: list[RankCall], step: bool) -> RankReply:
+    """A rank's share of a round. A call the engine refuses (InvalidRequestError) is answered with the error;
+    anything else breaks the group."""
+    reply = RankReply()
+    try:
+        for call in calls:
+            if call.method not in RANK_METHODS:
+                raise ValueError(f"engine group: {call.method!r} is not a rank method")
+            try:
+                reply.values.append((True, getattr(engine, call.method)(*call.args)))
+            except InvalidRequestError as exc:
+                reply.values.append((False, exc))
+        if step:
+            reply.results = engine.step()
+        reply.load, reply.unfinished = engine.load(), engine.has_unfinished()
+    except Exception as exc:  # noqa: BLE001 - reported to the leader, which fails the group
+        reply.failure = f"{type(exc).__name__}: {exc}"
+    return reply
+
+
+def broadcast_round(group: RankGroup, message: Round | None) -> Round | None:
+    """The leader sends `message` (None: the group stops); the other ranks receive it."""
+    box = [message]
+    dist.broadcast_object_list(box, src=0, group=group.control)
+    return box[0]
+
+
+def gather_replies(group: RankGroup, reply: RankReply) -> list[RankReply] | None:
+    """Every rank's reply, in rank order, at the leader (None elsewhere)."""
+    out = [None] * group.size if group.is_leader else None
+    dist.gather_object(reply, out, dst=0, group=group.control)
+    return out

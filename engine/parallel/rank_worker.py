@@ -1,0 +1,102 @@
+"""A rank process of an engine group: `python -m batchgen.engine.parallel.rank_worker`, its RankSpec pickled
+on stdin. It builds its share of the engine, then serves the leader's rounds until told to stop. It exits
+when its parent (the leader's process) is gone, so a killed engine actor leaves no rank behind.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.engine import Engine
+from batchgen.engine.models.loaded_model import LoadedModel
+from batchgen.engine.parallel.rank_group import (
+    GroupAddress,
+    RankGroup,
+    device_of_rank,
+    join_rank_group,
+    leave_rank_group,
+)
+from batchgen.engine.parallel.rank_round import broadcast_round, gather_replies, run_round
+
+PARENT_POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank needs to build its share of one engine."""
+
+    address: GroupAddress
+    size: int
+    config: EngineConfig
+    # (device, expert_shard=(rank, ranks)) -> that rank's model: picklable (e.g. a partial of the loader)
+    load: Callable[..., LoadedModel]
+    threads: int  # torch threads per rank
+
+
+class GroupStartError(RuntimeError):
+    """A rank could not build its share of the engine."""
+
+
+def build_rank_engine(spec: RankSpec, rank: int) -> tuple[Engine, RankGroup]:
+    """Join the group, load this rank's shard and build its Engine; every rank learns whether all succeeded
+    (so a bad checkpoint fails the leader with the rank's own error instead of hanging the others)."""
+    torch.set_num_threads(spec.threads)
+    device = device_of_rank(spec.config.torch_device(), rank)
+    group = join_rank_group(spec.address, rank, spec.size, device)
+    engine, error = None, None
+    try:
+        loaded = spec.load(device=device, expert_shard=(rank, spec.size))
+        engine = Engine(loaded, spec.config, group=group)
+    except Exception as exc:  # noqa: BLE001 - gathered below, raised on every rank
+        error = f"{type(exc).__name__}: {exc}"
+    errors = [None] * spec.size
+    dist.all_gather_object(errors, error, group=group.control)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        leave_rank_group()
+        raise GroupStartError("; ".join(f"engine rank {r}: {e}" for r, e in failed))
+    return engine, group
+
+
+def serve(engine: Engine, group: RankGroup) -> None:
+    """Run the leader's rounds until it sends None."""
+    while (message := broadcast_round(group, None)) is not None:
+        gather_replies(group, run_round(engine, message.calls[group.rank], message.step))
+
+
+def _exit_with_parent() -> None:
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="batchgen-rank-parent", daemon=True).start()
+
+
+def main() -> None:
+    rank, spec = pickle.load(sys.stdin.buffer)
+    _exit_with_parent()
+    try:
+        engine, group = build_rank_engine(spec, rank)
+    except GroupStartError:
+        sys.exit(1)
+    try:
+        serve(engine, group)
+    finally:
+        leave_rank_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""One engine over two ranks (gloo, one process each): data-parallel attention, expert-parallel MoE. Greedy and
+seeded tokens equal the single-process engine's, under KV eviction, while a rank left without sequences keeps
+serving its experts; each rank loads only its own experts; bad group shapes fail with the rank's reason; a Ray job's
+BatchGen actor runs such an engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pipeline_helpers import ENGINE, SAMPLING, engine_outputs, read_output, workload, write_input
+from tiny_models import kv_bytes_per_token, prompts, save_tiny_checkpoint
+
+from batchgen.connectors.checkpoint import load_model
+from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
+from batchgen.engine.models.layers import FusedExperts
+from batchgen.engine.parallel.rank_worker import GroupStartError
+from batchgen.engine.reference import ReferenceRunner
+from batchgen.operators.engine_factory import load_engine
+from batchgen.pipelines.cli import summary_text
+from batchgen.pipelines.pipeline import JobConfig, JobError, run_job
+
+LENGTHS = (3, 9, 17, 5, 30, 12, 7, 21)
+LONG, SHORT = 40, 16
+
+
+def requests(batch: list[list[int]]) -> list[Request]:
+    """The first prompt long (its rank keeps decoding after the other rank has finished), the rest short; every
+    third one seeded sampling."""
+    out = []
+    for i, ids in enumerate(batch):
+        seeded = i % 3 == 2
+        params = SamplingParams(temperature=0.9 if seeded else 0.0, seed=i if seeded else None,
+                                max_tokens=LONG if i == 0 else SHORT, ignore_eos=True)
+        out.append(Request(f"r{i}", prompt_token_ids=ids, sampling=params))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
+def test_two_rank_expert_parallel_engine_gives_the_single_engines_tokens(arch, tmp_path):
+    save_tiny_checkpoint(arch, tmp_path)
+    loaded = load_model(str(tmp_path))
+    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=LENGTHS)
+    greedy = [i for i in range(len(batch)) if i % 3 != 2]
+    reference = ReferenceRunner(loaded.model).generate([batch[i] for i in greedy], max_new_tokens=LONG)
+    # 12 pages of 4 tokens per rank, far less than its sequences need: evictions; MoE calls of at most 5 tokens,
+    # so the ranks' call counts differ step by step and the shorter one pads
+    options = dict(page_size=4, kv_budget_bytes=kv_bytes_per_token(loaded) * 4 * 12, b_attn=2, b_moe=5)
+    single = Engine(loaded, **options).generate(requests(batch))
+    group = load_engine(str(tmp_path), ep_size=2, **options)
+    try:
+        experts = [m for m in group.engine.model.modules() if isinstance(m, FusedExperts)]
+        assert experts and all(m.num_local_experts * 2 == m.num_experts for m in experts)
+        results = group.generate(requests(batch))
+        metrics = group.metrics()
+    finally:
+        group.close()
+    assert all(r.error is None for r in results)
+    tokens = [r.outputs[0].token_ids for r in results]
+    assert tokens == [r.outputs[0].token_ids for r in single]
+    assert [tokens[i] for i in greedy] == [ref[: len(tokens[i])] for i, ref in zip(greedy, reference)]
+    ranks = metrics["ranks"]
+    assert all(rank["finished_requests"] > 0 for rank in ranks)  # both ranks attended to sequences of their own
+    assert metrics["finished_requests"] == len(batch) and metrics["yields"] > 0
+    assert sum(rank["expert_only_steps"] for rank in ranks) > 0  # a rank with none left still served its experts
+
+
+def test_a_rank_loads_only_its_share_of_the_experts(tmp_path):
+    save_tiny_checkpoint("mixtral", tmp_path)
+    full = load_model(str(tmp_path)).model.state_dict()
+    shard = load_model(str(tmp_path), expert_shard=(1, 2)).model
+    for name, tensor in shard.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            assert torch.equal(tensor, full[name][2:4]), name  # 4 experts: rank 1 of 2 holds experts 2 and 3
+        else:
+            assert torch.equal(tensor, full[name]), name
+    assert {m.first_expert for m in shard.modules() if isinstance(m, FusedExperts)} == {2}
+
+
+def test_experts_that_do_not_split_over_the_ranks_fail_the_group_with_each_ranks_reason(tmp_path):
+    save_tiny_checkpoint("mixtral", tmp_path)  # 4 experts
+    with pytest.raises(GroupStartError, match=r"engine rank 0: .*4 experts do not split evenly over 3 ranks") as info:
+        load_engine(str(tmp_path), ep_size=3)
+    assert "engine rank 2:" in str(info.value)
+
+
+def test_ep_size_must_be_a_positive_integer():
+    with pytest.raises(ValueError, match="ep_size must be an integer >= 1"):
+        EngineConfig(ep_size=0)
+
+
+@pytest.mark.slow
+def test_a_single_mode_job_with_a_two_rank_engine_gives_the_engines_tokens(ray_cluster, tiny_moe_dir, tmp_path):
+    """`batchgen run --mode single --engine '{"ep_size": 2}'`: the BatchGen actor starts its second rank, rows come
+    out in input order with the tokens of the engine alone, and the summary says the engine spans two ranks."""
+    prompts = workload(12)
+    write_input(str(tmp_path / "in"), prompts)
+    summary = run_job(JobConfig(model=tiny_moe_dir, input=str(tmp_path / "in"), output=str(tmp_path / "out"),
+                                mode="single", sampling_params=SAMPLING, engine={**ENGINE, "ep_size": 2},
+                                batch_size=4, rows_per_block=4))
+    rows = read_output(str(tmp_path / "out")).to_pylist()
+    assert [r["id"] for r in rows] == list(range(12))
+    assert [list(r["generated_token_ids"]) for r in rows] == engine_outputs(tiny_moe_dir, prompts)
+    assert [(a.stage, a.ranks) for a in summary.engine_actors] == [("BatchGen", 2)]
+    assert "BatchGen over 2 ranks constructed in" in summary_text(summary)
+
+
+def test_a_split_job_refuses_a_multi_rank_engine():
+    with pytest.raises(JobError, match="ep_size 2: an engine over several ranks runs in single mode"):
+        JobConfig(model="m", input="i", output="o", mode="disaggregated", engine={"ep_size": 2}).validate()
