@@ -101,9 +101,14 @@ class AllToAllDispatcher:
         local_ids = torch.where(
             (row_ids >= 0) & (local_ids >= 0) & (local_ids < self.num_local_experts), local_ids, -1
         )
-        recv_x = self._exchange(x[token_of_row], send_splits, recv_splits)
-        recv_ids = self._exchange(local_ids.to(torch.int64), send_splits, recv_splits)
-        recv_weights = self._exchange(topk_weights[token_of_row].to(torch.float32), send_splits, recv_splits)
+        # one exchange for the rows, their local expert ids and their weights: each row's bytes side by side
+        parts = (x[token_of_row], local_ids.to(torch.int64), topk_weights[token_of_row].to(torch.float32))
+        packed = torch.cat([p.contiguous().view(torch.uint8) for p in parts], dim=1)
+        recv = self._exchange(packed, send_splits, recv_splits)
+        widths = [p.shape[1] * p.element_size() for p in parts]
+        recv_x, recv_ids, recv_weights = (
+            chunk.contiguous().view(p.dtype) for chunk, p in zip(torch.split(recv, widths, dim=1), parts)
+        )
         handle = _AllToAllHandle(token_of_row, send_splits, recv_splits, num_tokens)
         return Dispatched(recv_x, recv_ids, recv_weights, handle)
 
