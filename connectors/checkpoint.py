@@ -36,6 +36,7 @@ from batchgen.connectors.presets import resolve_preset
 from batchgen.engine.models.layers import FusedExperts
 from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.models.registry import ModelFamily, model_family
+from batchgen.engine.models.tensor_parallel import TensorSlice, keep_tensor_shard, read_slice
 from batchgen.engine.models.weight_names import WeightTarget, checkpoint_name, checkpoint_target
 
 logger = logging.getLogger(__name__)
@@ -56,11 +57,14 @@ def load_model(
     storage_options: dict[str, Any] | None = None,
     weights: bool = True,
     expert_shard: tuple[int, int] | None = None,
+    tensor_shard: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """Load the checkpoint at `uri` (local path, s3://, memory://, or a preset name such as "tiny-moe").
     `weights=False`: only its shape, on the "meta" device (config and tokenizer read, no weight file): what the
     planner needs of a model too large for this machine. `expert_shard=(rank, ranks)`: hold only that rank's
-    contiguous share of every MoE layer's routed experts, reading no other expert's bytes (expert parallelism)."""
+    contiguous share of every MoE layer's routed experts, reading no other expert's bytes (expert parallelism).
+    `tensor_shard=(rank, ranks)`: hold only that rank's attention heads and MLP / expert columns
+    (engine/models/tensor_parallel.py), reading only those slices of the checkpoint's tensors."""
     torch_dtype = parse_dtype(dtype)
     uri = resolve_preset(str(uri)) or str(uri)
     fs, root = filesystem(uri, storage_options)
@@ -70,9 +74,10 @@ def load_model(
         tokenizer = read_tokenizer(meta_dir, files, uri)
         eos_token_ids = _eos_token_ids(meta_dir, files, config, tokenizer)
     shards = _shard_paths(fs, root, files, uri)
-    model = _build_empty(family, config, torch_dtype, torch.device(device if weights else "meta"), expert_shard)
+    model, cuts = _build_empty(family, config, torch_dtype, torch.device(device if weights else "meta"),
+                               expert_shard, tensor_shard)
     if weights:
-        _fill_weights(model, family, fs, shards, uri)
+        _fill_weights(model, family, fs, shards, uri, cuts)
     return LoadedModel(model.eval(), config, tokenizer, eos_token_ids, int(config.max_position_embeddings),
                        torch_dtype, uri)
 
@@ -141,19 +146,24 @@ def _shard_paths(fs, root: str, files: set[str], uri: str) -> list[str]:
 
 
 def _build_empty(family: ModelFamily, config, dtype: torch.dtype, device: torch.device,
-                 expert_shard: tuple[int, int] | None = None) -> torch.nn.Module:
-    """The model with uninitialised weights in `dtype` on `device`: nothing is computed or allocated twice."""
+                 expert_shard: tuple[int, int] | None = None, tensor_shard: tuple[int, int] | None = None,
+                 ) -> tuple[torch.nn.Module, dict[str, TensorSlice]]:
+    """The model with uninitialised weights in `dtype` on `device` (nothing is computed or allocated twice),
+    cut to a rank's share when asked, and how each cut parameter reads its checkpoint tensors."""
+    cuts = {}
     with torch.device("meta"), _no_weight_init():
         model = family.build(config)
         for module in model.modules():
             if expert_shard is not None and isinstance(module, FusedExperts):
                 module.keep_shard(*expert_shard)
+        if tensor_shard is not None:
+            cuts = keep_tensor_shard(model, *tensor_shard)
     tied = _tied_parameters(model)
     model = model.to(dtype=dtype).to_empty(device=device).requires_grad_(False)
     for alias, source in tied:  # leaving the meta device gives every module its own Parameter: re-tie
         module, _, attr = alias.rpartition(".")
         setattr(model.get_submodule(module), attr, model.get_parameter(source))
-    return model
+    return model, cuts
 
 
 @contextmanager
@@ -183,24 +193,27 @@ def _tied_parameters(model: torch.nn.Module) -> list[tuple[str, str]]:
     return tied
 
 
-_Getter = Callable[[str, slice], torch.Tensor]  # (tensor name, rows) -> those rows of the tensor
+_Getter = Callable[[str, Any], torch.Tensor]  # (tensor name, index) -> that part of the tensor
+_Shape = Callable[[str], tuple[int, ...]]
 
 
-def _open_shard(fs, path: str) -> tuple[list[str], _Getter]:
-    """(tensor names, row getter); local files are memory-mapped (only the rows asked for are read), remote
-    ones read whole."""
+def _open_shard(fs, path: str) -> tuple[list[str], _Getter, _Shape]:
+    """(tensor names, indexed getter, shapes); local files are memory-mapped (only the part asked for is read),
+    remote ones read whole."""
     try:
         if isinstance(fs, LocalFileSystem):
             handle = safe_open(path, framework="pt", device="cpu")
-            return list(handle.keys()), lambda name, rows: handle.get_slice(name)[rows]
+            return (list(handle.keys()), lambda name, index: handle.get_slice(name)[index],
+                    lambda name: tuple(handle.get_slice(name).get_shape()))
         tensors = load_safetensors_bytes(fs.cat_file(path))
-        return list(tensors), lambda name, rows: tensors[name][rows]
+        return list(tensors), lambda name, index: tensors[name][index], lambda name: tuple(tensors[name].shape)
     except Exception as exc:  # safetensors raises its own SafetensorError; fsspec backends their own types
         raise CheckpointError(f"cannot read safetensors file {path!r}: {exc}") from exc
 
 
 @torch.no_grad()
-def _fill_weights(model: torch.nn.Module, family: ModelFamily, fs, shards: list[str], uri: str) -> None:
+def _fill_weights(model: torch.nn.Module, family: ModelFamily, fs, shards: list[str], uri: str,
+                  cuts: dict[str, TensorSlice]) -> None:
     params = dict(model.named_parameters())
     aliases = dict(_tied_parameters(model))  # a tied lm_head.weight fills embed_tokens.weight
     experts = {f"{name}.{param}": module for name, module in model.named_modules()
@@ -208,7 +221,7 @@ def _fill_weights(model: torch.nn.Module, family: ModelFamily, fs, shards: list[
     filled: dict[str, dict[tuple, int]] = {name: {} for name in params}  # param -> {(expert, half): numel}
     ignored = []
     for path in shards:
-        names, get_tensor = _open_shard(fs, path)
+        names, get_part, shape_of = _open_shard(fs, path)
         for name in names:
             target = checkpoint_target(name, family.checkpoint_renames)
             param_name = aliases.get(target.param, target.param)
@@ -226,7 +239,10 @@ def _fill_weights(model: torch.nn.Module, family: ModelFamily, fs, shards: list[
                     if not 0 <= target.expert < shard.num_local_experts:
                         continue  # another rank's expert
             dest = _destination(params[param_name], target, name, path)
-            tensor = _read_tensor(get_tensor, name, rows, path)
+            piece = cuts.get(param_name)
+            if piece is not None and target.half is not None:  # one half of a fused gate_up: one block to cut
+                piece = dataclasses.replace(piece, parts=1)
+            tensor = _read_tensor(get_part, shape_of, name, path, rows, piece, target.expert is not None)
             if not tensor.dtype.is_floating_point or tensor.element_size() < 2:
                 raise CheckpointError(f"tensor {name!r} in {path} is {tensor.dtype}: quantized weights are not "
                                       "supported; use a float32, bfloat16 or float16 checkpoint")
@@ -257,9 +273,14 @@ def _check_expert(expert: int, num_experts: int, name: str, path: str) -> None:
         )
 
 
-def _read_tensor(get_tensor: _Getter, name: str, rows: slice, path: str) -> torch.Tensor:
+def _read_tensor(get_part: _Getter, shape_of: _Shape, name: str, path: str, rows: slice, piece: TensorSlice | None,
+                 per_expert: bool) -> torch.Tensor:
+    """Tensor `name`'s `rows` (expert parallel), or the rank's slice `piece` of it (tensor parallel; a per-expert
+    tensor lacks the fused parameter's expert dim)."""
     try:
-        return get_tensor(name, rows)
+        if piece is None:
+            return get_part(name, rows)
+        return read_slice(get_part, name, piece, int(per_expert), shape_of(name))
     except Exception as exc:  # a truncated or corrupt shard fails here for mmapped files
         raise CheckpointError(f"cannot read tensor {name!r} from {path}: {exc}") from exc
 

@@ -45,6 +45,9 @@ class EngineConfig:
     # ranks (one process per device) of one engine: each attends over its own sequences (data parallel) and
     # holds 1/ep_size of every MoE layer's experts (expert parallel); the experts must split evenly
     ep_size: int = 1
+    # or ranks that all run every sequence, each with 1/tp_size of the attention heads and MLP / expert columns
+    # (tensor parallel); heads, KV heads and intermediate sizes must split evenly. One of the two, not both.
+    tp_size: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -55,12 +58,15 @@ class EngineConfig:
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu", "cuda")
                                                      or self.device.startswith("cuda:")):
             raise ValueError(f"engine device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        for name in ("page_size", "max_prefill_tokens", "ep_size"):
+        for name in ("page_size", "max_prefill_tokens", "ep_size", "tp_size"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("b_attn", "b_moe", "max_num_seqs", "kv_budget_bytes", "host_kv_budget_bytes", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         _check_int("seed", self.seed, minimum=0)
+        if self.ep_size > 1 and self.tp_size > 1:
+            raise ValueError(f"engine options ep_size ({self.ep_size}) and tp_size ({self.tp_size}): one engine is "
+                             "either expert parallel or tensor parallel, not both")
         for name in ("mixed_steps", "prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"engine option {name} must be true or false, got {getattr(self, name)!r}")
@@ -72,6 +78,11 @@ class EngineConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 raise ValueError(f"engine option {name} must be a number in [0, 1], got {value!r}")
+
+    @property
+    def ranks(self) -> int:
+        """Processes (devices) the engine spans."""
+        return self.ep_size * self.tp_size
 
     def torch_device(self) -> torch.device:
         """The device to load onto: "auto" is cuda when present, else cpu."""

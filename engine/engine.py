@@ -25,7 +25,7 @@ from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.migration import MigratedRequest, MigratedSample
 from batchgen.engine.model_runner import MicroBatchLimits, ModelRunner
 from batchgen.engine.models.loaded_model import LoadedModel
-from batchgen.engine.parallel.expert_group import FfnCallAgreement, attach_dispatchers
+from batchgen.engine.parallel.group_model import FfnCallAgreement, attach_dispatchers, attach_partial_sums
 from batchgen.engine.parallel.rank_group import RankGroup
 from batchgen.engine.planner.planner import resolve_config
 from batchgen.engine.prefill_output import PrefillOutput
@@ -76,9 +76,11 @@ class Engine(Generates):
                                   self.config.b_moe if coroutine else _UNBOUNDED)
         self.stats = EngineMetrics()
         agree = None
-        if group is not None:
+        if group is not None and self.config.ep_size > 1:
             agree = FfnCallAgreement(group)
             attach_dispatchers(self.model, group, self.device)
+        elif group is not None:
+            attach_partial_sums(self.model, group)
         self.runner = ModelRunner(self.model, self.kv, self.device, limits, self.stats, agree)
         self.model.observe_routing(self.stats.record_route)
         self.generator = torch.Generator().manual_seed(self.config.seed)

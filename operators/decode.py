@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from batchgen.engine import Engine, EngineLoop, InvalidRequestError, PrefillOutput
+from batchgen.engine import Engine, EngineConfig, EngineLoop, InvalidRequestError, PrefillOutput
 from batchgen.operators import stage_columns as sc
 from batchgen.operators.actor_ready import announce_ready
 from batchgen.operators.balancing import BalancingAgent, run_requests
@@ -27,6 +27,9 @@ class Decode:
                  progress: Any = None, balancer: Any = None, **engine_options: Any) -> None:
         """list_outputs, progress, balancer: as for BatchGen."""
         init_started = time.perf_counter()
+        if EngineConfig.from_kwargs(**engine_options).tp_size > 1:
+            raise ValueError("the decode stage adopts prefilled KV of whole heads: tp_size > 1 serves BatchGen only "
+                             "(ep_size serves Decode)")
         prepare_engine_process()
         self.list_outputs = list_outputs
         self.loop = EngineLoop(lambda: load_engine(model, storage_options, **engine_options))

@@ -16,12 +16,13 @@ from batchgen.engine.parallel.group_engine import GroupEngine, rank_spec, start_
 def load_engine(model: str, storage_options: dict[str, Any] | None = None,
                 **engine_options: Any) -> Engine | GroupEngine:
     """`model`: a checkpoint directory, an fsspec URI or a preset name; `engine_options`: EngineConfig fields.
-    With `ep_size` N > 1 the engine spans N ranks, this process being rank 0 (engine/parallel): the threads this
-    process has are shared among them, and each rank loads only its own experts."""
+    With `ep_size` or `tp_size` N > 1 the engine spans N ranks, this process being rank 0 (engine/parallel): the
+    threads this process has are shared among them, and each rank loads only its own experts, or its own heads and
+    columns."""
     config = EngineConfig.from_kwargs(**engine_options)
-    if config.ep_size > 1:
+    if config.ranks > 1:
         load = functools.partial(load_model, model, dtype=config.dtype, storage_options=storage_options)
-        threads = max(1, torch.get_num_threads() // config.ep_size)
+        threads = max(1, torch.get_num_threads() // config.ranks)
         return start_engine_group(rank_spec(load, config, threads))
     loaded = load_model(model, dtype=config.dtype, device=config.torch_device(), storage_options=storage_options)
     return Engine(loaded, config)

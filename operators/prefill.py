@@ -30,9 +30,9 @@ class Prefill:
                  **engine_options: Any) -> None:
         """progress: the job's tracker, told when this actor is ready (operators/engine_actor.py)."""
         init_started = time.perf_counter()
-        if EngineConfig.from_kwargs(**engine_options).ep_size > 1:
-            raise ValueError("the prefill stage runs one rank per engine actor: ep_size > 1 (an engine over several "
-                             "ranks) serves BatchGen and Decode only")
+        if EngineConfig.from_kwargs(**engine_options).ranks > 1:
+            raise ValueError("the prefill stage runs one rank per engine actor: an engine over several ranks "
+                             "(ep_size or tp_size > 1) serves BatchGen, and Decode with ep_size")
         prepare_engine_process()
         self.exporter = PrefillExporter(load_engine(model, storage_options, **engine_options))
         announce_ready(progress, "Prefill", init_started)

@@ -81,7 +81,7 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", type=json_object, help='EngineConfig fields as JSON, e.g. {"max_num_seqs": 512}')
     p.add_argument("--engine-num-cpus", type=float, help="CPUs per engine actor (default: a share of the cluster)")
     p.add_argument("--engine-num-gpus", type=float,
-                   help="GPUs per engine rank (default 0); an engine actor asks for ep_size times this")
+                   help="GPUs per engine rank (default 0); an engine actor asks for ep_size x tp_size times this")
     for stage, actors in (("engine", "BatchGen (single)"), ("prefill", "prefill"), ("decode", "decode")):
         p.add_argument(f"--{stage}-resources", type=json_object,
                        help=f'custom Ray resources each {actors} engine actor asks for, to pin it to the nodes '

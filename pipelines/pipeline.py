@@ -71,7 +71,7 @@ class JobConfig:
     decode_concurrency: int = 1
     tokenize_concurrency: int = 1
     engine_num_cpus: float | None = None  # per engine actor; None: a share of the cluster's CPUs
-    engine_num_gpus: float = 0.0  # per rank of an engine (an engine actor asks for ep_size times this)
+    engine_num_gpus: float = 0.0  # per rank of an engine (an engine actor asks for its ranks times this)
     # custom Ray resources each engine actor asks for, to pin a stage to the nodes that offer them,
     # e.g. {"decode_node": 1}: `engine_resources` for BatchGen (single), the others per split stage
     engine_resources: dict[str, float] = field(default_factory=dict)
@@ -115,9 +115,9 @@ class JobConfig:
             engine = EngineConfig.from_kwargs(**self.engine)
         except (ValueError, TypeError) as exc:
             raise JobError(str(exc)) from None
-        if engine.ep_size > 1 and self.mode != "single":
-            raise JobError(f"ep_size {engine.ep_size}: an engine over several ranks runs in single mode (the prefill "
-                           "stage runs one rank per actor)")
+        if engine.ranks > 1 and self.mode != "single":
+            raise JobError(f"ep_size {engine.ep_size}, tp_size {engine.tp_size}: an engine over several ranks runs "
+                           "in single mode (the prefill stage runs one rank per actor)")
         if defaults.n > 1 and self.list_outputs is False:
             raise JobError(f"sampling n={defaults.n} needs list outputs; drop list_outputs=False")
 
@@ -227,7 +227,7 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource, progress: ray
     balancing = {} if balancer is None else {"balancer": balancer}
 
     def engine_res(resources: dict[str, float]) -> dict[str, Any]:
-        ranks = EngineConfig.from_kwargs(**config.engine).ep_size  # engine_num_gpus is per rank
+        ranks = EngineConfig.from_kwargs(**config.engine).ranks  # engine_num_gpus is per rank
         return {"num_cpus": engine_actor_cpus(config), "num_gpus": config.engine_num_gpus * ranks,
                 "resources": resources}
 
@@ -258,8 +258,8 @@ def _work_balancer(config: JobConfig) -> ray.actor.ActorHandle | None:
     An actor is short of work under its engine's refill threshold (its share of max_num_seqs, as the engine
     reports it: planned or given); the job's tail is PARTITIONed once it would fit one engine's batch."""
     engine_actors = config.concurrency if config.mode == "single" else config.decode_concurrency
-    if not config.migrate or engine_actors < 2:
-        return None
+    if not config.migrate or engine_actors < 2 or EngineConfig.from_kwargs(**config.engine).tp_size > 1:
+        return None  # a tensor-parallel engine's KV is split by heads over its ranks: its requests stay
     return start_work_balancer()
 
 

@@ -1,7 +1,7 @@
-"""One engine over two ranks (gloo, one process each): data-parallel attention, expert-parallel MoE. Greedy and
-seeded tokens equal the single-process engine's, under KV eviction, while a rank left without sequences keeps
-serving its experts; each rank loads only its own experts; bad group shapes fail with the rank's reason; a Ray job's
-BatchGen actor runs such an engine."""
+"""One engine over two ranks (gloo, one process each): data-parallel attention with expert-parallel MoE, and
+tensor parallelism. Greedy and seeded tokens equal the single-process engine's, under KV eviction, while (expert
+parallel) a rank left without sequences keeps serving its experts; each rank loads only its own experts, or heads
+and columns; bad group shapes fail with the rank's reason; a Ray job's BatchGen actor runs such an engine."""
 
 from __future__ import annotations
 
@@ -64,6 +64,54 @@ def test_two_rank_expert_parallel_engine_gives_the_single_engines_tokens(arch, t
     assert sum(rank["expert_only_steps"] for rank in ranks) > 0  # a rank with none left still served its experts
 
 
+@pytest.mark.parametrize("arch,overrides", [("mixtral", {}), ("qwen3_moe", {}), ("deepseek_v3", {}),
+                                            ("llama", {"attention_bias": True, "mlp_bias": True})])
+def test_two_rank_tensor_parallel_engine_gives_the_single_engines_tokens(arch, overrides, tmp_path):
+    """Every rank runs every sequence with half the heads (GQA: half the KV heads; MLA: the whole latent) and
+    half of every MLP's and expert's columns; biases of the summed projections count once."""
+    save_tiny_checkpoint(arch, tmp_path, **overrides)
+    loaded = load_model(str(tmp_path))
+    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=LENGTHS)
+    greedy = [i for i in range(len(batch)) if i % 3 != 2]
+    reference = ReferenceRunner(loaded.model).generate([batch[i] for i in greedy], max_new_tokens=LONG)
+    # 24 pages of 4 tokens, far less than the batch needs, on every rank: evictions
+    options = dict(page_size=4, kv_budget_bytes=kv_bytes_per_token(loaded) * 4 * 24, b_attn=2, b_moe=5)
+    single = Engine(loaded, **options).generate(requests(batch))
+    group = load_engine(str(tmp_path), tp_size=2, **options)
+    try:
+        full_spec, spec = loaded.model.kv_spec(), group.engine.model.kv_spec()
+        results = group.generate(requests(batch))
+        metrics = group.metrics()
+    finally:
+        group.close()
+    assert spec.num_kv_heads == (1 if arch == "deepseek_v3" else full_spec.num_kv_heads // 2)
+    assert all(r.error is None for r in results)
+    tokens = [r.outputs[0].token_ids for r in results]
+    assert tokens == [r.outputs[0].token_ids for r in single]
+    assert [tokens[i] for i in greedy] == [ref[: len(tokens[i])] for i, ref in zip(greedy, reference)]
+    assert [rank["finished_requests"] for rank in metrics["ranks"]] == [len(batch)] * 2  # every rank ran all
+    assert metrics["yields"] > 0
+
+
+def test_a_rank_loads_only_its_share_of_the_heads_and_columns(tmp_path):
+    save_tiny_checkpoint("qwen2_moe", tmp_path)  # q/k/v biases, a gated shared expert, a dense layer
+    full = load_model(str(tmp_path)).model.state_dict()
+    shard = load_model(str(tmp_path), tensor_shard=(1, 2)).model.state_dict()
+    attn, ffn = "layers.0.attn.self_attn.", "layers.0.ffn.mlp."
+    assert torch.equal(shard[attn + "q_proj.weight"], full[attn + "q_proj.weight"][32:])  # heads 2, 3 of 4
+    assert torch.equal(shard[attn + "q_proj.bias"], full[attn + "q_proj.bias"][32:])
+    assert torch.equal(shard[attn + "k_proj.weight"], full[attn + "k_proj.weight"][16:])  # KV head 1 of 2
+    assert torch.equal(shard[attn + "o_proj.weight"], full[attn + "o_proj.weight"][:, 32:])
+    gate_up, inter = full[ffn + "experts.gate_up_proj"], 32  # [E, 2I, D]: the second half of each of gate, up
+    assert torch.equal(shard[ffn + "experts.gate_up_proj"],
+                       torch.cat([gate_up[:, inter // 2 : inter], gate_up[:, inter + inter // 2 :]], dim=1))
+    assert torch.equal(shard[ffn + "experts.down_proj"], full[ffn + "experts.down_proj"][:, :, inter // 2 :])
+    assert torch.equal(shard[ffn + "shared_expert.down_proj.weight"],
+                       full[ffn + "shared_expert.down_proj.weight"][:, 24:])
+    for name in (ffn + "gate.weight", ffn + "shared_expert_gate.weight", "embed_tokens.weight", "lm_head.weight"):
+        assert torch.equal(shard[name], full[name]), name  # routers, gates, embeddings and head stay whole
+
+
 def test_a_rank_loads_only_its_share_of_the_experts(tmp_path):
     save_tiny_checkpoint("mixtral", tmp_path)
     full = load_model(str(tmp_path)).model.state_dict()
@@ -83,9 +131,17 @@ def test_experts_that_do_not_split_over_the_ranks_fail_the_group_with_each_ranks
     assert "engine rank 2:" in str(info.value)
 
 
-def test_ep_size_must_be_a_positive_integer():
+def test_heads_that_do_not_split_over_the_ranks_fail_the_group(tmp_path):
+    save_tiny_checkpoint("mixtral", tmp_path)  # 4 heads, 2 KV heads
+    with pytest.raises(GroupStartError, match=r"engine rank 1: .*has 4 attention heads, which do not split over 3"):
+        load_engine(str(tmp_path), tp_size=3)
+
+
+def test_group_sizes_must_be_positive_and_not_both_set():
     with pytest.raises(ValueError, match="ep_size must be an integer >= 1"):
         EngineConfig(ep_size=0)
+    with pytest.raises(ValueError, match="either expert parallel or tensor parallel, not both"):
+        EngineConfig(ep_size=2, tp_size=2)
 
 
 @pytest.mark.slow
@@ -105,5 +161,5 @@ def test_a_single_mode_job_with_a_two_rank_engine_gives_the_engines_tokens(ray_c
 
 
 def test_a_split_job_refuses_a_multi_rank_engine():
-    with pytest.raises(JobError, match="ep_size 2: an engine over several ranks runs in single mode"):
+    with pytest.raises(JobError, match="ep_size 2, tp_size 1: an engine over several ranks runs in single mode"):
         JobConfig(model="m", input="i", output="o", mode="disaggregated", engine={"ep_size": 2}).validate()

@@ -233,27 +233,32 @@ class SparseMoE(nn.Module):
 
 
 class AttentionBlock(nn.Module):
-    """x + attention(norm(x)): the engine's first yield point of a layer sits at its exit."""
+    """x + attention(norm(x)): the engine's first yield point of a layer sits at its exit. Under tensor
+    parallelism the attention yields this rank's partial sum, which `sum_over_ranks` all-reduces."""
 
     def __init__(self, input_layernorm: RMSNorm, self_attn: nn.Module):
         super().__init__()
         self.input_layernorm = input_layernorm
         self.self_attn = self_attn
+        self.sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        return x + self.self_attn(self.input_layernorm(x), ctx)
+        out = self.self_attn(self.input_layernorm(x), ctx)
+        return x + (out if self.sum_over_ranks is None else self.sum_over_ranks(out))
 
 
 class FeedForwardBlock(nn.Module):
-    """x + mlp(norm(x)), the mlp being dense or sparse (MoE)."""
+    """x + mlp(norm(x)), the mlp being dense or sparse (MoE); a partial sum under tensor parallelism."""
 
     def __init__(self, post_attention_layernorm: RMSNorm, mlp: nn.Module):
         super().__init__()
         self.post_attention_layernorm = post_attention_layernorm
         self.mlp = mlp
+        self.sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out = self.mlp(self.post_attention_layernorm(x))
+        return x + (out if self.sum_over_ranks is None else self.sum_over_ranks(out))
 
 
 class DecoderLayer(nn.Module):

@@ -1,11 +1,18 @@
-"""One logical engine over several ranks: data-parallel attention, expert-parallel MoE.
+"""One logical engine over several ranks: expert parallel (ep_size) or tensor parallel (tp_size).
 
 The leader (rank 0, the caller's process) starts ranks 1..N-1 as processes of their own, one per device.
-Each rank holds its own Engine: its own sequences, scheduler and KV pools, and 1/N of every MoE layer's
-experts. Every step all ranks step together (a round: engine/parallel/rank_round.py); a step's MoE batch
-is dispatched to the experts' ranks by all-to-all and combined back, and a rank with no sequences of its
-own still serves its experts. The leader places each new request on the rank with the least work left,
-and answers the same calls as an Engine, so EngineLoop, the Ray operators and the Batch API drive it
+Each rank holds its own Engine. Every step all ranks step together (a round: engine/parallel/rank_round.py).
+
+- Expert parallel: each rank has its own sequences, scheduler and KV pools (data-parallel attention) and 1/N
+  of every MoE layer's experts; a step's MoE batch is dispatched to the experts' ranks by all-to-all and
+  combined back, and a rank with no sequences of its own still serves its experts. The leader places each new
+  request on the rank with the least work left.
+- Tensor parallel: every rank runs every request (the same calls in the same order, so the same schedule),
+  each with 1/N of the heads and columns and its own heads' KV; the blocks all-reduce their partial sums, so
+  every rank samples the same tokens, and the leader answers with its own results. Its requests do not
+  MIGRATE (their KV is split by heads over the ranks).
+
+The leader answers the same calls as an Engine, so EngineLoop, the Ray operators and the Batch API drive it
 unchanged.
 """
 
@@ -55,8 +62,8 @@ def start_engine_group(spec: RankSpec) -> GroupEngine:
 
 
 def rank_spec(load, config, threads: int) -> RankSpec:
-    """The spec of a group of `config.ep_size` ranks on this machine."""
-    return RankSpec(free_address(), config.ep_size, config, load, threads)
+    """The spec of a group of `config.ranks` ranks on this machine."""
+    return RankSpec(free_address(), config.ranks, config, load, threads)
 
 
 class GroupEngine(Generates):
@@ -69,6 +76,7 @@ class GroupEngine(Generates):
         self._replies = [RankReply() for _ in range(group.size)]
         self._where: dict[str, int] = {}  # request id -> the rank holding it
         self._failed: list[Result] = []  # queued calls a rank refused
+        self.replicated = engine.config.tp_size > 1  # tensor parallel: every rank runs every request
         self._round(step=False)  # every rank's load
 
     # what callers read of an engine: the leader's (every rank runs the same model and options)
@@ -93,14 +101,17 @@ class GroupEngine(Generates):
         self._place(request.request_id, request.sampling, "add_request", request)
 
     def add_prefilled(self, prefilled: PrefillOutput) -> None:
+        self.check_prefilled(prefilled)
         self._place(prefilled.request.request_id, prefilled.request.sampling, "add_prefilled", prefilled)
 
     def check_prefilled(self, prefilled: PrefillOutput) -> None:
+        self._check_movable_in("a prefilled request")
         if prefilled.request.request_id in self._where:
             raise InvalidRequestError(f"duplicate request_id {prefilled.request.request_id!r}")
         self.engine.check_prefilled(prefilled)
 
     def import_request(self, migrated: MigratedRequest) -> None:
+        self._check_movable_in("a migrated request")
         rid = migrated.request.request_id
         if rid in self._where:
             raise InvalidRequestError(f"duplicate request_id {rid!r}")
@@ -109,7 +120,8 @@ class GroupEngine(Generates):
         self._where[rid] = rank
 
     def step(self) -> list[Result]:
-        results = [r for reply in self._round(step=True) for r in reply.results]
+        replies = self._round(step=True)
+        results = [r for reply in (replies[:1] if self.replicated else replies) for r in reply.results]
         for result in results:
             self._where.pop(result.request_id, None)
         failed, self._failed = self._failed, []
@@ -119,14 +131,15 @@ class GroupEngine(Generates):
         rank = self._where.pop(request_id, None)
         if rank is None:
             return False
-        self._calls[rank].append(RankCall("abort", (request_id,)))
+        for holder in range(self.ranks) if self.replicated else (rank,):
+            self._calls[holder].append(RankCall("abort", (request_id,)))
         return True
 
     def has_unfinished(self) -> bool:
         return bool(self._failed) or any(self._calls) or any(r.unfinished for r in self._replies)
 
     def load(self) -> EngineLoad:
-        loads = [r.load for r in self._replies]
+        loads = [r.load for r in (self._replies[:1] if self.replicated else self._replies)]
         return EngineLoad(sum(x.requests for x in loads), sum(x.tokens for x in loads) + sum(self._queued_tokens),
                           self.engine.stats.step_seconds, sum(x.refill_below for x in loads),
                           sum(x.batch for x in loads))
@@ -134,6 +147,8 @@ class GroupEngine(Generates):
     def metrics(self) -> dict:
         per_rank = [self._call_now(rank, "metrics") for rank in range(self.ranks)]
         merged = dict(per_rank[0])
+        if self.replicated:  # every rank ran every request
+            return {**merged, "ranks": per_rank}
         for key in SUMMED_METRICS:
             merged[key] = sum(m[key] for m in per_rank)
         merged["bct_s"] = max(m["bct_s"] for m in per_rank)
@@ -142,13 +157,16 @@ class GroupEngine(Generates):
         return merged
 
     def movable_requests(self, tokens: int, keep=()) -> list[str]:
-        """Taken from the rank with the most work left (a request moves with its rank's KV)."""
+        """Taken from the rank with the most work left (a request moves with its rank's KV); none under tensor
+        parallelism."""
+        if self.replicated:
+            return []
         rank = max(range(self.ranks), key=lambda r: self._replies[r].load.tokens)
         return self._call_now(rank, "movable_requests", tokens, set(keep))
 
     def export_request(self, request_id: str) -> MigratedRequest | None:
         rank = self._where.get(request_id)
-        if rank is None:
+        if rank is None or self.replicated:
             return None
         migrated = self._call_now(rank, "export_request", request_id)
         if migrated is not None:
@@ -157,11 +175,11 @@ class GroupEngine(Generates):
 
     def snapshot_request(self, request_id: str) -> MigratedRequest | None:
         rank = self._where.get(request_id)
-        return None if rank is None else self._call_now(rank, "snapshot_request", request_id)
+        return None if rank is None or self.replicated else self._call_now(rank, "snapshot_request", request_id)
 
     def suspended_requests(self) -> dict[str, int]:
         out = {}
-        for rank in range(self.ranks):
+        for rank in range(0 if self.replicated else self.ranks):
             out.update(self._call_now(rank, "suspended_requests"))
         return out
 
@@ -176,11 +194,18 @@ class GroupEngine(Generates):
 
     # ------------------------------------------------------------------ internals
     def _place(self, request_id: str, sampling, method: str, payload: Any) -> None:
-        """Queue the request on the rank with the least work left; it reaches the rank with the next round."""
-        rank = self._least_loaded()
-        self._calls[rank].append(RankCall(method, (payload,), request_id))
+        """Queue the request on the rank with the least work left (every rank under tensor parallelism); it
+        reaches the ranks with the next round."""
+        rank = 0 if self.replicated else self._least_loaded()
+        for holder in range(self.ranks) if self.replicated else (rank,):
+            self._calls[holder].append(RankCall(method, (payload,), request_id))
         self._queued_tokens[rank] += sampling.max_tokens * sampling.n
         self._where.setdefault(request_id, rank)
+
+    def _check_movable_in(self, what: str) -> None:
+        if self.replicated:
+            raise InvalidRequestError(f"{what} cannot join a tensor-parallel engine (its KV would have to be split "
+                                      "by heads over the ranks)")
 
     def _least_loaded(self) -> int:
         return min(range(self.ranks), key=lambda r: self._replies[r].load.tokens + self._queued_tokens[r])

@@ -38,7 +38,7 @@ class RankSpec:
     address: GroupAddress
     size: int
     config: EngineConfig
-    # (device, expert_shard=(rank, ranks)) -> that rank's model: picklable (e.g. a partial of the loader)
+    # (device, expert_shard= or tensor_shard=(rank, ranks)) -> that rank's model: picklable (a partial of the loader)
     load: Callable[..., LoadedModel]
     threads: int  # torch threads per rank
 
@@ -55,7 +55,8 @@ def build_rank_engine(spec: RankSpec, rank: int) -> tuple[Engine, RankGroup]:
     group = join_rank_group(spec.address, rank, spec.size, device)
     engine, error = None, None
     try:
-        loaded = spec.load(device=device, expert_shard=(rank, spec.size))
+        share = "expert_shard" if spec.config.ep_size > 1 else "tensor_shard"
+        loaded = spec.load(device=device, **{share: (rank, spec.size)})
         engine = Engine(loaded, spec.config, group=group)
     except Exception as exc:  # noqa: BLE001 - gathered below, raised on every rank
         error = f"{type(exc).__name__}: {exc}"

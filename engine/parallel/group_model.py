@@ -1,12 +1,13 @@
-"""What makes one rank's model part of an expert-parallel engine: its MoE layers dispatch through the group,
-and its steps make as many MoE calls as every other rank's."""
+"""What makes one rank's model part of an engine over several ranks. Expert parallel: its MoE layers dispatch
+through the group, and its steps make as many MoE calls as every other rank's. Tensor parallel: its attention
+and feed-forward blocks sum their partial outputs over the ranks."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from batchgen.engine.models.layers import FusedExperts
+from batchgen.engine.models.layers import AttentionBlock, FeedForwardBlock, FusedExperts
 from batchgen.engine.parallel.rank_group import RankGroup
 from batchgen.kernels.expert_parallel import make_dispatcher
 
@@ -41,3 +42,15 @@ class FfnCallAgreement:
         calls = torch.tensor([local_calls], dtype=torch.int64)
         dist.all_reduce(calls, op=dist.ReduceOp.MAX, group=self.group.control)
         return int(calls.item())
+
+
+def attach_partial_sums(model: torch.nn.Module, group: RankGroup) -> None:
+    """Have every attention and feed-forward block all-reduce its output before the residual: the model holds
+    this rank's heads and columns (load_model(tensor_shard=(rank, ranks)))."""
+    def sum_over_ranks(partial: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(partial, group=group.data)
+        return partial
+
+    for module in model.modules():
+        if isinstance(module, (AttentionBlock, FeedForwardBlock)):
+            module.sum_over_ranks = sum_over_ranks
