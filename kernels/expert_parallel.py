@@ -106,8 +106,9 @@ class AllToAllDispatcher:
         packed = torch.cat([p.contiguous().view(torch.uint8) for p in parts], dim=1)
         recv = self._exchange(packed, send_splits, recv_splits)
         widths = [p.shape[1] * p.element_size() for p in parts]
-        recv_x, recv_ids, recv_weights = (
-            chunk.contiguous().view(p.dtype) for chunk, p in zip(torch.split(recv, widths, dim=1), parts)
+        recv_x, recv_ids, recv_weights = (  # copied out: a view of bytes as wider types needs aligned rows
+            torch.empty_like(chunk, memory_format=torch.contiguous_format).copy_(chunk).view(p.dtype)
+            for chunk, p in zip(torch.split(recv, widths, dim=1), parts)
         )
         handle = _AllToAllHandle(token_of_row, send_splits, recv_splits, num_tokens)
         return Dispatched(recv_x, recv_ids, recv_weights, handle)

@@ -5,6 +5,8 @@ and columns; bad group shapes fail with the rank's reason; a Ray job's BatchGen 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from pipeline_helpers import ENGINE, SAMPLING, engine_outputs, read_output, workload, write_input
@@ -135,6 +137,22 @@ def test_heads_that_do_not_split_over_the_ranks_fail_the_group(tmp_path):
     save_tiny_checkpoint("mixtral", tmp_path)  # 4 heads, 2 KV heads
     with pytest.raises(GroupStartError, match=r"engine rank 1: .*has 4 attention heads, which do not split over 3"):
         load_engine(str(tmp_path), tp_size=3)
+
+
+def test_a_dead_rank_fails_the_group_at_once_and_close_leaves_nothing_behind(tmp_path):
+    save_tiny_checkpoint("mixtral", tmp_path)
+    group = load_engine(str(tmp_path), ep_size=2)
+    worker = group._workers[0]
+    worker.kill()
+    worker.wait()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError):  # gloo: the peer closed the connection
+        group.generate(requests(prompts(lengths=(5, 9))))
+    assert time.monotonic() - started < 60  # not the collectives' 5-minute timeout
+    with pytest.raises(RuntimeError, match="the engine group is broken"):
+        group.step()
+    group.close()
+    assert not torch.distributed.is_initialized()
 
 
 def test_group_sizes_must_be_positive_and_not_both_set():

@@ -76,6 +76,7 @@ class GroupEngine(Generates):
         self._replies = [RankReply() for _ in range(group.size)]
         self._where: dict[str, int] = {}  # request id -> the rank holding it
         self._failed: list[Result] = []  # queued calls a rank refused
+        self._broken = False
         self.replicated = engine.config.tp_size > 1  # tensor parallel: every rank runs every request
         self._round(step=False)  # every rank's load
 
@@ -184,13 +185,20 @@ class GroupEngine(Generates):
         return out
 
     def close(self) -> None:
-        """Stop every rank and leave the group."""
+        """Stop every rank and leave the group (a broken group's ranks are killed)."""
         if self._workers is None:
             return
-        broadcast_round(self.group, None)
-        _stop(self._workers)
-        self._workers = None
-        leave_rank_group()
+        workers, self._workers = self._workers, None
+        try:
+            if not self._broken:
+                broadcast_round(self.group, None)
+                _stop(workers)
+        finally:
+            for worker in workers:
+                if worker.poll() is None:
+                    worker.kill()
+                    worker.wait()
+            leave_rank_group()
 
     # ------------------------------------------------------------------ internals
     def _place(self, request_id: str, sampling, method: str, payload: Any) -> None:
@@ -219,12 +227,13 @@ class GroupEngine(Generates):
         return value
 
     def _round(self, step: bool) -> list[RankReply]:
+        if self._broken:
+            raise RuntimeError("the engine group is broken: a rank failed in an earlier round")
         calls, self._calls = self._calls, [[] for _ in range(self.ranks)]
+        self._broken = True  # until every rank has replied: a failure part-way leaves the ranks out of step
         broadcast_round(self.group, Round(calls, step))
         replies = gather_replies(self.group, run_round(self.engine, calls[0], step))
-        broken = [f"engine rank {rank}: {reply.failure}" for rank, reply in enumerate(replies) if reply.failure]
-        if broken:
-            raise RuntimeError("; ".join(broken))
+        self._broken = False
         for reply, sent in zip(replies, calls):
             for call, (ok, value) in zip(sent, reply.values):
                 if not ok and call.request_id is not None:  # a queued request the rank refused

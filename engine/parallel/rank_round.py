@@ -44,26 +44,24 @@ class RankReply:
     results: list[Result] = field(default_factory=list)
     load: EngineLoad = EngineLoad(0, 0, 0.0)
     unfinished: bool = False
-    failure: str | None = None  # the rank's engine broke: the whole group fails
 
 
 def run_round(engine: Engine, calls: list[RankCall], step: bool) -> RankReply:
-    """A rank's share of a round. A call the engine refuses (InvalidRequestError) is answered with the error;
-    anything else breaks the group."""
+    """A rank's share of a round. A call the engine refuses (InvalidRequestError) is answered with the error.
+    Anything else raises: it may have left the rank part-way through a step's collectives, so the group is
+    broken (a rank process exits, which fails the others' pending collectives at once instead of at their
+    timeout)."""
     reply = RankReply()
-    try:
-        for call in calls:
-            if call.method not in RANK_METHODS:
-                raise ValueError(f"engine group: {call.method!r} is not a rank method")
-            try:
-                reply.values.append((True, getattr(engine, call.method)(*call.args)))
-            except InvalidRequestError as exc:
-                reply.values.append((False, exc))
-        if step:
-            reply.results = engine.step()
-        reply.load, reply.unfinished = engine.load(), engine.has_unfinished()
-    except Exception as exc:  # noqa: BLE001 - reported to the leader, which fails the group
-        reply.failure = f"{type(exc).__name__}: {exc}"
+    for call in calls:
+        if call.method not in RANK_METHODS:
+            raise ValueError(f"engine group: {call.method!r} is not a rank method")
+        try:
+            reply.values.append((True, getattr(engine, call.method)(*call.args)))
+        except InvalidRequestError as exc:
+            reply.values.append((False, exc))
+    if step:
+        reply.results = engine.step()
+    reply.load, reply.unfinished = engine.load(), engine.has_unfinished()
     return reply
 
 

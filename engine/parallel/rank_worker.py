@@ -10,6 +10,7 @@ import pickle
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -95,8 +96,11 @@ def main() -> None:
         sys.exit(1)
     try:
         serve(engine, group)
-    finally:
-        leave_rank_group()
+    except BaseException:  # the group is broken: exit now, so the other ranks' collectives fail at once
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    leave_rank_group()
 
 
 if __name__ == "__main__":
