@@ -11,9 +11,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	# --no-compile: byte-compiling every installed module (torch's thousands) costs a minute; Python compiles
-	# the modules a process really imports on first use and keeps them
-	$(VENV)/bin/pip install -q --no-compile -c $(CONSTRAINTS) -e '.[dev]'
+	$(VENV)/bin/pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
 
 run: $(STAMP)

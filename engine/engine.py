@@ -78,7 +78,7 @@ class Engine(Generates):
         agree = None
         if group is not None and self.config.ep_size > 1:
             agree = FfnCallAgreement(group)
-            attach_dispatchers(self.model, group, self.device)
+            attach_dispatchers(self.model, group, self.device, loaded.dtype)
         elif group is not None:
             attach_partial_sums(self.model, group)
         self.runner = ModelRunner(self.model, self.kv, self.device, limits, self.stats, agree)

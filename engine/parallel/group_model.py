@@ -12,9 +12,11 @@ from batchgen.engine.parallel.rank_group import RankGroup
 from batchgen.kernels.expert_parallel import make_dispatcher
 
 
-def attach_dispatchers(model: torch.nn.Module, group: RankGroup, device: torch.device) -> None:
-    """Route every MoE layer's tokens through the group (all-to-all; DeepEP on CUDA when installed). The model
-    must hold this rank's share of the experts (connectors' load_model(expert_shard=(rank, ranks)))."""
+def attach_dispatchers(model: torch.nn.Module, group: RankGroup, device: torch.device, dtype: torch.dtype) -> None:
+    """Route every MoE layer's tokens through the group (all-to-all; DeepEP on CUDA when installed and the model
+    runs in bfloat16, the only activation type its kernels take). The model must hold this rank's share of the
+    experts (connectors' load_model(expert_shard=(rank, ranks)))."""
+    backend = "auto" if dtype == torch.bfloat16 else "all_to_all"
     dispatchers = {}  # one per expert count: DeepEP buffers are large, every layer shares one
     for name, module in model.named_modules():
         if not isinstance(module, FusedExperts):
@@ -27,7 +29,7 @@ def attach_dispatchers(model: torch.nn.Module, group: RankGroup, device: torch.d
                 f"{(group.rank + 1) * local - 1} (load the model with expert_shard=({group.rank}, {group.size}))"
             )
         if module.num_experts not in dispatchers:
-            dispatchers[module.num_experts] = make_dispatcher(module.num_experts, "auto", group.data, device)
+            dispatchers[module.num_experts] = make_dispatcher(module.num_experts, backend, group.data, device)
         module.dispatcher = dispatchers[module.num_experts]
 
 
