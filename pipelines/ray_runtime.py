@@ -17,8 +17,10 @@ WORKERS_PER_CPU = 8  # 4 quarter-CPU task slots (read, tokenize, write) per CPU,
 
 
 def init_ray(address: str | None = None, **kwargs: Any) -> None:
-    """ray.init: join `address`, or start a local runtime that keeps enough idle workers."""
+    """ray.init: join `address`, or (None) start a local runtime that keeps enough idle workers: never a cluster
+    that `ray start` left on this machine, which ray.init(address=None) would join."""
     if address in (None, "local"):
+        address = "local"
         cpus = kwargs.get("num_cpus") or os.cpu_count() or 1
         kwargs["_system_config"] = {"num_workers_soft_limit": int(WORKERS_PER_CPU * cpus),
                                     **kwargs.get("_system_config", {})}
