@@ -9,7 +9,7 @@ import ray
 from bench_helpers import import_bench
 
 SHAPES = ("single", "disaggregated")
-PROMPTS = 8
+PROMPTS = 4
 
 
 @pytest.mark.slow

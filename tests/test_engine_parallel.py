@@ -54,12 +54,17 @@ def test_two_rank_expert_parallel_engine_gives_the_single_engines_tokens(arch, t
         assert experts and all(m.num_local_experts * 2 == m.num_experts for m in experts)
         results = group.generate(requests(batch))
         metrics = group.metrics()
+        again = requests(batch)[1]
+        group.add_request(again)
+        group.add_request(again)  # the same id again, wherever the first one went: an error Result
+        repeated = [r for _ in range(100) if group.has_unfinished() for r in group.step()]
     finally:
         group.close()
     assert all(r.error is None for r in results)
     tokens = [r.outputs[0].token_ids for r in results]
     assert tokens == [r.outputs[0].token_ids for r in single]
     assert [tokens[i] for i in greedy] == [ref[: len(tokens[i])] for i, ref in zip(greedy, reference)]
+    assert sorted(str(r.error) for r in repeated) == ["None", "duplicate request_id 'r1'"]
     ranks = metrics["ranks"]
     assert all(rank["finished_requests"] > 0 for rank in ranks)  # both ranks attended to sequences of their own
     assert metrics["finished_requests"] == len(batch) and metrics["yields"] > 0

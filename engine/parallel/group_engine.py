@@ -99,6 +99,10 @@ class GroupEngine(Generates):
 
     # ------------------------------------------------------------ the Engine interface
     def add_request(self, request: Request) -> None:
+        """As Engine.add_request: a bad request (a duplicate id in any rank included) comes back from a step."""
+        if request.request_id in self._where:
+            self._failed.append(Result(request.request_id, [], error=f"duplicate request_id {request.request_id!r}"))
+            return
         self._place(request.request_id, request.sampling, "add_request", request)
 
     def add_prefilled(self, prefilled: PrefillOutput) -> None:
@@ -208,7 +212,7 @@ class GroupEngine(Generates):
         for holder in range(self.ranks) if self.replicated else (rank,):
             self._calls[holder].append(RankCall(method, (payload,), request_id))
         self._queued_tokens[rank] += sampling.max_tokens * sampling.n
-        self._where.setdefault(request_id, rank)
+        self._where[request_id] = rank
 
     def _check_movable_in(self, what: str) -> None:
         if self.replicated:
