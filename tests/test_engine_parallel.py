@@ -37,17 +37,31 @@ def requests(batch: list[list[int]]) -> list[Request]:
     return out
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
-def test_two_rank_expert_parallel_engine_gives_the_single_engines_tokens(arch, tmp_path):
-    save_tiny_checkpoint(arch, tmp_path)
-    loaded = load_model(str(tmp_path))
-    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=LENGTHS)
+def check_tokens(loaded, batch: list[list[int]], results, single) -> None:
+    """The group's tokens equal the single-process engine's, and greedy ones the reference runner's."""
+    assert all(r.error is None for r in results)
+    tokens = [r.outputs[0].token_ids for r in results]
+    assert tokens == [r.outputs[0].token_ids for r in single]
     greedy = [i for i in range(len(batch)) if i % 3 != 2]
     reference = ReferenceRunner(loaded.model).generate([batch[i] for i in greedy], max_new_tokens=LONG)
-    # 12 pages of 4 tokens per rank, far less than its sequences need: evictions; MoE calls of at most 5 tokens,
-    # so the ranks' call counts differ step by step and the shorter one pads
-    options = dict(page_size=4, kv_budget_bytes=kv_bytes_per_token(loaded) * 4 * 12, b_attn=2, b_moe=5)
-    single = Engine(loaded, **options).generate(requests(batch))
+    assert [tokens[i] for i in greedy] == [ref[: len(tokens[i])] for i, ref in zip(greedy, reference)]
+
+
+def single_process_case(arch: str, directory, pages: int, **overrides):
+    """A tiny checkpoint of `arch`, its prompts, engine options with a device KV pool of `pages` pages of 4 tokens
+    (MoE calls of at most 5 tokens), and what one process's engine generates with them."""
+    save_tiny_checkpoint(arch, directory, **overrides)
+    loaded = load_model(str(directory))
+    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=LENGTHS)
+    options = dict(page_size=4, kv_budget_bytes=kv_bytes_per_token(loaded) * 4 * pages, b_attn=2, b_moe=5)
+    return loaded, batch, options, Engine(loaded, **options).generate(requests(batch))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_two_rank_expert_parallel_engine_gives_the_single_engines_tokens(arch, tmp_path):
+    # 12 pages per rank, far less than its sequences need: evictions; the ranks' MoE call counts differ step by
+    # step and the shorter one pads
+    loaded, batch, options, single = single_process_case(arch, tmp_path, pages=12)
     group = load_engine(str(tmp_path), ep_size=2, **options)
     try:
         experts = [m for m in group.engine.model.modules() if isinstance(m, FusedExperts)]
@@ -60,10 +74,7 @@ def test_two_rank_expert_parallel_engine_gives_the_single_engines_tokens(arch, t
         repeated = [r for _ in range(100) if group.has_unfinished() for r in group.step()]
     finally:
         group.close()
-    assert all(r.error is None for r in results)
-    tokens = [r.outputs[0].token_ids for r in results]
-    assert tokens == [r.outputs[0].token_ids for r in single]
-    assert [tokens[i] for i in greedy] == [ref[: len(tokens[i])] for i, ref in zip(greedy, reference)]
+    check_tokens(loaded, batch, results, single)
     assert sorted(str(r.error) for r in repeated) == ["None", "duplicate request_id 'r1'"]
     ranks = metrics["ranks"]
     assert all(rank["finished_requests"] > 0 for rank in ranks)  # both ranks attended to sequences of their own
@@ -76,14 +87,8 @@ def test_two_rank_expert_parallel_engine_gives_the_single_engines_tokens(arch, t
 def test_two_rank_tensor_parallel_engine_gives_the_single_engines_tokens(arch, overrides, tmp_path):
     """Every rank runs every sequence with half the heads (GQA: half the KV heads; MLA: the whole latent) and
     half of every MLP's and expert's columns; the bias of the summed o_proj counts once."""
-    save_tiny_checkpoint(arch, tmp_path, **overrides)
-    loaded = load_model(str(tmp_path))
-    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=LENGTHS)
-    greedy = [i for i in range(len(batch)) if i % 3 != 2]
-    reference = ReferenceRunner(loaded.model).generate([batch[i] for i in greedy], max_new_tokens=LONG)
-    # 24 pages of 4 tokens, far less than the batch needs, on every rank: evictions
-    options = dict(page_size=4, kv_budget_bytes=kv_bytes_per_token(loaded) * 4 * 24, b_attn=2, b_moe=5)
-    single = Engine(loaded, **options).generate(requests(batch))
+    # 24 pages on every rank, far less than the batch needs: evictions
+    loaded, batch, options, single = single_process_case(arch, tmp_path, pages=24, **overrides)
     group = load_engine(str(tmp_path), tp_size=2, **options)
     try:
         full_spec, spec = loaded.model.kv_spec(), group.engine.model.kv_spec()
@@ -92,10 +97,7 @@ def test_two_rank_tensor_parallel_engine_gives_the_single_engines_tokens(arch, o
     finally:
         group.close()
     assert spec.num_kv_heads == (1 if arch == "deepseek_v3" else full_spec.num_kv_heads // 2)
-    assert all(r.error is None for r in results)
-    tokens = [r.outputs[0].token_ids for r in results]
-    assert tokens == [r.outputs[0].token_ids for r in single]
-    assert [tokens[i] for i in greedy] == [ref[: len(tokens[i])] for i, ref in zip(greedy, reference)]
+    check_tokens(loaded, batch, results, single)
     assert [rank["finished_requests"] for rank in metrics["ranks"]] == [len(batch)] * 2  # every rank ran all
     assert metrics["yields"] > 0
 
