@@ -54,7 +54,8 @@ class Engine(Generates):
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, group: RankGroup | None = None,
                  **overrides):
         """`group`: this engine is one rank of an engine spanning several (engine/parallel): `loaded` holds the
-        rank's share of the experts, and every step is taken together with the other ranks."""
+        rank's share of the experts (ep_size) or of the heads and columns (tp_size), and every step is taken
+        together with the other ranks."""
         self.config = resolve_config(loaded, EngineConfig.from_kwargs(config, **overrides), plan=group is None)
         self.loaded = loaded
         self.model = loaded.model.eval()
