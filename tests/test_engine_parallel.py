@@ -82,6 +82,26 @@ def test_two_rank_expert_parallel_engine_gives_the_single_engines_tokens(arch, t
     assert sum(rank["expert_only_steps"] for rank in ranks) > 0  # a rank with none left still served its experts
 
 
+def test_a_rank_that_runs_out_of_requests_takes_some_of_the_busiest_ranks(tmp_path):
+    """The first request is placed as 32 tokens of work but stops at its first token (every token is a stop
+    token); the other rank holds four, one at a time: the idle rank takes waiting ones, tokens unchanged."""
+    save_tiny_checkpoint("mixtral", tmp_path)
+    batch = prompts(lengths=(5, 9, 7, 11, 6))
+    stop_at_once = SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=list(range(256)))
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    work = [Request(f"r{i}", ids, sampling=stop_at_once if i == 0 else short) for i, ids in enumerate(batch)]
+    single = load_engine(str(tmp_path), max_num_seqs=1).generate(work)
+    group = load_engine(str(tmp_path), ep_size=2, max_num_seqs=1)
+    try:
+        results = group.generate(work)
+        ranks = group.metrics()["ranks"]
+    finally:
+        group.close()
+    assert [r.outputs[0].token_ids for r in results] == [r.outputs[0].token_ids for r in single]
+    assert len(results[0].outputs[0].token_ids) == 1
+    assert ranks[0]["migrated_in"] == ranks[1]["migrated_out"] > 0
+
+
 @pytest.mark.parametrize("arch,overrides", [("mixtral", {}), ("qwen3_moe", {"attention_bias": True}),
                                             ("deepseek_v3", {})])
 def test_two_rank_tensor_parallel_engine_gives_the_single_engines_tokens(arch, overrides, tmp_path):

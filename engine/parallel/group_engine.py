@@ -6,7 +6,8 @@ Each rank holds its own Engine. Every step all ranks step together (a round: eng
 - Expert parallel: each rank has its own sequences, scheduler and KV pools (data-parallel attention) and 1/N
   of every MoE layer's experts; a step's MoE batch is dispatched to the experts' ranks by all-to-all and
   combined back, and a rank with no sequences of its own still serves its experts. The leader places each new
-  request on the rank with the least work left.
+  request on the rank with the least work left, and a rank that runs out takes requests from the busiest
+  (Engine's MIGRATE export / import between ranks).
 - Tensor parallel: every rank runs every request (the same calls in the same order, so the same schedule),
   each with 1/N of the heads and columns and its own heads' KV; the blocks all-reduce their partial sums, so
   every rank samples the same tokens, and the leader answers with its own results. Its requests do not
@@ -129,6 +130,8 @@ class GroupEngine(Generates):
         results = [r for reply in (replies[:1] if self.replicated else replies) for r in reply.results]
         for result in results:
             self._where.pop(result.request_id, None)
+        if not self.replicated:
+            self._rebalance()
         failed, self._failed = self._failed, []
         return failed + results
 
@@ -218,6 +221,25 @@ class GroupEngine(Generates):
         if self.replicated:
             raise InvalidRequestError(f"{what} cannot join a tensor-parallel engine (its KV would have to be split "
                                       "by heads over the ranks)")
+
+    def _rebalance(self) -> None:
+        """A rank left with no request takes about half of the busiest rank's remaining output tokens (waiting
+        prompts first, then suspended and decoding requests with their KV: Engine.movable_requests), so it
+        attends again instead of only serving its experts. Never the busiest rank's last request."""
+        loads = [reply.load for reply in self._replies]
+        idle = [r for r in range(self.ranks) if loads[r].requests == 0 and not self._calls[r]]
+        donor = max(range(self.ranks), key=lambda r: loads[r].tokens)
+        if not idle or loads[donor].requests < 2:
+            return
+        receiver = idle[0]
+        moving = self._call_now(donor, "movable_requests", loads[donor].tokens // 2, set())
+        for rid in moving:
+            self._calls[donor].append(RankCall("export_request", (rid,)))
+        exported = self._round(step=False)[donor].values[-len(moving):] if moving else []
+        for rid, (_, migrated) in zip(moving, exported):
+            if migrated is not None:
+                self._calls[receiver].append(RankCall("import_request", (migrated,), rid))
+                self._where[rid] = receiver
 
     def _least_loaded(self) -> int:
         return min(range(self.ranks), key=lambda r: self._replies[r].load.tokens + self._queued_tokens[r])
