@@ -4,7 +4,7 @@
 attention keeps heads [r*H/N, (r+1)*H/N) (GQA: its KV heads too, so its KV cache holds only those; MLA: the
 query heads, the latent stays whole), dense MLPs, shared experts and every routed expert keep 1/N of their
 intermediate columns. The projections that consume a split (o_proj, down_proj) then produce partial sums:
-each attention and feed-forward block adds them up over the ranks (`reduce`, an all-reduce) before the
+each attention and feed-forward block adds them up over the ranks (`sum_over_ranks`, an all-reduce) before the
 residual. Norms, routers, embeddings and the LM head stay whole (every rank computes the same routing and
 logits from the same reduced hidden states). Returns, per parameter, how to cut its checkpoint tensors.
 """

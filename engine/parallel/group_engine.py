@@ -153,7 +153,8 @@ class GroupEngine(Generates):
                           sum(x.batch for x in loads))
 
     def metrics(self) -> dict:
-        per_rank = [self._call_now(rank, "metrics") for rank in range(self.ranks)]
+        answers = self._ask({rank: [RankCall("metrics", ())] for rank in range(self.ranks)})
+        per_rank = [answers[rank][0] for rank in range(self.ranks)]
         merged = dict(per_rank[0])
         if self.replicated:  # every rank ran every request
             return {**merged, "ranks": per_rank}
@@ -186,9 +187,12 @@ class GroupEngine(Generates):
         return None if rank is None or self.replicated else self._call_now(rank, "snapshot_request", request_id)
 
     def suspended_requests(self) -> dict[str, int]:
+        if self.replicated:
+            return {}
         out = {}
-        for rank in range(0 if self.replicated else self.ranks):
-            out.update(self._call_now(rank, "suspended_requests"))
+        for (suspended,) in self._ask({rank: [RankCall("suspended_requests", ())]
+                                       for rank in range(self.ranks)}).values():
+            out.update(suspended)
         return out
 
     def close(self) -> None:
@@ -233,10 +237,8 @@ class GroupEngine(Generates):
             return
         receiver = idle[0]
         moving = self._call_now(donor, "movable_requests", loads[donor].tokens // 2, set())
-        for rid in moving:
-            self._calls[donor].append(RankCall("export_request", (rid,)))
-        exported = self._round(step=False)[donor].values[-len(moving):] if moving else []
-        for rid, (_, migrated) in zip(moving, exported):
+        exported = self._ask({donor: [RankCall("export_request", (rid,)) for rid in moving]})[donor]
+        for rid, migrated in zip(moving, exported):
             if migrated is not None:
                 self._calls[receiver].append(RankCall("import_request", (migrated,), rid))
                 self._where[rid] = receiver
@@ -246,11 +248,22 @@ class GroupEngine(Generates):
 
     def _call_now(self, rank: int, method: str, *args: Any) -> Any:
         """Run one call on `rank` now (with whatever is queued), returning its value or raising its error."""
-        self._calls[rank].append(RankCall(method, args))
-        ok, value = self._round(step=False)[rank].values[-1]
-        if not ok:
-            raise value
-        return value
+        return self._ask({rank: [RankCall(method, args)]})[rank][0]
+
+    def _ask(self, calls: dict[int, list[RankCall]]) -> dict[int, list[Any]]:
+        """Run these calls now, all in one round (with whatever is queued): each rank's values in call order;
+        a refused call raises its error."""
+        for rank, own in calls.items():
+            self._calls[rank].extend(own)
+        replies = self._round(step=False)
+        out = {}
+        for rank, own in calls.items():
+            answered = replies[rank].values[len(replies[rank].values) - len(own):]
+            for ok, value in answered:
+                if not ok:
+                    raise value
+            out[rank] = [value for _, value in answered]
+        return out
 
     def _round(self, step: bool) -> list[RankReply]:
         if self._broken:
