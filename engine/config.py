@@ -48,6 +48,9 @@ class EngineConfig:
     # or ranks that all run every sequence, each with 1/tp_size of the attention heads and MLP / expert columns
     # (tensor parallel); heads, KV heads and intermediate sizes must split evenly. One of the two, not both.
     tp_size: int = 1
+    # expert parallel: when one request is left in the whole engine, every rank decodes it with tensor
+    # parallelism (its KV split by heads) instead of one rank alone while the others idle (PARTITION)
+    partition_stragglers: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -67,7 +70,7 @@ class EngineConfig:
         if self.ep_size > 1 and self.tp_size > 1:
             raise ValueError(f"engine options ep_size ({self.ep_size}) and tp_size ({self.tp_size}): one engine is "
                              "either expert parallel or tensor parallel, not both")
-        for name in ("mixed_steps", "prefix_caching"):
+        for name in ("mixed_steps", "prefix_caching", "partition_stragglers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"engine option {name} must be true or false, got {getattr(self, name)!r}")
         if self.stream_host_kv not in (None, True, False):

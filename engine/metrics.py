@@ -10,6 +10,11 @@ import torch
 
 from batchgen.engine.quantile_sketch import QuantileSketch
 
+# what a PARTITIONed straggler's engine adds to its rank's counters
+ABSORBED = ("generated_tokens", "finished_requests", "failed_requests", "aborted_requests", "prefill_steps",
+            "decode_steps", "mixed_steps", "chunked_prefills", "model_seconds", "forward_seconds", "step_seconds",
+            "prefill_step_seconds", "decode_step_seconds", "sequence_steps")
+
 
 @dataclass
 class EngineMetrics:
@@ -32,6 +37,7 @@ class EngineMetrics:
     restores: int = 0
     # steps with no sequence of its own in which this rank of an expert-parallel engine served its experts
     expert_only_steps: int = 0
+    partitioned_steps: int = 0  # steps of a straggler decoded over every rank of its group (PARTITION)
     model_seconds: float = 0.0  # in the model runner: batch building + forward
     forward_seconds: float = 0.0  # the forward alone (layers + LM head)
     step_seconds: float = 0.0
@@ -84,6 +90,16 @@ class EngineMetrics:
         self.last_finished_at = finished_at
         self.completion_times.add(completion_time)
 
+    def absorb_partition(self, other: EngineMetrics) -> None:
+        """Count a PARTITIONed straggler's steps (run by a tensor-parallel engine of this rank's) as this
+        engine's own."""
+        for name in ABSORBED:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.partitioned_steps += other.prefill_steps + other.decode_steps
+        if other.last_finished_at is not None:
+            self.last_finished_at = max(self.last_finished_at or 0.0, other.last_finished_at)
+        self.completion_times.merge(other.completion_times)
+
     def _host_overhead(self) -> dict:
         """Engine time outside the model forward (admission, scheduling, batch building, sampling, stop
         checks): what a GPU will not hide."""
@@ -129,6 +145,7 @@ class EngineMetrics:
             "completion_time_p99": self.completion_times.quantile(0.99),
             "max_ffn_tokens": self.max_ffn_tokens,
             "expert_only_steps": self.expert_only_steps,
+            "partitioned_steps": self.partitioned_steps,
             "peak_active": self.peak_active,
             "peak_suspended": self.peak_suspended,
         }

@@ -52,6 +52,27 @@ class LocalDispatcher:
         return y
 
 
+class ExpertShareDispatcher:
+    """Every rank holds the same tokens (a straggler PARTITIONed over an expert-parallel group): each computes
+    the routes to its own experts only, nothing travels, and the feed-forward block's all-reduce sums the
+    ranks' shares."""
+
+    name = "expert_share"
+
+    def __init__(self, num_experts: int, rank: int, world_size: int):
+        self.num_experts = num_experts
+        self.rank, self.world_size = rank, world_size
+        self.num_local_experts = num_experts // world_size
+
+    def dispatch(self, x, topk_ids, topk_weights, decode: bool = False) -> Dispatched:
+        local = topk_ids - self.rank * self.num_local_experts
+        mine = (topk_ids >= 0) & (local >= 0) & (local < self.num_local_experts)
+        return Dispatched(x, torch.where(mine, local, -1), topk_weights, None)
+
+    def combine(self, y: torch.Tensor, sent: Dispatched) -> torch.Tensor:
+        return y
+
+
 def _group_shape(group, num_experts: int) -> tuple[int, int, int]:
     """(rank, world_size, experts per rank), checking that the experts split evenly."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)

@@ -57,12 +57,12 @@ def single_process_case(arch: str, directory, pages: int, **overrides):
     return loaded, batch, options, Engine(loaded, **options).generate(requests(batch))
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
-def test_two_rank_expert_parallel_engine_gives_the_single_engines_tokens(arch, tmp_path):
+@pytest.mark.parametrize("arch,partition", [("mixtral", False), ("qwen3_moe", True), ("deepseek_v3", True)])
+def test_two_rank_expert_parallel_engine_gives_the_single_engines_tokens(arch, partition, tmp_path):
     # 12 pages per rank, far less than its sequences need: evictions; the ranks' MoE call counts differ step by
     # step and the shorter one pads
     loaded, batch, options, single = single_process_case(arch, tmp_path, pages=12)
-    group = load_engine(str(tmp_path), ep_size=2, **options)
+    group = load_engine(str(tmp_path), ep_size=2, partition_stragglers=partition, **options)
     try:
         experts = [m for m in group.engine.model.modules() if isinstance(m, FusedExperts)]
         assert experts and all(m.num_local_experts * 2 == m.num_experts for m in experts)
@@ -79,7 +79,42 @@ def test_two_rank_expert_parallel_engine_gives_the_single_engines_tokens(arch, t
     ranks = metrics["ranks"]
     assert all(rank["finished_requests"] > 0 for rank in ranks)  # both ranks attended to sequences of their own
     assert metrics["finished_requests"] == len(batch) and metrics["yields"] > 0
-    assert sum(rank["expert_only_steps"] for rank in ranks) > 0  # a rank with none left still served its experts
+    if partition:  # the long first request was left alone at the end: every rank decoded it
+        assert metrics["partitions"] >= 1 and metrics["partitioned_steps"] > 0, metrics
+    else:  # the rank without it only served its experts meanwhile
+        assert metrics["partitions"] == 0 and sum(rank["expert_only_steps"] for rank in ranks) > 0, metrics
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])  # GQA: KV split by heads; MLA: latent replicated
+def test_a_straggler_partitions_over_every_rank_moves_back_for_new_work_and_keeps_its_tokens(arch, tmp_path):
+    """A lone request decodes on both ranks (half the heads each, experts on their own ranks); a request arriving
+    part-way moves it back to one rank with its KV heads joined; once that one finishes it partitions again."""
+    loaded, batch, options, single = single_process_case(arch, tmp_path, pages=24)
+    work = requests(batch)[:3]  # r0 greedy, 40 tokens; r1 greedy and r2 seeded, 16 tokens
+    single = Engine(loaded, **options).generate(work)
+    group = load_engine(str(tmp_path), ep_size=2, **options)
+    results = []
+    try:
+        group.add_request(work[0])
+        while group.partitions == 0:
+            results += group.step()
+        steps = 0
+        while steps < 5:  # decoding on both ranks
+            results += group.step()
+            steps += 1
+        part_way = group.metrics()
+        for request in work[1:]:
+            group.add_request(request)  # r0 moves back to one rank first
+        while group.has_unfinished():
+            results += group.step()
+        metrics = group.metrics()
+    finally:
+        group.close()
+    assert part_way["partitions"] == 1 and part_way["partitioned_steps"] >= steps
+    assert metrics["partitions"] == 2 and metrics["finished_requests"] == 3, metrics  # r0 alone again at the end
+    assert metrics["migrated_out"] >= 2 and metrics["migrated_in"] >= 1  # r0 out of a rank twice, back once
+    by_id = {r.request_id: r for r in results}
+    check_tokens(loaded, batch[:3], [by_id[r.request_id] for r in work], single)
 
 
 def test_a_rank_that_runs_out_of_requests_takes_some_of_the_busiest_ranks(tmp_path):

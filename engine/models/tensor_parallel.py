@@ -7,6 +7,10 @@ intermediate columns. The projections that consume a split (o_proj, down_proj) t
 each attention and feed-forward block adds them up over the ranks (`sum_over_ranks`, an all-reduce) before the
 residual. Norms, routers, embeddings and the LM head stay whole (every rank computes the same routing and
 logits from the same reduced hidden states). Returns, per parameter, how to cut its checkpoint tensors.
+
+The same cut applies to a model whose weights are loaded (engine/parallel/partition.py: a rank of an
+expert-parallel group borrows its own weights as a tensor-parallel share to decode a straggler): each
+parameter is then replaced by its slice, a view where the slice is contiguous.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ class TensorSlice:
         return [slice(p * block + self.rank * share, p * block + (self.rank + 1) * share) for p in range(self.parts)]
 
 
-def keep_tensor_shard(model: nn.Module, rank: int, ranks: int) -> dict[str, TensorSlice]:
-    """Cut the meta-device `model` to rank `rank` of `ranks`; {parameter name: TensorSlice} for the loader."""
+def keep_tensor_shard(model: nn.Module, rank: int, ranks: int, experts: bool = True) -> dict[str, TensorSlice]:
+    """Cut `model` (on the meta device, or loaded) to rank `rank` of `ranks`; {parameter name: TensorSlice}
+    for the loader. `experts` False leaves the routed experts as they are (an expert-parallel rank's own)."""
     from batchgen.engine.models.deepseek_v3 import MLAAttention  # its module imports the registry: not at top
 
     cuts: dict[str, TensorSlice] = {}
@@ -47,13 +52,16 @@ def keep_tensor_shard(model: nn.Module, rank: int, ranks: int) -> dict[str, Tens
     def cut(module: nn.Module, prefix: str, attr: str, dim: int | None, parts: int = 1) -> None:
         param = getattr(module, attr)
         piece = TensorSlice(dim, rank, ranks, parts)
-        if dim is not None:
-            if param.shape[dim] % (ranks * parts):
-                raise ValueError(f"tensor parallel: {prefix}{attr} has {param.shape[dim]} rows along dim {dim}, "
-                                 f"which do not split over {ranks} ranks")
+        if dim is not None and param.shape[dim] % (ranks * parts):
+            raise ValueError(f"tensor parallel: {prefix}{attr} has {param.shape[dim]} rows along dim {dim}, "
+                             f"which do not split over {ranks} ranks")
+        if param.is_meta and dim is not None:
             shape = list(param.shape)
             shape[dim] //= ranks
             setattr(module, attr, nn.Parameter(param.new_empty(shape), requires_grad=False))
+        elif not param.is_meta:
+            share = read_slice(lambda _, index: param[index], prefix + attr, piece, 0, tuple(param.shape))
+            setattr(module, attr, nn.Parameter(share.contiguous(), requires_grad=False))
         cuts[prefix + attr] = piece
 
     def column(linear: nn.Linear, prefix: str) -> None:  # output features split
@@ -87,7 +95,7 @@ def keep_tensor_shard(model: nn.Module, rank: int, ranks: int) -> dict[str, Tens
             column(module.gate_proj, f"{prefix}gate_proj.")
             column(module.up_proj, f"{prefix}up_proj.")
             row(module.down_proj, f"{prefix}down_proj.")
-        elif isinstance(module, FusedExperts):
+        elif isinstance(module, FusedExperts) and experts:
             cut(module, prefix, "gate_up_proj", 1, parts=2)  # [E, 2I, D]: the gate rows' share, the up rows'
             cut(module, prefix, "down_proj", 2)  # [E, D, I]
     spec = model.kv_spec()

@@ -8,6 +8,9 @@ Each rank holds its own Engine. Every step all ranks step together (a round: eng
   combined back, and a rank with no sequences of its own still serves its experts. The leader places each new
   request on the rank with the least work left, and a rank that runs out takes requests from the busiest
   (Engine's MIGRATE export / import between ranks).
+- PARTITION (expert parallel, `partition_stragglers`): when one request is left in the whole engine, every
+  rank takes its share of it (engine/parallel/partition.py) and decodes it with tensor parallelism; it moves
+  back to one rank when other work arrives, and the partition ends when it finishes.
 - Tensor parallel: every rank runs every request (the same calls in the same order, so the same schedule),
   each with 1/N of the heads and columns and its own heads' KV; the blocks all-reduce their partial sums, so
   every rank samples the same tokens, and the leader answers with its own results. Its requests do not
@@ -24,11 +27,11 @@ import subprocess
 import sys
 from typing import Any
 
-from batchgen.engine.engine import Engine
 from batchgen.engine.engine_load import EngineLoad
 from batchgen.engine.errors import InvalidRequestError
 from batchgen.engine.generation import Generates
 from batchgen.engine.migration import MigratedRequest
+from batchgen.engine.parallel.partition import RankEngines, join_heads
 from batchgen.engine.parallel.rank_group import RankGroup, free_address, leave_rank_group
 from batchgen.engine.parallel.rank_round import RankCall, RankReply, Round, broadcast_round, gather_replies, run_round
 from batchgen.engine.parallel.rank_worker import RankSpec, build_rank_engine
@@ -41,7 +44,7 @@ SUMMED_METRICS = (
     "generated_tokens", "prompt_tokens", "finished_requests", "failed_requests", "aborted_requests",
     "prefill_steps", "decode_steps", "mixed_steps", "chunked_prefills", "handoff_prefills", "migrated_out",
     "migrated_in", "staged_decode_batches", "yields", "restores", "bytes_moved", "prefill_tokens_saved", "moe_calls",
-    "expert_only_steps",
+    "expert_only_steps", "partitioned_steps",
 )
 
 
@@ -55,11 +58,11 @@ def start_engine_group(spec: RankSpec) -> GroupEngine:
         worker.stdin.close()
         workers.append(worker)
     try:
-        engine, group = build_rank_engine(spec, 0)
+        engines, group = build_rank_engine(spec, 0)
     except BaseException:
         _stop(workers)
         raise
-    return GroupEngine(engine, group, workers)
+    return GroupEngine(engines, group, workers)
 
 
 def rank_spec(load, config, threads: int) -> RankSpec:
@@ -68,8 +71,9 @@ def rank_spec(load, config, threads: int) -> RankSpec:
 
 
 class GroupEngine(Generates):
-    def __init__(self, engine: Engine, group: RankGroup, workers: list[subprocess.Popen]):
-        self.engine = engine  # the leader's own rank
+    def __init__(self, engines: RankEngines, group: RankGroup, workers: list[subprocess.Popen]):
+        self.rank_engines = engines  # the leader's own rank
+        self.engine = engines.engine
         self.group = group
         self._workers = workers
         self._calls: list[list[RankCall]] = [[] for _ in range(group.size)]
@@ -78,8 +82,13 @@ class GroupEngine(Generates):
         self._where: dict[str, int] = {}  # request id -> the rank holding it
         self._failed: list[Result] = []  # queued calls a rank refused
         self._broken = False
-        self.replicated = engine.config.tp_size > 1  # tensor parallel: every rank runs every request
+        self.replicated = self.engine.config.tp_size > 1  # tensor parallel: every rank runs every request
+        self._partitioned: str | None = None  # the request every rank decodes now (PARTITION)
+        self.partitions = 0  # partitions formed
         self._round(step=False)  # every rank's load
+        # PARTITION needs every rank's share of the heads (its own engine's check, asked once)
+        errors = self._ask({rank: [RankCall("partition_error", ())] for rank in range(self.ranks)})
+        self.partition_error = next((e[0] for e in errors.values() if e[0] is not None), None)
 
     # what callers read of an engine: the leader's (every rank runs the same model and options)
     @property
@@ -101,6 +110,7 @@ class GroupEngine(Generates):
     # ------------------------------------------------------------ the Engine interface
     def add_request(self, request: Request) -> None:
         """As Engine.add_request: a bad request (a duplicate id in any rank included) comes back from a step."""
+        self._end_partition()
         if request.request_id in self._where:
             self._failed.append(Result(request.request_id, [], error=f"duplicate request_id {request.request_id!r}"))
             return
@@ -108,6 +118,7 @@ class GroupEngine(Generates):
 
     def add_prefilled(self, prefilled: PrefillOutput) -> None:
         self.check_prefilled(prefilled)
+        self._end_partition()
         self._place(prefilled.request.request_id, prefilled.request.sampling, "add_prefilled", prefilled)
 
     def check_prefilled(self, prefilled: PrefillOutput) -> None:
@@ -121,21 +132,27 @@ class GroupEngine(Generates):
         rid = migrated.request.request_id
         if rid in self._where:
             raise InvalidRequestError(f"duplicate request_id {rid!r}")
+        self._end_partition()
         rank = self._least_loaded()
         self._call_now(rank, "import_request", migrated)
         self._where[rid] = rank
 
     def step(self) -> list[Result]:
         replies = self._round(step=True)
-        results = [r for reply in (replies[:1] if self.replicated else replies) for r in reply.results]
+        results = [r for reply in (replies[:1] if self._one_answers else replies) for r in reply.results]
         for result in results:
             self._where.pop(result.request_id, None)
-        if not self.replicated:
+        if self._partitioned is not None and self._partitioned not in self._where:  # it finished
+            self._end_partition()
+        if not self.replicated and self._partitioned is None:
             self._rebalance()
+            self._partition_straggler()
         failed, self._failed = self._failed, []
         return failed + results
 
     def abort(self, request_id: str) -> bool:
+        if request_id == self._partitioned:
+            self._end_partition()
         rank = self._where.pop(request_id, None)
         if rank is None:
             return False
@@ -147,7 +164,7 @@ class GroupEngine(Generates):
         return bool(self._failed) or any(self._calls) or any(r.unfinished for r in self._replies)
 
     def load(self) -> EngineLoad:
-        loads = [r.load for r in (self._replies[:1] if self.replicated else self._replies)]
+        loads = [r.load for r in (self._replies[:1] if self._one_answers else self._replies)]
         return EngineLoad(sum(x.requests for x in loads), sum(x.tokens for x in loads) + sum(self._queued_tokens),
                           self.engine.stats.step_seconds, sum(x.refill_below for x in loads),
                           sum(x.batch for x in loads))
@@ -158,6 +175,7 @@ class GroupEngine(Generates):
         merged = dict(per_rank[0])
         if self.replicated:  # every rank ran every request
             return {**merged, "ranks": per_rank}
+        merged["partitions"] = self.partitions
         for key in SUMMED_METRICS:
             merged[key] = sum(m[key] for m in per_rank)
         merged["bct_s"] = max(m["bct_s"] for m in per_rank)
@@ -167,13 +185,15 @@ class GroupEngine(Generates):
 
     def movable_requests(self, tokens: int, keep=()) -> list[str]:
         """Taken from the rank with the most work left (a request moves with its rank's KV); none under tensor
-        parallelism."""
-        if self.replicated:
+        parallelism, nor a partitioned straggler (it has every rank already)."""
+        if self.replicated or self._partitioned is not None:
             return []
         rank = max(range(self.ranks), key=lambda r: self._replies[r].load.tokens)
         return self._call_now(rank, "movable_requests", tokens, set(keep))
 
     def export_request(self, request_id: str) -> MigratedRequest | None:
+        if request_id == self._partitioned:
+            self._end_partition()
         rank = self._where.get(request_id)
         if rank is None or self.replicated:
             return None
@@ -183,6 +203,8 @@ class GroupEngine(Generates):
         return migrated
 
     def snapshot_request(self, request_id: str) -> MigratedRequest | None:
+        if request_id == self._partitioned:
+            self._end_partition()
         rank = self._where.get(request_id)
         return None if rank is None or self.replicated else self._call_now(rank, "snapshot_request", request_id)
 
@@ -243,6 +265,42 @@ class GroupEngine(Generates):
                 self._calls[receiver].append(RankCall("import_request", (migrated,), rid))
                 self._where[rid] = receiver
 
+    @property
+    def _one_answers(self) -> bool:
+        """Every rank runs the same requests (tensor parallel, or a partitioned straggler): the leader's
+        results and load stand for all."""
+        return self.replicated or self._partitioned is not None
+
+    def _partition_straggler(self) -> None:
+        """When one request is left in the engine and nothing is queued, every rank takes its share of it."""
+        if self.partition_error is not None or len(self._where) != 1 or any(self._calls) or self._failed:
+            return
+        (rid, rank), = self._where.items()
+        if self._replies[rank].load.requests != 1:  # placed but not yet there, or not in the engine any more
+            return
+        migrated = self._call_now(rank, "export_request", rid)
+        if migrated is None:  # part-way through its prefill: not movable yet
+            return
+        self._ask({r: [RankCall("start_partition", (migrated,))] for r in range(self.ranks)})
+        self._partitioned = rid
+        self.partitions += 1
+
+    def _end_partition(self) -> None:
+        """Every rank drops its share of the partitioned straggler; one still running moves back to one rank,
+        its KV heads joined."""
+        rid, self._partitioned = self._partitioned, None
+        if rid is None:
+            return
+        shares = self._ask({r: [RankCall("end_partition", (rid,))] for r in range(self.ranks)})
+        parts = [shares[r][0] for r in range(self.ranks)]
+        if parts[0] is None:  # it finished (or was aborted) there
+            self._where.pop(rid, None)
+            return
+        migrated = join_heads(parts, self.engine.kv.geometry, self.rank_engines.part_geometry)
+        rank = self._least_loaded()
+        self._calls[rank].append(RankCall("import_request", (migrated,), rid))
+        self._where[rid] = rank
+
     def _least_loaded(self) -> int:
         return min(range(self.ranks), key=lambda r: self._replies[r].load.tokens + self._queued_tokens[r])
 
@@ -271,7 +329,7 @@ class GroupEngine(Generates):
         calls, self._calls = self._calls, [[] for _ in range(self.ranks)]
         self._broken = True  # until every rank has replied: a failure part-way leaves the ranks out of step
         broadcast_round(self.group, Round(calls, step))
-        replies = gather_replies(self.group, run_round(self.engine, calls[0], step))
+        replies = gather_replies(self.group, run_round(self.rank_engines, calls[0], step))
         self._broken = False
         for reply, sent in zip(replies, calls):
             for call, (ok, value) in zip(sent, reply.values):

@@ -12,17 +12,19 @@ from typing import Any
 
 import torch.distributed as dist
 
-from batchgen.engine.engine import Engine
 from batchgen.engine.engine_load import EngineLoad
 from batchgen.engine.errors import InvalidRequestError
+from batchgen.engine.parallel.partition import RankEngines
 from batchgen.engine.parallel.rank_group import RankGroup
 from batchgen.engine.request import Result
 
 # Engine methods the leader may call on a rank (nothing else runs from a round).
 RANK_METHODS = frozenset({
     "add_request", "abort", "add_prefilled", "check_prefilled", "import_request", "export_request",
-    "snapshot_request", "suspended_requests", "movable_requests", "metrics",
+    "snapshot_request", "suspended_requests", "movable_requests",
 })
+# RankEngines methods: a straggler PARTITIONed over every rank (engine/parallel/partition.py), and metrics
+PARTITION_METHODS = frozenset({"start_partition", "end_partition", "partition_error", "metrics"})
 
 
 @dataclass(frozen=True)
@@ -46,19 +48,25 @@ class RankReply:
     unfinished: bool = False
 
 
-def run_round(engine: Engine, calls: list[RankCall], step: bool) -> RankReply:
-    """A rank's share of a round. A call the engine refuses (InvalidRequestError) is answered with the error.
-    Anything else raises: it may have left the rank part-way through a step's collectives, so the group is
-    broken (a rank process exits, which fails the others' pending collectives at once instead of at their
-    timeout)."""
+def run_round(engines: RankEngines, calls: list[RankCall], step: bool) -> RankReply:
+    """A rank's share of a round: calls on its Engine (an abort while a straggler is partitioned: on the
+    partition's), then a step of the partition's engine if there is one, else of its own. A call the engine
+    refuses (InvalidRequestError) is answered with the error. Anything else raises: it may have left the rank
+    part-way through a step's collectives, so the group is broken (a rank process exits, which fails the
+    others' pending collectives at once instead of at their timeout)."""
     reply = RankReply()
     for call in calls:
-        if call.method not in RANK_METHODS:
+        if call.method in PARTITION_METHODS:
+            target = engines
+        elif call.method in RANK_METHODS:
+            target = engines.active if call.method == "abort" else engines.engine
+        else:
             raise ValueError(f"engine group: {call.method!r} is not a rank method")
         try:
-            reply.values.append((True, getattr(engine, call.method)(*call.args)))
+            reply.values.append((True, getattr(target, call.method)(*call.args)))
         except InvalidRequestError as exc:
             reply.values.append((False, exc))
+    engine = engines.active
     if step:
         reply.results = engine.step()
     reply.load, reply.unfinished = engine.load(), engine.has_unfinished()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.engine import Engine
 from batchgen.engine.models.loaded_model import LoadedModel
+from batchgen.engine.parallel.partition import RankEngines
 from batchgen.engine.parallel.rank_group import (
     GroupAddress,
     RankGroup,
@@ -48,7 +49,7 @@ class GroupStartError(RuntimeError):
     """A rank could not build its share of the engine."""
 
 
-def build_rank_engine(spec: RankSpec, rank: int) -> tuple[Engine, RankGroup]:
+def build_rank_engine(spec: RankSpec, rank: int) -> tuple[RankEngines, RankGroup]:
     """Join the group, load this rank's shard and build its Engine; every rank learns whether all succeeded
     (so a bad checkpoint fails the leader with the rank's own error instead of hanging the others)."""
     torch.set_num_threads(spec.threads)
@@ -58,7 +59,7 @@ def build_rank_engine(spec: RankSpec, rank: int) -> tuple[Engine, RankGroup]:
     try:
         share = "expert_shard" if spec.config.ep_size > 1 else "tensor_shard"
         loaded = spec.load(device=device, **{share: (rank, spec.size)})
-        engine = Engine(loaded, spec.config, group=group)
+        engine = RankEngines(Engine(loaded, spec.config, group=group), group)
     except Exception as exc:  # noqa: BLE001 - gathered below, raised on every rank
         error = f"{type(exc).__name__}: {exc}"
     errors = [None] * spec.size
@@ -70,10 +71,10 @@ def build_rank_engine(spec: RankSpec, rank: int) -> tuple[Engine, RankGroup]:
     return engine, group
 
 
-def serve(engine: Engine, group: RankGroup) -> None:
+def serve(engines: RankEngines, group: RankGroup) -> None:
     """Run the leader's rounds until it sends None."""
     while (message := broadcast_round(group, None)) is not None:
-        gather_replies(group, run_round(engine, message.calls[group.rank], message.step))
+        gather_replies(group, run_round(engines, message.calls[group.rank], message.step))
 
 
 def _exit_with_parent() -> None:
@@ -91,11 +92,11 @@ def main() -> None:
     rank, spec = pickle.load(sys.stdin.buffer)
     _exit_with_parent()
     try:
-        engine, group = build_rank_engine(spec, rank)
+        engines, group = build_rank_engine(spec, rank)
     except GroupStartError:
         sys.exit(1)
     try:
-        serve(engine, group)
+        serve(engines, group)
     except BaseException:  # the group is broken: exit now, so the other ranks' collectives fail at once
         traceback.print_exc()
         sys.stderr.flush()
