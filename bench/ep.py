@@ -61,6 +61,52 @@ def measure(model: str, ranks: int, num_prompts: int, max_tokens: int, threads: 
             "expert_only_steps": [m["expert_only_steps"] for m in per_rank]}
 
 
+def straggler(model: str, ranks: int, max_tokens: int, partition: bool) -> dict:
+    """One request of `max_tokens` tokens (a 32-token prompt) alone: on one rank of one thread (`ranks` 1), or
+    on a group of `ranks` ranks of one thread each, PARTITIONed over them or (`partition` False) on one rank
+    while the others serve its experts. Timed after a warm-up request through the same path."""
+    torch.set_num_threads(ranks)  # one thread per rank
+    options = {"kv_budget_bytes": 256 << 20, "host_kv_budget_bytes": 64 << 20}
+    if ranks > 1:
+        options.update(ep_size=ranks, partition_stragglers=partition)
+    engine = load_engine(model, **options)
+    try:
+        vocab = engine.normalizer.vocab_size
+        rng = random.Random(7)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        engine.generate([Request("warm", [rng.randrange(4, vocab) for _ in range(32)],
+                                 sampling=SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))])
+        request = Request("straggler", [rng.randrange(4, vocab) for _ in range(32)], sampling=params)
+        start = time.perf_counter()
+        (result,) = engine.generate([request])
+        wall = time.perf_counter() - start
+        metrics = engine.metrics()
+    finally:
+        if ranks > 1:
+            engine.close()
+    assert result.error is None, result.error
+    return {"tokens": result.outputs[0].token_ids, "wall_s": wall,
+            "partitioned_steps": metrics.get("partitioned_steps", 0), "partitions": metrics.get("partitions", 0)}
+
+
+def straggler_case(args: argparse.Namespace) -> tuple[dict, dict]:
+    """straggler_s.{single, partition, unpartitioned}, and the details (divergences from the single rank's
+    tokens recorded under `divergences.straggler_<case>`)."""
+    runs = {"single": straggler(args.model, 1, args.straggler_tokens, partition=False),
+            "partition": straggler(args.model, args.straggler_ranks, args.straggler_tokens, partition=True),
+            "unpartitioned": straggler(args.model, args.straggler_ranks, args.straggler_tokens, partition=False)}
+    base = runs["single"]["tokens"]
+    details = {"ranks": args.straggler_ranks, "max_tokens": args.straggler_tokens,
+               "speedup": runs["single"]["wall_s"] / runs["partition"]["wall_s"]}
+    for name, run in runs.items():
+        tokens = run.pop("tokens")
+        details[name] = {**run, "first_divergence": first_divergence(base, tokens)}
+        if not args.json:
+            print(f"straggler {name}: {run['wall_s']:.2f} s, partitioned steps {run['partitioned_steps']}")
+    details["outputs_match"] = all(details[name]["first_divergence"] is None for name in runs)
+    return {name: run["wall_s"] for name, run in runs.items()}, details
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
@@ -72,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--model", default="bench-moe")
+    parser.add_argument("--straggler-tokens", type=int, default=512,
+                        help="the straggler case's output length (0: skip the case)")
+    parser.add_argument("--straggler-ranks", type=int, default=2)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()
@@ -94,7 +143,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{kind} {ranks}: {run['tokens_per_s']:.1f} tokens/s, {run['wall_s']:.1f} s "
                   f"(group start {run['start_s']:.1f} s), requests per rank {run['requests_per_rank']}, "
                   f"expert-only steps {run['expert_only_steps']}, {len(diverged)} sequences differ from 1 rank")
-    report["outputs_match"] = not any(report["divergences"].values())
+    if args.straggler_tokens:
+        report["straggler_s"], report["straggler"] = straggler_case(args)
+        torch.set_num_threads(threads)
+    report["outputs_match"] = not any(report["divergences"].values()) and report.get(
+        "straggler", {}).get("outputs_match", True)
     report["machine"]["load_avg_end"] = os.getloadavg()[0]
     print(json.dumps(report) if args.json else f"outputs_match: {report['outputs_match']}")
 

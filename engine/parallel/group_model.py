@@ -5,7 +5,6 @@ and feed-forward blocks sum their partial outputs over the ranks."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from batchgen.engine.models.layers import AttentionBlock, FeedForwardBlock, FusedExperts
 from batchgen.engine.parallel.rank_group import RankGroup
@@ -41,18 +40,12 @@ class FfnCallAgreement:
         self.group = group
 
     def __call__(self, local_calls: int) -> int:
-        calls = torch.tensor([local_calls], dtype=torch.int64)
-        dist.all_reduce(calls, op=dist.ReduceOp.MAX, group=self.group.control)
-        return int(calls.item())
+        return int(self.group.all_reduce(torch.tensor([local_calls], dtype=torch.int64), op="max").item())
 
 
 def attach_partial_sums(model: torch.nn.Module, group: RankGroup) -> None:
     """Have every attention and feed-forward block all-reduce its output before the residual: the model holds
     this rank's heads and columns (load_model(tensor_shard=(rank, ranks)))."""
-    def sum_over_ranks(partial: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(partial, group=group.data)
-        return partial
-
     for module in model.modules():
         if isinstance(module, (AttentionBlock, FeedForwardBlock)):
-            module.sum_over_ranks = sum_over_ranks
+            module.sum_over_ranks = group.all_reduce

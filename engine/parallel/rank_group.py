@@ -1,18 +1,24 @@
 """The process group of one engine instance spanning several ranks (one process per device).
 
-Two groups over the same ranks: `data` carries the MoE all-to-all (NCCL on CUDA, gloo on CPU) and
-`control` carries the leader's commands and the ranks' replies as pickled objects (always gloo: object
-collectives over NCCL would round-trip every command through device memory).
+Two groups over the same ranks: `data` carries the MoE all-to-all and large all-reduces (NCCL on CUDA, gloo
+on CPU) and `control` what does not fit the shared-memory channel (always gloo: object collectives over NCCL
+would round-trip every command through device memory). The ranks share a host, so the leader's rounds, the
+ranks' replies and the small all-reduces of CPU tensors go through shared memory (engine/parallel/
+shared_memory.py).
 """
 
 from __future__ import annotations
 
+import os
 import socket
+import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from batchgen.engine.parallel.shared_memory import SharedMemoryChannel
 
 # A collective that waits longer than this means a rank died: fail instead of hanging the job.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
@@ -24,10 +30,19 @@ class RankGroup:
     size: int
     data: dist.ProcessGroup
     control: dist.ProcessGroup
+    channel: SharedMemoryChannel
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In place over the ranks ("sum" or "max"): through shared memory when it fits, else the data group
+        (every rank decides alike: the ranks reduce tensors of the same shape)."""
+        if self.channel.fits(tensor):
+            return self.channel.all_reduce(tensor, op)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.data)
+        return tensor
 
 
 @dataclass(frozen=True)
@@ -56,7 +71,18 @@ def join_rank_group(address: GroupAddress, rank: int, size: int, device: torch.d
                             timeout=COLLECTIVE_TIMEOUT)
     world = dist.group.WORLD
     control = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-    return RankGroup(rank, size, world, control)
+    # the segment is named by the group's port (unique while the group lives) and unlinked once all mapped it
+    shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(shm_dir, f"batchgen-engine-{address.port}")
+    if rank == 0 and os.path.exists(path):  # left by a crashed group that had this port
+        os.unlink(path)
+    channel = SharedMemoryChannel(path, rank, size, create=True, group=control) if rank == 0 else None
+    dist.barrier(group=control)
+    channel = channel or SharedMemoryChannel(path, rank, size, create=False, group=control)
+    dist.barrier(group=control)
+    if rank == 0:
+        os.unlink(path)
+    return RankGroup(rank, size, world, control, channel)
 
 
 def leave_rank_group() -> None:

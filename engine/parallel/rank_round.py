@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
-
 from batchgen.engine.engine_load import EngineLoad
 from batchgen.engine.errors import InvalidRequestError
 from batchgen.engine.parallel.partition import RankEngines
@@ -75,13 +73,9 @@ def run_round(engines: RankEngines, calls: list[RankCall], step: bool) -> RankRe
 
 def broadcast_round(group: RankGroup, message: Round | None) -> Round | None:
     """The leader sends `message` (None: the group stops); the other ranks receive it."""
-    box = [message]
-    dist.broadcast_object_list(box, src=0, group=group.control)
-    return box[0]
+    return group.channel.broadcast(message)
 
 
 def gather_replies(group: RankGroup, reply: RankReply) -> list[RankReply] | None:
     """Every rank's reply, in rank order, at the leader (None elsewhere)."""
-    out = [None] * group.size if group.is_leader else None
-    dist.gather_object(reply, out, dst=0, group=group.control)
-    return out
+    return group.channel.gather(reply)
