@@ -83,11 +83,31 @@ def _group_shape(group, num_experts: int) -> tuple[int, int, int]:
     return rank, world_size, num_experts // world_size
 
 
+class ProcessGroupExchange:
+    """Row exchanges over a torch.distributed group: what AllToAllDispatcher needs of its ranks (an engine
+    group's RankGroup offers the same two calls through shared memory)."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, tensor, group=self.group)
+        return torch.stack(parts)
+
+    def all_to_all(self, send: torch.Tensor, splits: list[list[int]]) -> torch.Tensor:
+        """`splits[i][j]`: rows rank i sends rank j; this rank's rows for rank 0, then rank 1, ... in `send`."""
+        rank = dist.get_rank(self.group)
+        recv_splits = [row[rank] for row in splits]
+        recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
+        dist.all_to_all_single(recv, send.contiguous(), recv_splits, splits[rank], group=self.group)
+        return recv
+
+
 @dataclass
 class _AllToAllHandle:
     token_of_row: torch.Tensor  # [rows sent] source token of each sent row (rows grouped by destination)
-    send_splits: list[int]
-    recv_splits: list[int]
+    splits: list[list[int]]  # [i][j]: rows rank i sent rank j
     num_tokens: int
 
 
@@ -96,15 +116,11 @@ class AllToAllDispatcher:
 
     name = "all_to_all"
 
-    def __init__(self, num_experts: int, group=None):
+    def __init__(self, num_experts: int, group=None, exchange=None):
         self.num_experts = num_experts
         self.group = group
+        self.exchange = exchange or ProcessGroupExchange(group)
         self.rank, self.world_size, self.num_local_experts = _group_shape(group, num_experts)
-
-    def _exchange(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
-        recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
-        dist.all_to_all_single(recv, send.contiguous(), recv_splits, send_splits, group=self.group)
-        return recv
 
     def dispatch(self, x, topk_ids, topk_weights, decode: bool = False) -> Dispatched:
         num_tokens = x.shape[0]
@@ -113,9 +129,7 @@ class AllToAllDispatcher:
         needs.scatter_(1, owner, True)
         dest, token_of_row = needs[:, : self.world_size].t().nonzero(as_tuple=True)
         send_counts = torch.bincount(dest, minlength=self.world_size).to(torch.int64)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+        splits = self.exchange.all_gather(send_counts).tolist()
 
         row_ids = topk_ids[token_of_row]
         local_ids = row_ids - (dest * self.num_local_experts)[:, None]
@@ -125,18 +139,19 @@ class AllToAllDispatcher:
         # one exchange for the rows, their local expert ids and their weights: each row's bytes side by side
         parts = (x[token_of_row], local_ids.to(torch.int64), topk_weights[token_of_row].to(torch.float32))
         packed = torch.cat([p.contiguous().view(torch.uint8) for p in parts], dim=1)
-        recv = self._exchange(packed, send_splits, recv_splits)
+        recv = self.exchange.all_to_all(packed, splits)
         widths = [p.shape[1] * p.element_size() for p in parts]
         recv_x, recv_ids, recv_weights = (  # copied out: a view of bytes as wider types needs aligned rows
             torch.empty_like(chunk, memory_format=torch.contiguous_format).copy_(chunk).view(p.dtype)
             for chunk, p in zip(torch.split(recv, widths, dim=1), parts)
         )
-        handle = _AllToAllHandle(token_of_row, send_splits, recv_splits, num_tokens)
+        handle = _AllToAllHandle(token_of_row, splits, num_tokens)
         return Dispatched(recv_x, recv_ids, recv_weights, handle)
 
     def combine(self, y: torch.Tensor, sent: Dispatched) -> torch.Tensor:
         handle: _AllToAllHandle = sent.handle
-        partial = self._exchange(y, handle.recv_splits, handle.send_splits)
+        back = [list(column) for column in zip(*handle.splits)]  # rows go back the way they came
+        partial = self.exchange.all_to_all(y, back)
         out = torch.zeros(handle.num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
         out.index_add_(0, handle.token_of_row, partial.to(torch.float32))
         return out.to(y.dtype)
@@ -268,10 +283,12 @@ def make_dispatcher(
     group=None,
     device: torch.device | str = "cpu",
     max_decode_tokens: int = 256,
+    exchange=None,
 ):
     """The dispatcher for `backend`.
 
-    "auto": local on one rank, else DeepEP on CUDA when it imports, else torch all_to_all.
+    "auto": local on one rank, else DeepEP on CUDA when it imports, else torch all_to_all (through
+    `exchange` when given: ProcessGroupExchange's calls, e.g. over shared memory).
     """
     if backend not in ("auto", *EP_BACKENDS):
         raise ValueError(
@@ -293,7 +310,7 @@ def make_dispatcher(
             "(call torch.distributed.init_process_group first)"
         )
     if backend == "all_to_all":
-        return AllToAllDispatcher(num_experts, group)
+        return AllToAllDispatcher(num_experts, group, exchange)
     if torch.device(device).type != "cuda":
         raise BackendUnavailableError(f"expert parallel backend 'deep_ep' needs a CUDA device, got {device}")
     return DeepEPDispatcher(num_experts, group, max_decode_tokens)

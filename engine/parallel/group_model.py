@@ -28,7 +28,8 @@ def attach_dispatchers(model: torch.nn.Module, group: RankGroup, device: torch.d
                 f"{(group.rank + 1) * local - 1} (load the model with expert_shard=({group.rank}, {group.size}))"
             )
         if module.num_experts not in dispatchers:
-            dispatchers[module.num_experts] = make_dispatcher(module.num_experts, backend, group.data, device)
+            dispatchers[module.num_experts] = make_dispatcher(module.num_experts, backend, group.data, device,
+                                                           exchange=group)
         module.dispatcher = dispatchers[module.num_experts]
 
 

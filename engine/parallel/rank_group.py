@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from batchgen.engine.parallel.shared_memory import SharedMemoryChannel
+from batchgen.kernels.expert_parallel import ProcessGroupExchange
 
 # A collective that waits longer than this means a rank died: fail instead of hanging the job.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
@@ -43,6 +44,17 @@ class RankGroup:
             return self.channel.all_reduce(tensor, op)
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.data)
         return tensor
+
+    # the MoE dispatch's exchanges (kernels/expert_parallel.py ProcessGroupExchange's calls)
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.channel.fits(tensor):
+            return self.channel.all_gather(tensor)
+        return ProcessGroupExchange(self.data).all_gather(tensor)
+
+    def all_to_all(self, send: torch.Tensor, splits: list[list[int]]) -> torch.Tensor:
+        if self.channel.fits_exchange(send, splits):
+            return self.channel.all_to_all(send, splits)
+        return ProcessGroupExchange(self.data).all_to_all(send, splits)
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,13 @@ sleeps, and checks that the ranks it waits on are
 alive, so a dead rank fails its peers at once.
 
 What does not fit a slot (a prefill's hidden states, a round carrying a request's KV) goes through the
-process group instead: the tensor path decides from sizes every rank knows, a message is announced in the
-segment and sent point to point.
+process group instead: for a tensor the caller (RankGroup) decides from sizes every rank knows, a message is
+announced in the segment and sent point to point.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import pickle
@@ -44,7 +45,8 @@ class RankDied(RuntimeError):
 
 
 class SharedMemoryChannel:
-    """One engine's segment: rounds from the leader, replies to it, and all-reduces of small CPU tensors."""
+    """One engine's segment: rounds from the leader, replies to it, and collectives of small CPU tensors
+(all-reduce, all-gather, all-to-all: the MoE dispatch)."""
 
     def __init__(self, path: str, rank: int, size: int, create: bool, group: dist.ProcessGroup):
         self.rank, self.size, self.group = rank, size, group
@@ -63,34 +65,22 @@ class SharedMemoryChannel:
             os.close(fd)
         self._header = np.frombuffer(self._map, dtype=np.int64, count=header // 8)
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
-        self._reduces = 0
+        self._collectives = 0
         self._rounds = 0
         self._word(rank, _PID)[...] = os.getpid()
 
     def _word(self, rank: int, field: int) -> np.ndarray:
         return self._header[_RANKS + _PER_RANK * rank + field:][:1]
 
-    # ----------------------------------------------------------------- all-reduce
+    # ----------------------------------------------------------------- tensor collectives
     def fits(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu" and tensor.numel() * tensor.element_size() <= REDUCE_BYTES
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In place, as dist.all_reduce: every rank gets the same result (summed in rank order)."""
-        self._reduces += 1
-        seq = self._reduces
+        read = self._publish(tensor)
         nbytes = tensor.numel() * tensor.element_size()
-        base = self._reduce_at + (seq % 2) * self.size * REDUCE_BYTES
-
-        def slot(rank: int) -> torch.Tensor:
-            start = base + rank * REDUCE_BYTES
-            raw = torch.from_numpy(self._bytes[start:start + nbytes])
-            return raw.view(tensor.dtype).view(tensor.shape)
-
-        slot(self.rank).copy_(tensor)
-        self._word(self.rank, _REDUCE)[...] = seq
-        others = [r for r in range(self.size) if r != self.rank]
-        self._wait(lambda: all(self._word(r, _REDUCE)[0] >= seq for r in others), others)
-        parts = [slot(r) for r in range(self.size)]
+        parts = [read(rank, 0, nbytes).view(tensor.dtype).view(tensor.shape) for rank in range(self.size)]
         if op == "sum":
             total = parts[0].clone()
             for part in parts[1:]:
@@ -98,6 +88,50 @@ class SharedMemoryChannel:
         else:
             total = torch.stack(parts).amax(dim=0)
         return tensor.copy_(total)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[ranks, *shape]: every rank's `tensor` (same shape on every rank), in rank order."""
+        read = self._publish(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        return torch.stack([read(rank, 0, nbytes).view(tensor.dtype).view(tensor.shape).clone()
+                            for rank in range(self.size)])
+
+    def fits_exchange(self, send: torch.Tensor, splits: list[list[int]]) -> bool:
+        """Whether every rank's rows of this all_to_all fit its slot (every rank knows `splits`: all decide
+        alike)."""
+        return send.device.type == "cpu" and max(sum(row) for row in splits) * _row_bytes(send) <= REDUCE_BYTES
+
+    def all_to_all(self, send: torch.Tensor, splits: list[list[int]]) -> torch.Tensor:
+        """As dist.all_to_all_single over rows (when `fits_exchange`): `send` [rows, ...] holds this rank's
+        rows for rank 0, then rank 1, ...; `splits[i][j]`: rows rank i sends rank j."""
+        row_bytes = _row_bytes(send)
+        read = self._publish(send)
+        parts = []
+        for rank, row in enumerate(splits):
+            start = sum(row[:self.rank]) * row_bytes
+            chunk = read(rank, start, row[self.rank] * row_bytes)
+            parts.append(chunk.view(send.dtype).view(row[self.rank], *send.shape[1:]))
+        return torch.cat(parts)
+
+    def _publish(self, tensor: torch.Tensor):
+        """Write this rank's `tensor` into its slot, wait for every rank's, and return read(rank, start,
+        nbytes) -> those bytes of that rank's slot. Two sets of slots by turn: a rank can be one collective
+        ahead of another, never two (it waited for everyone's previous one)."""
+        self._collectives += 1
+        seq = self._collectives
+        base = self._reduce_at + (seq % 2) * self.size * REDUCE_BYTES
+        data = tensor.contiguous().reshape(-1).view(torch.uint8)
+        mine = base + self.rank * REDUCE_BYTES
+        torch.from_numpy(self._bytes[mine:mine + data.numel()]).copy_(data)
+        self._word(self.rank, _REDUCE)[...] = seq
+        others = [r for r in range(self.size) if r != self.rank]
+        self._wait(lambda: all(self._word(r, _REDUCE)[0] >= seq for r in others), others)
+
+        def read(rank: int, start: int, nbytes: int) -> torch.Tensor:
+            at = base + rank * REDUCE_BYTES + start
+            return torch.from_numpy(self._bytes[at:at + nbytes])
+
+        return read
 
     # ----------------------------------------------------------------- rounds
     def broadcast(self, message: Any) -> Any:
@@ -165,6 +199,10 @@ class SharedMemoryChannel:
                 os.sched_yield()
             else:
                 time.sleep(SLEEP_S if waited < IDLE_S else IDLE_SLEEP_S)
+
+
+def _row_bytes(tensor: torch.Tensor) -> int:
+    return math.prod(tensor.shape[1:]) * tensor.element_size()
 
 
 def _alive(pid: int) -> bool:
