@@ -1,7 +1,7 @@
 """One engine over 1, 2 and 4 ranks (data-parallel attention, expert-parallel MoE) on this machine.
 
     python bench/ep.py [--json] [--ranks 1 2 4] [--tp-ranks 2] [--num-prompts 64] [--max-tokens 32]
-                       [--model bench-moe]
+                       [--model bench-moe] [--straggler-tokens 512] [--straggler-ranks 2]
 
 The same workload (random prompts of 32-96 tokens, greedy, `--max-tokens` each, ignore_eos) through
 load_engine(model, ep_size=N) for each N: the machine's torch threads are shared among the ranks (2 cores:
@@ -12,6 +12,11 @@ sequence of its own and only served its experts, and whether every rank count ga
 load_engine(model, tp_size=N) (`tp_tokens_per_s.<N>`, in the same comparison). Over gloo on one machine the
 all-to-all is a memory copy through loopback TCP: this measures the engine's parallel overheads (collectives,
 lockstep rounds), not what NCCL/DeepEP give across GPUs. With --json the last line printed is one JSON object.
+
+The straggler case: one request of `--straggler-tokens` tokens (a 32-token prompt, greedy) alone, timed on one
+rank of one thread (`straggler_s.single`), PARTITIONed over `--straggler-ranks` ranks of one thread each
+(`straggler_s.partition`), and on such a group with partitioning off (`straggler_s.unpartitioned`: one rank
+attends, the others serve their experts); `outputs_match` also requires the three to give the same tokens.
 """
 
 from __future__ import annotations
