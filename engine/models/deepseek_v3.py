@@ -85,7 +85,7 @@ class MLAAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
         latent = self.kv_a_layernorm(latent).unsqueeze(1)  # [T, 1, rank]
 
-        cos, sin = self.rotary(ctx.positions, x.dtype)
+        cos, sin = self.rotary.for_context(ctx, x.dtype)
         q_pe = apply_rotary(self._half_split(q_pe), cos, sin)
         k_pe = apply_rotary(self._half_split(k_pe.unsqueeze(1)), cos, sin)
 

@@ -65,6 +65,15 @@ class RotaryEmbedding:
         self.inv_freq = inv_freq
         self.scaling = float(scaling)
 
+    def for_context(self, ctx, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of `ctx.positions`, computed once per attention context: every layer of a forward asks for
+        the same tables (kept on the context, which lives for one micro-batch of one step)."""
+        tables = ctx.__dict__.setdefault("_rotary_tables", {})
+        key = (id(self), dtype)
+        if key not in tables:
+            tables[key] = self(ctx.positions, dtype)
+        return tables[key]
+
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, dim] in `dtype` (computed in float32 like transformers)."""
         if self.inv_freq.device != positions.device:
@@ -116,7 +125,7 @@ class GQAAttention(nn.Module):
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rotary(ctx.positions, x.dtype)
+        cos, sin = self.rotary.for_context(ctx, x.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = ctx.attend(self.layer, q, k, v, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
