@@ -95,6 +95,8 @@ def test_a_straggler_partitions_over_every_rank_moves_back_for_new_work_and_keep
     group = load_engine(str(tmp_path), ep_size=2, **options)
     results = []
     try:
+        view = group.rank_engines.model  # half of the vocabulary's head rows on each rank
+        assert view.lm_head.weight.shape[0] * 2 == loaded.model.vocab_size and view.gather_vocab is not None
         group.add_request(work[0])
         while group.partitions == 0:
             results += group.step()

@@ -69,6 +69,8 @@ class DecoderLM(nn.Module):
         self.lm_head = lm_head
         self.vocab_size = embed_tokens.num_embeddings
         self._kv_spec = kv_spec
+        # set when lm_head holds this rank's slice of the vocabulary: the ranks' logits side by side
+        self.gather_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def kv_spec(self) -> KVSpec:
         return self._kv_spec
@@ -83,7 +85,8 @@ class DecoderLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+        logits = self.lm_head(self.norm(hidden))
+        return logits if self.gather_vocab is None else self.gather_vocab(logits)
 
     def forward(self, input_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """input_ids [T] -> logits [T, V]."""

@@ -1,14 +1,14 @@
 """PARTITION: the last request of an expert-parallel engine decodes on every rank at once.
 
 Expert parallel, a rank attends only over its own sequences, so when one request is left the other ranks
-only serve their experts while one rank reads every attention weight and the LM head's inputs alone. A
-partition lends that request every rank: each builds (once) a tensor-parallel view of its own model, its
-1/N of the attention heads and dense MLP columns (slices of the weights it already holds, views where they
+only serve their experts while one rank reads every attention weight and the LM head alone. A partition
+lends that request every rank: each builds (once) a tensor-parallel view of its own model, its 1/N of the
+attention heads, dense MLP columns and LM head rows (slices of the weights it already holds, views where they
 are contiguous) and its own experts, whose shares every feed-forward block sums over the ranks (one
-all-reduce; nothing is dispatched, every rank holds the same token). The request moves in with its KV split
-by heads (GQA: each rank keeps its KV heads; MLA: the latent is replicated) into a small engine of its own
-on every rank, sized for that request; it moves back with the heads joined when other work arrives (or
-ends there when it finishes).
+all-reduce; nothing is dispatched, every rank holds the same token; the head's logits are gathered). The
+request moves in with its KV split by heads (GQA: each rank keeps its KV heads; MLA: the latent is
+replicated) into a small engine of its own on every rank, sized for that request; it moves back with the
+heads joined when other work arrives (or ends there when it finishes).
 """
 
 from __future__ import annotations
@@ -39,14 +39,21 @@ def module_view(module: nn.Module) -> nn.Module:
     return view
 
 
-def partition_model(model: nn.Module, rank: int, ranks: int) -> nn.Module:
-    """Rank `rank`'s tensor-parallel share of its expert-parallel `model` (heads, columns: sliced; experts:
-    its own, each token's routes to them only). Raises ValueError when the heads do not split over `ranks`."""
+def partition_model(model: nn.Module, group: RankGroup) -> nn.Module:
+    """This rank's tensor-parallel share of its expert-parallel `model` (heads, columns: sliced; experts: its
+    own, each token's routes to them only; the LM head: its rows of the vocabulary when they split evenly,
+    the ranks' logits gathered). Raises ValueError when the heads do not split over the ranks."""
+    rank, ranks = group.rank, group.size
     view = module_view(model)
     keep_tensor_shard(view, rank, ranks, experts=False)
     for module in view.modules():
         if isinstance(module, FusedExperts):
             module.dispatcher = ExpertShareDispatcher(module.num_experts, rank, ranks)
+    head = view.lm_head.weight
+    if head.shape[0] % ranks == 0:
+        rows = head.shape[0] // ranks
+        view.lm_head.weight = nn.Parameter(head[rank * rows:(rank + 1) * rows], requires_grad=False)
+        view.gather_vocab = lambda logits: torch.cat(list(group.all_gather(logits)), dim=-1)
     return view
 
 
@@ -96,7 +103,7 @@ class RankEngines:
         config = engine.config
         if config.ep_size > 1 and config.partition_stragglers:
             try:
-                self.model = partition_model(engine.model, group.rank, group.size)
+                self.model = partition_model(engine.model, group)
             except ValueError as exc:
                 self._unable = str(exc)
         else:
