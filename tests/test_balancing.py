@@ -93,7 +93,7 @@ def test_a_dead_actors_checkpointed_requests_restore_from_kv_and_the_others_are_
     the others from their prompts. Every row's tokens are those of the engine alone."""
     ENGINE_MODEL[:] = [tiny_moe_dir]
     prompts = workload(12)
-    seeded, greedy = ({**params, "max_tokens": 120} for params in (SEEDED, LONG))  # past the first checkpoint
+    seeded, greedy = ({**params, "max_tokens": 240} for params in (SEEDED, LONG))  # past the first checkpoints
     blocks = [pa.table({ROW_INDEX: list(range(12)), "prompt": prompts, "sampling_params": [seeded] * 6 + [greedy] * 6})]
     expected = engine_outputs(tiny_moe_dir, prompts[:6], seeded) + engine_outputs(tiny_moe_dir, prompts[6:], greedy)
     balancer = start_work_balancer(low_water=1, partition_below=0)
