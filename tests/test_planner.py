@@ -174,6 +174,9 @@ def test_planned_defaults_give_the_tokens_of_an_explicit_config(loaded, tmp_path
         [r.outputs[0].token_ids for r in explicit.generate(requests)]
     again = resolve_config(loaded, EngineConfig())
     assert again == planned.config  # the same process plans a config once
+    # options that cannot change a plan find the same one, and keep their own values
+    neutral = resolve_config(loaded, EngineConfig(seed=7, partition_stragglers=False))
+    assert neutral == dataclasses.replace(planned.config, seed=7, partition_stragglers=False)
     assert len(list(tmp_path.glob("plans/plan-*.json"))) == 1  # and other processes read it from disk
 
 

@@ -40,6 +40,9 @@ STAGING_FRACTIONS = (0.1, 0.25, 0.5)
 RUNNER_UPS = 5
 PLANNER_VERSION = 2  # in the key of cached plans: bump when the search or the generic workload changes
 PLAN_ENV = "BATCHGEN_PLAN"
+# options that cannot change a plan: left out of its cache key, so setting them (or adding one) finds the
+# plans already made
+PLAN_NEUTRAL = ("seed", "partition_stragglers")
 # what BATCHGEN_PLAN=0 gives the fields a config leaves unset (the KV budgets: max_num_seqs full contexts)
 FIXED = {"max_num_seqs": 256, "refill_threshold": 0.5, "b_attn": 256, "b_moe": 8192, "staging_fraction": 0.25}
 
@@ -211,7 +214,7 @@ def search(config: EngineConfig, curves: CostCurves, workload: WorkloadShape, sp
                 curves, searched, notes)
 
 
-_PLANS: dict[str, EngineConfig] = {}
+_PLANS: dict[str, dict] = {}  # plan key -> the planned fields
 _LOCK = threading.Lock()
 
 
@@ -227,17 +230,16 @@ def resolve_config(loaded: LoadedModel, config: EngineConfig, plan: bool = True)
     limits = memory_limits(loaded.device.type, config, free, host_free)
     if not plan or os.environ.get(PLAN_ENV, "1") == "0":
         return fixed_config(config, loaded, limits)
-    fields = json.dumps([PLANNER_VERSION, profile_key(loaded), dataclasses.asdict(config), dataclasses.asdict(limits)],
-                        sort_keys=True)
+    options = {k: v for k, v in dataclasses.asdict(config).items() if k not in PLAN_NEUTRAL}
+    fields = json.dumps([PLANNER_VERSION, profile_key(loaded), options, dataclasses.asdict(limits)], sort_keys=True)
     key = hashlib.sha256(fields.encode()).hexdigest()[:20]
     with _LOCK:
         if key not in _PLANS:
-            planned = _disk_cached(
+            _PLANS[key] = _disk_cached(
                 f"plan-{key}.json",
                 lambda: {n: getattr(plan_engine(loaded, config, limits=limits).config, n) for n in PLANNED_FIELDS},
                 json.loads, json.dumps)
-            _PLANS[key] = dataclasses.replace(config, **planned)
-        return _PLANS[key]
+        return dataclasses.replace(config, **_PLANS[key])
 
 
 def fixed_config(config: EngineConfig, loaded: LoadedModel, limits: MemoryLimits) -> EngineConfig:
