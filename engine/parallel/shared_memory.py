@@ -4,8 +4,7 @@ A gloo collective over loopback TCP costs about a millisecond on a small VM (ben
 parallel decode step makes two per layer, plus the leader's round (a broadcast and a gather). Here a rank
 writes its part into its slot of a segment every rank has mapped, raises its sequence counter, and waits for
 the others' counters: a few microseconds when the ranks run. Waiting spins briefly, then yields its core, then
-sleeps, and checks that the ranks it waits on are
-alive, so a dead rank fails its peers at once.
+sleeps, and checks that the ranks it waits on are alive, so a dead rank fails its peers at once.
 
 What does not fit a slot (a prefill's hidden states, a round carrying a request's KV) goes through the
 process group instead: for a tensor the caller (RankGroup) decides from sizes every rank knows, a message is
@@ -34,9 +33,9 @@ IDLE_S = 0.1
 IDLE_SLEEP_S = 1e-3
 CHECK_ALIVE_S = 0.05
 # header (int64 words): the leader's round counter and length, then per rank: reply counter and length,
-# all-reduce counter, pid
+# collective counter, pid
 _ROUND, _ROUND_LEN, _RANKS = 0, 1, 8
-_REPLY, _REPLY_LEN, _REDUCE, _PID, _PER_RANK = 0, 1, 2, 3, 4
+_REPLY, _REPLY_LEN, _COLLECTIVE, _PID, _PER_RANK = 0, 1, 2, 3, 4
 _EXTERNAL = -1  # a length that means "sent through the process group"
 
 
@@ -46,7 +45,7 @@ class RankDied(RuntimeError):
 
 class SharedMemoryChannel:
     """One engine's segment: rounds from the leader, replies to it, and collectives of small CPU tensors
-(all-reduce, all-gather, all-to-all: the MoE dispatch)."""
+    (all-reduce, all-gather, all-to-all: the MoE dispatch)."""
 
     def __init__(self, path: str, rank: int, size: int, create: bool, group: dist.ProcessGroup):
         self.rank, self.size, self.group = rank, size, group
@@ -123,9 +122,9 @@ class SharedMemoryChannel:
         data = tensor.contiguous().reshape(-1).view(torch.uint8)
         mine = base + self.rank * REDUCE_BYTES
         torch.from_numpy(self._bytes[mine:mine + data.numel()]).copy_(data)
-        self._word(self.rank, _REDUCE)[...] = seq
+        self._word(self.rank, _COLLECTIVE)[...] = seq
         others = [r for r in range(self.size) if r != self.rank]
-        self._wait(lambda: all(self._word(r, _REDUCE)[0] >= seq for r in others), others)
+        self._wait(lambda: all(self._word(r, _COLLECTIVE)[0] >= seq for r in others), others)
 
         def read(rank: int, start: int, nbytes: int) -> torch.Tensor:
             at = base + rank * REDUCE_BYTES + start
