@@ -14,6 +14,7 @@ import torch
 
 MODES = ("coroutine", "lockstep")
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+WEIGHT_STREAMING = ("expert", "layer")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,13 @@ class EngineConfig:
     # expert parallel: when one request is left in the whole engine, every rank decodes it with tensor
     # parallelism (its KV split by heads) instead of one rank alone while the others idle (PARTITION)
     partition_stragglers: bool = True
+    # memory-constrained mode (engine/offload): the device bytes the engine may use for weights, KV and activations
+    # together. The weights stay in host memory; what the budget cannot keep resident streams through device
+    # slots as it computes. None: every weight on the device
+    device_memory_bytes: int | None = None
+    # how streamed weights move: "expert" (each routed expert alone, when the step's MoE batch routes a token to
+    # it) or "layer" (each attention block and whole feed-forward block: the FlexGen-style offloading baseline)
+    weight_streaming: str = "expert"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -63,7 +71,8 @@ class EngineConfig:
             raise ValueError(f"engine device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("page_size", "max_prefill_tokens", "ep_size", "tp_size"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("b_attn", "b_moe", "max_num_seqs", "kv_budget_bytes", "host_kv_budget_bytes", "max_model_len"):
+        for name in ("b_attn", "b_moe", "max_num_seqs", "kv_budget_bytes", "host_kv_budget_bytes", "max_model_len",
+                     "device_memory_bytes"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         _check_int("seed", self.seed, minimum=0)
@@ -73,6 +82,15 @@ class EngineConfig:
         for name in ("mixed_steps", "prefix_caching", "partition_stragglers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"engine option {name} must be true or false, got {getattr(self, name)!r}")
+        if self.weight_streaming not in WEIGHT_STREAMING:
+            raise ValueError(f"engine option weight_streaming must be one of {WEIGHT_STREAMING}, "
+                             f"got {self.weight_streaming!r}")
+        if self.device_memory_bytes is not None and self.ranks > 1:
+            raise ValueError("engine option device_memory_bytes runs one engine on one device; it cannot be combined "
+                             f"with ep_size ({self.ep_size}) or tp_size ({self.tp_size})")
+        if self.device_memory_bytes is not None and self.stream_host_kv is False:
+            raise ValueError("engine option device_memory_bytes streams host-resident KV through device staging "
+                             "pages; stream_host_kv false (attending on host pages in place) cannot be combined")
         if self.stream_host_kv not in (None, True, False):
             raise ValueError(f"engine option stream_host_kv must be true, false or null, got {self.stream_host_kv!r}")
         for name in ("staging_fraction", "refill_threshold"):
@@ -92,6 +110,11 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def load_device(self) -> torch.device:
+        """Where the checkpoint is loaded: host memory in memory-constrained mode (the engine then places what is
+        resident on its device), else the device itself."""
+        return torch.device("cpu") if self.device_memory_bytes is not None else self.torch_device()
 
     @classmethod
     def from_kwargs(cls, base: EngineConfig | None = None, **overrides: Any) -> EngineConfig:

@@ -25,6 +25,8 @@ from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.migration import MigratedRequest, MigratedSample
 from batchgen.engine.model_runner import MicroBatchLimits, ModelRunner
 from batchgen.engine.models.loaded_model import LoadedModel
+from batchgen.engine.offload.memory_constrained import stream_weights
+from batchgen.engine.offload.weight_streamer import WeightStreamer
 from batchgen.engine.parallel.group_model import FfnCallAgreement, attach_dispatchers, attach_partial_sums
 from batchgen.engine.parallel.rank_group import RankGroup
 from batchgen.engine.planner.planner import resolve_config
@@ -56,7 +58,11 @@ class Engine(Generates):
         """`group`: this engine is one rank of an engine spanning several (engine/parallel): `loaded` holds the
         rank's share of the experts (ep_size) or of the heads and columns (tp_size), and every step is taken
         together with the other ranks."""
-        self.config = resolve_config(loaded, EngineConfig.from_kwargs(config, **overrides), plan=group is None)
+        config = EngineConfig.from_kwargs(config, **overrides)
+        self.streamer: WeightStreamer | None = None
+        if config.device_memory_bytes is not None:  # before planning: the profile then times streamed weights
+            self.streamer, config = stream_weights(loaded, config, config.torch_device())
+        self.config = resolve_config(loaded, config, plan=group is None)
         self.loaded = loaded
         self.model = loaded.model.eval()
         self.device = loaded.device
@@ -73,8 +79,10 @@ class Engine(Generates):
                             self.config.prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv)
         coroutine = self.config.mode == "coroutine"
+        # lockstep runs one unbounded batch, except that a device-memory budget bounds its activations too
+        bounded_moe = coroutine or self.streamer is not None
         limits = MicroBatchLimits(self.config.b_attn if coroutine else _UNBOUNDED,
-                                  self.config.b_moe if coroutine else _UNBOUNDED)
+                                  self.config.b_moe if bounded_moe else _UNBOUNDED)
         self.stats = EngineMetrics()
         agree = None
         if group is not None and self.config.ep_size > 1:
@@ -144,7 +152,10 @@ class Engine(Generates):
         return bool(self._ready) or self.scheduler.has_work()
 
     def metrics(self) -> dict:
-        return self.stats.summary(self.kv)
+        summary = self.stats.summary(self.kv)
+        if self.streamer is not None:
+            summary["device_memory"] = self.streamer.memory(self.kv, self.stats.max_ffn_tokens)
+        return summary
 
     @torch.inference_mode()
     def check_prefilled(self, prefilled: PrefillOutput) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_manager import KVBudget
+from batchgen.engine.models.loaded_model import LoadedModel
 
 GPU_KV_SHARE = 0.5
 CPU_KV_SHARE = 0.05
@@ -45,6 +46,14 @@ def plan_kv_budget(config: EngineConfig, stream_host: bool) -> KVBudget:
     if config.mode == "coroutine" and stream_host:
         staging = int(config.kv_budget_bytes * config.staging_fraction)
     return KVBudget(config.kv_budget_bytes, config.host_kv_budget_bytes, staging)
+
+
+def activation_bytes_per_token(loaded: LoadedModel, top_k: int) -> int:
+    """Bytes one token of a feed-forward batch holds at its peak: hidden rows in and out, and each routed
+    expert's gate, up and product rows."""
+    c = loaded.config
+    inner = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+    return (4 * c.hidden_size + 3 * inner * max(1, top_k)) * loaded.dtype.itemsize
 
 
 def available_memory_bytes(device: torch.device) -> int:

@@ -79,6 +79,9 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=kind, help=f"sampling default '{name}'")
     p.add_argument("--sampling-params", type=json_object, help="sampling defaults as JSON (rows override)")
     p.add_argument("--engine", type=json_object, help='EngineConfig fields as JSON, e.g. {"max_num_seqs": 512}')
+    p.add_argument("--device-memory-mb", type=float,
+                   help="device memory per engine for weights, KV and activations together: weights stay in host "
+                        "memory and what does not fit streams to the device (engine option device_memory_bytes)")
     p.add_argument("--engine-num-cpus", type=float, help="CPUs per engine actor (default: a share of the cluster)")
     p.add_argument("--engine-num-gpus", type=float,
                    help="GPUs per engine rank (default 0); an engine actor asks for ep_size x tp_size times this")
@@ -112,6 +115,8 @@ def job_config(args: argparse.Namespace) -> JobConfig:
     for name in _SAMPLING_FLAGS:
         if getattr(args, name, None) is not None:
             values["sampling_params"][name] = getattr(args, name)
+    if getattr(args, "device_memory_mb", None) is not None:
+        values["engine"] = {**(values.get("engine") or {}), "device_memory_bytes": int(args.device_memory_mb * 2**20)}
     if values.get("engine_actors") is not None and any(
             values.get(k) is not None for k in ("prefill_concurrency", "decode_concurrency")):
         raise UsageError("--engine-actors lets the planner split the engine actors: drop --prefill-concurrency "

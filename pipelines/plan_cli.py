@@ -59,7 +59,7 @@ def run_plan(args: argparse.Namespace) -> int:
             curves = CostCurves.load(args.curves)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-    loaded = load_model(args.model, dtype=config.dtype, device=config.torch_device(),
+    loaded = load_model(args.model, dtype=config.dtype, device=config.load_device(),
                         storage_options=args.storage_options, weights=curves is None)
     if curves is None:
         curves = curves_for(loaded, progress=None if args.json else True)

@@ -82,7 +82,11 @@ class DecoderLM(nn.Module):
                 module.on_route = lambda ids, experts=module.num_experts: observer(ids, experts)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        """Rows of the table, looked up where it lives (host memory in memory-constrained mode)."""
+        table = self.embed_tokens.weight
+        if table.device == input_ids.device:
+            return self.embed_tokens(input_ids)
+        return self.embed_tokens(input_ids.to(table.device)).to(input_ids.device)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.norm(hidden))

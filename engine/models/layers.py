@@ -186,6 +186,8 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.dispatcher = LocalDispatcher(num_experts)
+        # memory-constrained mode: computes the experts from weights streamed into device slots (engine/offload)
+        self.streamed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def num_local_experts(self) -> int:
@@ -203,7 +205,10 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         sent = self.dispatcher.dispatch(x, topk_ids, topk_weights)
-        y = ops.fused_moe(sent.x, self.gate_up_proj, self.down_proj, sent.topk_weights, sent.topk_ids)
+        if self.streamed is not None:
+            y = self.streamed(sent.x, sent.topk_weights, sent.topk_ids)
+        else:
+            y = ops.fused_moe(sent.x, self.gate_up_proj, self.down_proj, sent.topk_weights, sent.topk_ids)
         return self.dispatcher.combine(y, sent)
 
 

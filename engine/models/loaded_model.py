@@ -24,4 +24,5 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where the model computes: its final norm's device (always resident, also when weights stream)."""
+        return self.model.norm.weight.device

@@ -20,7 +20,13 @@ from pathlib import Path
 import torch
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.kv_budget import MemoryLimits, available_memory_bytes, memory_limits, plan_kv_budget
+from batchgen.engine.kv_budget import (
+    MemoryLimits,
+    activation_bytes_per_token,
+    available_memory_bytes,
+    memory_limits,
+    plan_kv_budget,
+)
 from batchgen.engine.kv_pool import PoolGeometry
 from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.planner.cost_curves import CostCurves
@@ -118,7 +124,7 @@ def plan_engine(loaded: LoadedModel, config: EngineConfig, workload: WorkloadSha
         free, host_free = available_memory_bytes(loaded.device), available_memory_bytes(torch.device("cpu"))
     stream_host = config.stream_host_kv if config.stream_host_kv is not None else device_type != "cpu"
     limits = limits or memory_limits(device_type, config, free, host_free)
-    per_token = _activation_bytes_per_token(loaded, curves)
+    per_token = activation_bytes_per_token(loaded, curves.top_k)
     if workload is not None:
         return search(config, curves, workload.fit(max_model_len), spec, loaded.dtype, stream_host, limits, per_token)
     # the generic workload, cut to what a given device budget holds of one sequence; if the budgets cannot run
@@ -258,15 +264,6 @@ def fixed_config(config: EngineConfig, loaded: LoadedModel, limits: MemoryLimits
 def _power_of_two(n: int) -> int:
     """The largest power of two not above `n`: free memory moves between processes, the plan should not."""
     return 1 << max(0, n.bit_length() - 1)
-
-
-def _activation_bytes_per_token(loaded: LoadedModel, curves: CostCurves) -> int:
-    """Bytes one token of a feed-forward batch holds at its peak: hidden rows in and out, and each routed
-    expert's gate, up and product rows."""
-    c = loaded.config
-    hidden = c.hidden_size
-    inner = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
-    return (4 * hidden + 3 * inner * max(1, curves.top_k)) * loaded.dtype.itemsize
 
 
 def _cache_dir() -> Path:

@@ -1,0 +1,141 @@
+"""Memory-constrained mode (engine/offload): weights in host memory, streamed through device slots within
+`device_memory_bytes`; greedy tokens must equal the reference model's whatever the budget."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from tiny_models import ALL_ARCHITECTURES, MOE_ARCHITECTURES, prompts, save_tiny_checkpoint
+
+from batchgen.connectors.checkpoint import load_model
+from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
+from batchgen.engine.offload.offload_plan import plan_offload
+from batchgen.engine.offload.weight_units import weight_units
+from batchgen.engine.reference import ReferenceRunner
+from batchgen.pipelines.cli import build_parser, job_config
+
+MAX_TOKENS = 8
+LENGTHS = (3, 9, 17, 5, 12, 7, 4, 15)
+MAX_LEN = 32  # the longest prompt plus MAX_TOKENS fits: the minimum KV is one sequence this long
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=ALL_ARCHITECTURES)
+def arch_case(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    save_tiny_checkpoint(request.param, directory)
+    loaded = load_model(str(directory))
+    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=LENGTHS)
+    expected = ReferenceRunner(loaded.model).generate(batch, max_new_tokens=MAX_TOKENS)
+    return request.param, str(directory), batch, expected
+
+
+def generate(engine, batch):
+    results = engine.generate([Request(f"r{i}", prompt_token_ids=p, sampling=GREEDY) for i, p in enumerate(batch)])
+    assert all(r.error is None for r in results), [r.error for r in results]
+    return [r.outputs[0].token_ids for r in results]
+
+
+def test_every_architecture_at_30_percent_of_its_weights_matches_the_reference(arch_case):
+    arch, directory, batch, expected = arch_case
+    loaded = load_model(directory)
+    total = weight_units(loaded.model, "expert").total_bytes
+    budget = int(total * 0.3)
+    engine = Engine(loaded, page_size=4, max_model_len=MAX_LEN, b_attn=3, device_memory_bytes=budget)
+    assert generate(engine, batch) == expected
+    memory = engine.metrics()["device_memory"]
+    assert memory["peak_bytes"] <= budget
+    assert memory["resident_weight_bytes"] + memory["slot_bytes"] < budget < total
+    assert memory["weight_bytes_streamed"] > total  # every step streams what is not resident
+    streamer = engine.streamer
+    assert streamer.modules is not None and streamer.modules.copies.copies > 0
+    if arch in (*MOE_ARCHITECTURES, "deepseek_v3"):  # routed experts stream one by one
+        assert streamer.experts is not None and streamer.experts.copies.copies > 0
+    # host memory holds the streamed weights between uses
+    assert all(p.device.type == "cpu" for p in loaded.model.lm_head.parameters())
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
+def test_layer_streaming_baseline_matches_the_reference(arch, tmp_path):
+    """FlexGen-style: each attention and whole feed-forward block (router, experts, shared expert) streams."""
+    save_tiny_checkpoint(arch, tmp_path)
+    loaded = load_model(str(tmp_path))
+    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=LENGTHS)
+    expected = ReferenceRunner(loaded.model).generate(batch, max_new_tokens=MAX_TOKENS)
+    units = weight_units(loaded.model, "layer")
+    assert not units.expert_layers and any(u.name.endswith(".mlp") for u in units.modules)
+    budget = int(units.total_bytes * 0.6)
+    engine = Engine(loaded, page_size=4, max_model_len=MAX_LEN, device_memory_bytes=budget,
+                    weight_streaming="layer")
+    assert generate(engine, batch) == expected
+    assert engine.streamer.experts is None and engine.streamer.modules.copies.copies > 0
+    assert engine.metrics()["device_memory"]["peak_bytes"] <= budget
+
+
+def test_host_resident_sequences_stream_their_kv_beside_streamed_weights(tmp_path):
+    """A budget whose KV holds few sequences: the rest wait in host pages and decode through staging."""
+    save_tiny_checkpoint("mixtral", tmp_path)
+    loaded = load_model(str(tmp_path))
+    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=LENGTHS * 3)
+    expected = ReferenceRunner(loaded.model).generate(batch, max_new_tokens=MAX_TOKENS)
+    total = weight_units(loaded.model, "expert").total_bytes
+    engine = Engine(loaded, page_size=4, max_model_len=MAX_LEN, b_attn=4, max_num_seqs=24,
+                    device_memory_bytes=int(total * 0.3), staging_fraction=0.5)
+    assert generate(engine, batch) == expected
+    metrics = engine.metrics()
+    assert metrics["staged_decode_batches"] > 0 and metrics["yields"] > 0
+
+
+def test_a_budget_below_the_minimum_fails_at_construction_naming_it(tmp_path):
+    save_tiny_checkpoint("mixtral", tmp_path)
+    with pytest.raises(ValueError, match="below this model's minimum") as error:
+        Engine(load_model(str(tmp_path)), page_size=4, max_model_len=MAX_LEN, device_memory_bytes=10_000)
+    minimum = int(re.search(r"minimum of (\d+)", str(error.value)).group(1))
+    assert "KV of one longest sequence" in str(error.value) and "weight slots" in str(error.value)
+    with pytest.raises(ValueError, match="below this model's minimum"):
+        Engine(load_model(str(tmp_path)), page_size=4, max_model_len=MAX_LEN, device_memory_bytes=minimum - 1)
+    loaded = load_model(str(tmp_path))
+    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=(5, 9))
+    expected = ReferenceRunner(loaded.model).generate(batch, max_new_tokens=MAX_TOKENS)
+    engine = Engine(loaded, page_size=4, max_model_len=MAX_LEN, device_memory_bytes=minimum)
+    assert engine.config.b_moe == 1  # the minimum leaves room for one token's activations
+    assert generate(engine, batch) == expected
+    assert engine.metrics()["device_memory"]["peak_bytes"] <= minimum
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.6, 1.0, 2.0])
+def test_the_plan_spends_the_budget_within_it_attention_first(fraction, tmp_path):
+    save_tiny_checkpoint("qwen3_moe", tmp_path)
+    model = load_model(str(tmp_path), weights=False).model
+    units = weight_units(model, "expert")
+    budget = int(units.total_bytes * fraction)
+    plan = plan_offload(units, budget, "cpu", activation_bytes_per_token=1000, min_kv_bytes=20_000)
+    assert plan.fixed_bytes + plan.resident_bytes + plan.ring_bytes + plan.activation_bytes + plan.kv_bytes == budget
+    assert plan.kv_bytes >= 20_000
+    attention = {u.name for u in units.modules if u.name.endswith(".attn")}
+    if plan.resident_expert_layers:  # whole expert layers only after every attention module
+        assert attention <= plan.resident_modules
+    if fraction >= 2.0:  # room for everything: nothing streams
+        assert plan.ring_bytes == 0 and len(plan.resident_expert_layers) == len(units.expert_layers)
+    explicit = plan_offload(units, budget, "cpu", activation_bytes_per_token=1000, min_kv_bytes=20_000,
+                            kv_bytes=plan.kv_bytes // 2, b_moe=7)
+    assert explicit.kv_bytes == plan.kv_bytes // 2 and explicit.b_moe == 7 and explicit.activation_bytes == 7000
+    assert explicit.weight_bytes + explicit.activation_bytes + explicit.kv_bytes <= budget
+
+
+def test_options_that_cannot_combine_with_a_device_memory_budget_fail_clearly():
+    with pytest.raises(ValueError, match="device_memory_bytes runs one engine on one device"):
+        EngineConfig(device_memory_bytes=1 << 20, ep_size=2)
+    with pytest.raises(ValueError, match="stream_host_kv false"):
+        EngineConfig(device_memory_bytes=1 << 20, stream_host_kv=False)
+    with pytest.raises(ValueError, match="weight_streaming must be one of"):
+        EngineConfig(weight_streaming="tensor")
+    assert EngineConfig(device_memory_bytes=1 << 20).load_device().type == "cpu"
+
+
+def test_cli_device_memory_flag_sets_the_engine_budget(tmp_path):
+    args = build_parser().parse_args(["run", "--model", "tiny-moe", "--input", "in.parquet", "--output", "out",
+                                      "--engine", '{"max_num_seqs": 64}', "--device-memory-mb", "1.5"])
+    config = job_config(args)
+    assert config.engine == {"max_num_seqs": 64, "device_memory_bytes": 1536 * 1024}
