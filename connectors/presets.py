@@ -88,6 +88,18 @@ PRESETS: dict[str, Preset] = {
                 max_position_embeddings=8192, initializer_range=0.05,
             ),
         ),
+        Preset(
+            name="large-moe",
+            version=1,
+            seed=2468,
+            description="memory-constrained benchmark: 10 layers, 16 experts top-2, hidden 1024, fp32 (~1.04B params, "
+                        "4.2 GB)",
+            config=dict(
+                vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_hidden_layers=10,
+                num_attention_heads=8, num_key_value_heads=2, num_local_experts=16, num_experts_per_tok=2,
+                max_position_embeddings=8192, initializer_range=0.03,
+            ),
+        ),
     )
 }
 

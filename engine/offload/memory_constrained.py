@@ -11,17 +11,16 @@ from batchgen.engine.kv_budget import activation_bytes_per_token
 from batchgen.engine.kv_pool import PoolGeometry
 from batchgen.engine.models.layers import SparseMoE
 from batchgen.engine.models.loaded_model import LoadedModel
-from batchgen.engine.offload.offload_plan import plan_offload
+from batchgen.engine.offload.offload_plan import OffloadPlan, plan_offload
 from batchgen.engine.offload.weight_streamer import WeightStreamer
-from batchgen.engine.offload.weight_units import weight_units
+from batchgen.engine.offload.weight_units import WeightUnits, weight_units
 
 RESERVE_PAGES = 2  # the KV manager keeps this many device pages free beside any sequence
 
 
-def stream_weights(loaded: LoadedModel, config: EngineConfig, device: torch.device
-                   ) -> tuple[WeightStreamer, EngineConfig]:
-    """Place `loaded` (in host memory) for `config.device_memory_bytes` on `device`; the config comes back with
-    the device KV budget and B_moe the plan gives (explicit values kept) and host KV streamed through staging."""
+def offload_plan(loaded: LoadedModel, config: EngineConfig, device_type: str) -> tuple[WeightUnits, OffloadPlan, int]:
+    """The units of `loaded`, how `config.device_memory_bytes` is spent on them, and the activation bytes per
+    feed-forward token that plan assumed."""
     model = loaded.model
     units = weight_units(model, config.weight_streaming)
     top_k = max((m.gate.top_k for m in model.modules() if isinstance(m, SparseMoE)), default=1)
@@ -29,8 +28,16 @@ def stream_weights(loaded: LoadedModel, config: EngineConfig, device: torch.devi
     max_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
     geometry = PoolGeometry(model.kv_spec(), config.page_size, loaded.dtype)
     min_kv = geometry.page_bytes * (geometry.pages_for(max_len) + RESERVE_PAGES)
-    plan = plan_offload(units, config.device_memory_bytes, device.type, per_token, min_kv, config.b_moe,
+    plan = plan_offload(units, config.device_memory_bytes, device_type, per_token, min_kv, config.b_moe,
                         config.kv_budget_bytes)
-    streamer = WeightStreamer(model, units, plan, device, per_token)
+    return units, plan, per_token
+
+
+def stream_weights(loaded: LoadedModel, config: EngineConfig, device: torch.device
+                   ) -> tuple[WeightStreamer, EngineConfig]:
+    """Place `loaded` (in host memory) for `config.device_memory_bytes` on `device`; the config comes back with
+    the device KV budget and B_moe the plan gives (explicit values kept) and host KV streamed through staging."""
+    units, plan, per_token = offload_plan(loaded, config, device.type)
+    streamer = WeightStreamer(loaded.model, units, plan, device, per_token)
     return streamer, dataclasses.replace(config, kv_budget_bytes=plan.kv_bytes, b_moe=plan.b_moe,
                                          stream_host_kv=True)
