@@ -32,8 +32,10 @@ class PrefillContext:
     context_slots: torch.Tensor | None = None  # [sum of prefixes] int64 slots in `pool`
 
     def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
+        """A prompt offloaded right away leaves each layer's KV in host pages as soon as that layer has
+        attended, so the device holds one layer's prefill KV of it at a time."""
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
-        ops.write_kv(k, v, k_cache, v_cache, self.slots)
+        ops.write_kv(k.to(k_cache.device), v.to(v_cache.device), k_cache, v_cache, self.slots)
         if self.context_slots is None:
             return ops.prefill_attention(q, k, v, self.cu_seqlens, self.cu_seqlens, scale)
         keys = k_cache.flatten(0, 1)[self.context_slots].to(q.device)

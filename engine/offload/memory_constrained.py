@@ -38,6 +38,6 @@ def stream_weights(loaded: LoadedModel, config: EngineConfig, device: torch.devi
     """Place `loaded` (in host memory) for `config.device_memory_bytes` on `device`; the config comes back with
     the device KV budget and B_moe the plan gives (explicit values kept) and host KV streamed through staging."""
     units, plan, per_token = offload_plan(loaded, config, device.type)
-    streamer = WeightStreamer(loaded.model, units, plan, device, per_token)
+    streamer = WeightStreamer(units, plan, device, per_token)
     return streamer, dataclasses.replace(config, kv_budget_bytes=plan.kv_bytes, b_moe=plan.b_moe,
                                          stream_host_kv=True)

@@ -30,7 +30,6 @@ class ModuleRing:
         self.last_used = [0] * slots
         self.clock = 0
         self.copies = SlotCopies(device, slots)
-        self.units = {u.name: u for u in units}
         order = sorted(units, key=_program_order)
         self.next = {a.name: b for a, b in zip(order, order[1:])}
         self._bound: dict[str, int] = {}
@@ -126,8 +125,7 @@ class WeightStreamer:
     """Places a loaded model for `plan`: fixed and resident weights on `device`, the rest in host memory (pinned
     on CUDA) behind the rings. Counts the bytes and seconds the streaming costs."""
 
-    def __init__(self, model: nn.Module, units: WeightUnits, plan: OffloadPlan, device: torch.device,
-                 activation_bytes_per_token: int):
+    def __init__(self, units: WeightUnits, plan: OffloadPlan, device: torch.device, activation_bytes_per_token: int):
         self.plan = plan
         self.device = device
         self.activation_bytes_per_token = activation_bytes_per_token
