@@ -6,7 +6,8 @@
 # Needs only torch (CUDA), triton, transformers, safetensors, pyarrow, pandas and pytest: no Ray, no
 # install step (the checkout is put on PYTHONPATH as the `batchgen` package). Fails loudly: no CUDA is
 # an error, a failing or erroring GPU test stops the run, and every benchmark must exit 0. Writes
-# gpu_tests.log, kernels.json and bct.json (the benchmarks' --json lines) plus their full logs to OUT_DIR.
+# gpu_tests.log, kernels.json, bct.json and offload.json (the benchmarks' --json lines) plus their full logs
+# to OUT_DIR.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT_DIR="${1:-${OUT:-$ROOT/bench/gpu_results}}"
@@ -39,4 +40,9 @@ last_json "$OUT_DIR/kernels.log" > "$OUT_DIR/kernels.json"
 echo "gpu_check: bench/bct.py (BatchGen vs lockstep vs transformers, bf16)"
 timeout 300 "$PY" bench/bct.py --json --dtype bfloat16 2>&1 | tee "$OUT_DIR/bct.log"
 last_json "$OUT_DIR/bct.log" > "$OUT_DIR/bct.json"
+
+echo "gpu_check: bench/offload.py (memory-constrained mode vs layer streaming at 25 % of the weights, bf16)"
+timeout 150 "$PY" bench/offload.py --json --dtype bfloat16 --budgets 0.25 --num-prompts 128 --max-tokens 64 \
+    2>&1 | tee "$OUT_DIR/offload.log"
+last_json "$OUT_DIR/offload.log" > "$OUT_DIR/offload.json"
 echo "gpu_check: done, figures in $OUT_DIR"

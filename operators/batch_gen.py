@@ -67,7 +67,7 @@ class BatchGen:
         self._ids = (f"{prefix}-{i}" for i in itertools.count())
         self.progress = progress
         self.agent = None if balancer is None else BalancingAgent(balancer, self.loop)
-        announce_ready(progress, "BatchGen", init_started, self.engine.ranks)
+        announce_ready(progress, "BatchGen", init_started, self.engine)
 
     async def __call__(self, batch: Any) -> Block:
         block = to_block(batch)

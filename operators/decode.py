@@ -36,7 +36,7 @@ class Decode:
         self.engine = self.loop.engine
         self.progress = progress
         self.agent = None if balancer is None else BalancingAgent(balancer, self.loop)
-        announce_ready(progress, "Decode", init_started, self.loop.engine.ranks)
+        announce_ready(progress, "Decode", init_started, self.loop.engine)
 
     async def __call__(self, batch: Any) -> Block:
         block = to_block(batch)

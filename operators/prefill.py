@@ -35,7 +35,7 @@ class Prefill:
                              "(ep_size or tp_size > 1) serves BatchGen, and Decode with ep_size")
         prepare_engine_process()
         self.exporter = PrefillExporter(load_engine(model, storage_options, **engine_options))
-        announce_ready(progress, "Prefill", init_started)
+        announce_ready(progress, "Prefill", init_started, self.exporter.engine)
 
     def __call__(self, batch: Any) -> Block:
         block = to_block(batch)

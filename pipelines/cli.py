@@ -252,13 +252,19 @@ def summary_text(s: JobSummary) -> str:
         f"  per row      completion time p50 {seconds(s.completion_time_p50_s)}, "
         f"p99 {seconds(s.completion_time_p99_s)}",
         f"  start-up     engines ready at {seconds(s.engines_ready_s)} ("
-        + (", ".join(f"{a.stage}{f' over {a.ranks} ranks' if a.ranks > 1 else ''} constructed in {a.init_s:.1f} s"
-                     for a in s.engine_actors) or "none started") + ")",
+        + (", ".join(f"{a.stage}{f' over {a.ranks} ranks' if a.ranks > 1 else ''}{_budget(a)} constructed in "
+                     f"{a.init_s:.1f} s" for a in s.engine_actors) or "none started") + ")",
         *balancing_lines(s.balancing),
         *([] if s.stage_split is None else [
             f"  stages       planned {s.stage_split.prefill_actors} prefill + {s.stage_split.decode_actors} decode "
             f"engine actors (simulated BCT {s.stage_split.predicted_bct_s:.1f} s)"]),
     ])
+
+
+def _budget(actor) -> str:
+    if actor.device_memory_bytes is None:
+        return ""
+    return f" (weights streamed within {actor.device_memory_bytes / 2**20:.1f} MiB of device memory)"
 
 
 def _first_result(results: Path) -> dict[str, Any] | None:

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from pipeline_helpers import ENGINE, SAMPLING, read_output, workload, write_input
+from pipeline_helpers import SAMPLING, engine_outputs, read_output, workload, write_input
 
 from batchgen.connectors.demo_data import demo_prompts
 from batchgen.pipelines.cli import build_parser, job_config, main
@@ -85,21 +85,25 @@ def test_console_script_exit_status(tmp_path, tiny_moe_dir):
 
 
 def test_run_with_bad_rows_exits_zero_and_reports_them(ray_cluster, tiny_moe_dir, tmp_path, capsys):
+    """Also in memory-constrained mode (--device-memory-mb, 40 % of tiny-moe's weights): same tokens."""
     input_dir = tmp_path / "in"
     write_input(str(input_dir), workload(4), files=1)
     bad = pa.table({"id": [4], "prompt": [None]}, schema=pq.read_schema(next(input_dir.glob("*.parquet"))))
     pq.write_table(bad, input_dir / "part-9.parquet")
     code = main(["run", "--model", tiny_moe_dir, "--input", str(input_dir), "--output", str(tmp_path / "out"),
                  "--mode", "single", "--batch-size", "2", "--sampling-params", json.dumps(SAMPLING),
-                 "--engine", json.dumps(ENGINE)])
+                 "--engine", json.dumps({"host_kv_budget_bytes": 32 << 20, "max_model_len": 512}),
+                 "--device-memory-mb", "6"])
     captured = capsys.readouterr()
     assert code == 0
     assert "rows         5 total: 5 written by this run, 0 already there" in captured.out
     assert "errors       1 rows with an error" in captured.out
+    assert "BatchGen (weights streamed within 6.0 MiB of device memory) constructed in" in captured.out
     assert "row" in captured.err and "tok/s" in captured.err and "ETA" in captured.err  # the progress bar
     table = read_output(str(tmp_path / "out"))
     assert table.column("id").to_pylist() == [0, 1, 2, 3, 4]
     assert "missing prompt" in table.column("error")[4].as_py()
+    assert table.column("generated_token_ids").to_pylist()[:4] == engine_outputs(tiny_moe_dir, workload(4))
 
 
 def test_demo_writes_its_prompts_runs_them_and_prints_a_summary(ray_cluster, tmp_path, capsys):

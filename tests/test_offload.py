@@ -139,3 +139,23 @@ def test_cli_device_memory_flag_sets_the_engine_budget(tmp_path):
                                       "--engine", '{"max_num_seqs": 64}', "--device-memory-mb", "1.5"])
     config = job_config(args)
     assert config.engine == {"max_num_seqs": 64, "device_memory_bytes": 1536 * 1024}
+
+
+def test_planned_settings_with_a_budget_match_the_reference(monkeypatch, tmp_path):
+    """Planning on (as users get it): the profile times the streamed layer, cached apart from the resident one's."""
+    from batchgen.engine.planner.profiler import profile_key
+
+    monkeypatch.setenv("BATCHGEN_PLAN", "1")
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "cache"))
+    save_tiny_checkpoint("qwen3_moe", tmp_path / "model")
+    loaded = load_model(str(tmp_path / "model"))
+    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=LENGTHS)
+    expected = ReferenceRunner(loaded.model).generate(batch, max_new_tokens=MAX_TOKENS)
+    resident_key = profile_key(loaded)
+    total = weight_units(loaded.model, "expert").total_bytes
+    engine = Engine(loaded, page_size=4, max_model_len=MAX_LEN, device_memory_bytes=int(total * 0.4))
+    assert engine.config.max_num_seqs is not None and engine.config.b_attn is not None
+    assert profile_key(loaded) != resident_key and loaded.weight_placement.startswith("streamed by expert")
+    assert generate(engine, batch) == expected
+    with pytest.raises(ValueError, match="already placed"):
+        Engine(loaded, page_size=4, max_model_len=MAX_LEN, device_memory_bytes=int(total * 0.4))

@@ -21,6 +21,9 @@ class LoadedModel:
     max_model_len: int
     dtype: torch.dtype
     uri: str
+    # "resident", or how memory-constrained mode placed the weights (engine/offload): what a layer's measured
+    # cost depends on, besides the device and the shape
+    weight_placement: str = "resident"
 
     @property
     def device(self) -> torch.device:

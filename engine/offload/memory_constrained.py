@@ -37,7 +37,13 @@ def stream_weights(loaded: LoadedModel, config: EngineConfig, device: torch.devi
                    ) -> tuple[WeightStreamer, EngineConfig]:
     """Place `loaded` (in host memory) for `config.device_memory_bytes` on `device`; the config comes back with
     the device KV budget and B_moe the plan gives (explicit values kept) and host KV streamed through staging."""
+    if loaded.weight_placement != "resident":
+        raise ValueError(f"this loaded model's weights are already placed ({loaded.weight_placement}); load the "
+                         "model again for another memory-constrained engine")
     units, plan, per_token = offload_plan(loaded, config, device.type)
     streamer = WeightStreamer(units, plan, device, per_token)
+    loaded.weight_placement = (f"streamed by {config.weight_streaming}, {plan.budget_bytes} device bytes, "
+                               f"{len(plan.resident_modules)} modules and {len(plan.resident_expert_layers)} expert "
+                               f"layers resident, {plan.expert_slots} expert slots")
     return streamer, dataclasses.replace(config, kv_budget_bytes=plan.kv_bytes, b_moe=plan.b_moe,
                                          stream_host_kv=True)

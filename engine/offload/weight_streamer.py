@@ -87,7 +87,9 @@ class ExpertRing:
     def run(self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor) -> torch.Tensor:
         """ops.fused_moe over the layer's experts, each routed expert fetched once. Windows follow the expert
-        order and each window's result is summed in it, so float32 results equal the resident computation's."""
+        order and their results are summed in that order: with top-2 routing, or when a call's routed experts
+        fit one window, that is the resident computation's sum exactly; with more experts per token in a later
+        window the partial sums associate differently (float rounding)."""
         experts = layer.experts
         routed = torch.unique(topk_ids[topk_ids >= 0]).tolist()
         windows = [routed[i : i + self.window] for i in range(0, len(routed), self.window)]
@@ -169,12 +171,16 @@ class WeightStreamer:
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device) - self._cuda_base
         rings = [r.copies for r in (self.modules, self.experts) if r is not None]
+        seconds = [c.seconds() for c in rings]
         return {"budget_bytes": plan.budget_bytes, "peak_bytes": peak,
                 "resident_weight_bytes": plan.fixed_bytes + plan.resident_bytes, "slot_bytes": plan.ring_bytes,
                 "kv_bytes": kv_bytes, "activation_bytes": activations,
                 "weight_bytes_streamed": sum(c.bytes for c in rings),
                 "weight_copies": sum(c.copies for c in rings),
-                "weight_stream_seconds": sum(c.seconds for c in rings)}
+                # copying, and of that the time the computation waited for a copy (all of it on CPU; on CUDA the
+                # rest was hidden behind compute)
+                "weight_stream_seconds": sum(copy for copy, _ in seconds),
+                "weight_stream_exposed_seconds": sum(stall for _, stall in seconds)}
 
 
 def _program_order(unit: ModuleUnit) -> tuple[float, int]:

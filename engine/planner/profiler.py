@@ -49,7 +49,8 @@ HOST_REPEATS = 2
 
 
 def profile_key(loaded: LoadedModel) -> str:
-    """What the measurements depend on: device (and threads on a CPU), model shape, dtype, versions."""
+    """What the measurements depend on: device (and threads on a CPU), model shape, dtype, weight placement,
+    versions."""
     device = loaded.device
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
@@ -58,7 +59,8 @@ def profile_key(loaded: LoadedModel) -> str:
     config = loaded.config.to_dict() if hasattr(loaded.config, "to_dict") else dict(loaded.config)
     shape = {k: v for k, v in sorted(config.items()) if isinstance(v, (int, str, bool, list, tuple))
              and not k.endswith(IGNORED_SUFFIXES) and k not in ("_name_or_path", "transformers_version", "dtype")}
-    text = json.dumps([where, shape, str(loaded.dtype), torch.__version__, PROFILE_VERSION], sort_keys=True)
+    text = json.dumps([where, shape, str(loaded.dtype), loaded.weight_placement, torch.__version__, PROFILE_VERSION],
+                      sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
