@@ -64,8 +64,10 @@ def plan_offload(units: WeightUnits, budget: int, device_type: str, activation_b
         experts_streamed = len(p.expert_layers) < len(units.expert_layers)
         return module_slots * max(streamed, default=0) + (p.expert_slots * expert_slot if experts_streamed else 0)
 
+    sizes = {u.name: u.nbytes for u in units.modules} | {e.layer: e.nbytes for e in units.expert_layers}
+
     def weights(p: _Placement) -> int:
-        sizes = {u.name: u.nbytes for u in units.modules} | {e.layer: e.nbytes for e in units.expert_layers}
+        """Resident weights and slots (the fixed weights apart)."""
         return sum(sizes[k] for k in p.modules | p.expert_layers) + rings(p)
 
     floor = fixed + weights(state) + min_kv_bytes
@@ -90,17 +92,15 @@ def plan_offload(units: WeightUnits, budget: int, device_type: str, activation_b
         allowance = weights(state) + int((budget - floor - activation) * RESIDENT_SHARE)
     else:
         allowance = budget - fixed - activation - kv_bytes
-    steps = [dataclasses.replace(state, expert_slots=n) for n in range(state.expert_slots + 1,
-                                                                         min(EXPERT_SLOTS, local_experts) + 1)]
-    for name in [u.name for u in units.modules] + [e.layer for e in units.expert_layers]:
-        steps.append(name)
+    # each step grows the placement, taken when it fits: wider expert windows, then modules in priority order,
+    # then whole expert layers
+    steps = [lambda p, n=n: dataclasses.replace(p, expert_slots=n)
+             for n in range(state.expert_slots + 1, min(EXPERT_SLOTS, local_experts) + 1)]
+    steps += [lambda p, name=u.name: dataclasses.replace(p, modules=p.modules | {name}) for u in units.modules]
+    steps += [lambda p, layer=e.layer: dataclasses.replace(p, expert_layers=p.expert_layers | {layer})
+              for e in units.expert_layers]
     for step in steps:
-        if isinstance(step, _Placement):
-            trial = dataclasses.replace(state, expert_slots=step.expert_slots)
-        elif isinstance(step, str):
-            trial = dataclasses.replace(state, modules=state.modules | {step})
-        else:
-            trial = dataclasses.replace(state, expert_layers=state.expert_layers | {step})
+        trial = step(state)
         if weights(trial) <= allowance:
             state = trial
     experts_streamed = len(state.expert_layers) < len(units.expert_layers)
