@@ -1,6 +1,7 @@
 """The shared-memory channel of an engine group (two processes on this host, tests/shm_ranks.py): all-reduces
 equal torch's sum and max on every rank, tensors and messages too large for a slot take the process group and
-still arrive, and a rank waiting on a dead one fails at once instead of spinning."""
+still arrive, rounds sent back to back reach a slow follower in order, and a rank waiting on a dead one fails
+at once instead of spinning."""
 
 from __future__ import annotations
 

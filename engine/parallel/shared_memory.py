@@ -33,9 +33,9 @@ IDLE_S = 0.1
 IDLE_SLEEP_S = 1e-3
 CHECK_ALIVE_S = 0.05
 # header (int64 words): the leader's round counter and length, then per rank: reply counter and length,
-# collective counter, pid
+# collective counter, pid, the last round it has read
 _ROUND, _ROUND_LEN, _RANKS = 0, 1, 8
-_REPLY, _REPLY_LEN, _COLLECTIVE, _PID, _PER_RANK = 0, 1, 2, 3, 4
+_REPLY, _REPLY_LEN, _COLLECTIVE, _PID, _ROUND_READ, _PER_RANK = 0, 1, 2, 3, 4, 5
 _EXTERNAL = -1  # a length that means "sent through the process group"
 
 
@@ -134,10 +134,13 @@ class SharedMemoryChannel:
 
     # ----------------------------------------------------------------- rounds
     def broadcast(self, message: Any) -> Any:
-        """The leader's `message` to every rank (each rank returns what the leader sent)."""
+        """The leader's `message` to every rank (each rank returns what the leader sent). The leader writes a
+        round only once every rank has read the one before, so rounds may follow each other without replies."""
         self._rounds += 1
         seq = self._rounds
         if self.rank == 0:
+            followers = list(range(1, self.size))
+            self._wait(lambda: all(self._word(r, _ROUND_READ)[0] >= seq - 1 for r in followers), followers)
             payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
             external = len(payload) > MESSAGE_BYTES
             if not external:
@@ -151,8 +154,11 @@ class SharedMemoryChannel:
         self._wait(lambda: self._header[_ROUND] >= seq, [0])
         length = int(self._header[_ROUND_LEN])
         if length == _EXTERNAL:
-            return pickle.loads(_recv(0, self.group))
-        return pickle.loads(self._bytes[self._round_at:self._round_at + length].tobytes())
+            message = pickle.loads(_recv(0, self.group))
+        else:
+            message = pickle.loads(self._bytes[self._round_at:self._round_at + length].tobytes())
+        self._word(self.rank, _ROUND_READ)[...] = seq
+        return message
 
     def gather(self, reply: Any) -> list[Any] | None:
         """Every rank's `reply` at the leader, in rank order (None elsewhere); call after `broadcast`."""
