@@ -42,7 +42,7 @@ from batchgen.engine.kv_pool import PoolGeometry
 from batchgen.engine.offload.memory_constrained import offload_plan
 from batchgen.engine.offload.weight_units import weight_units
 
-SYSTEMS = {"batchgen": "expert", "flexgen_style": "layer"}
+SYSTEMS = ("batchgen", "flexgen_style")
 
 
 def workload(args: argparse.Namespace, vocab: int) -> list[Request]:

@@ -153,7 +153,7 @@ class WeightStreamer:
                 (_place if layer.layer in plan.resident_expert_layers else _host)(param, device)
             if layer.layer not in plan.resident_expert_layers:
                 streamed_experts.append(layer)
-        if units.embedding is not None and units.embedding.device != device:
+        if units.embedding.device != device:  # not the table of a resident tied LM head
             _host(units.embedding, device)
         self.modules = (ModuleRing(streamed_modules, plan.module_slots, plan.module_slot_bytes, device)
                         if streamed_modules else None)

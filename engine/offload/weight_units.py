@@ -46,7 +46,7 @@ class WeightUnits:
     modules: tuple[ModuleUnit, ...]  # in residency priority: attention, dense / shared MLPs, LM head
     expert_layers: tuple[ExpertLayer, ...]  # empty in "layer" streaming (the experts are in module units)
     fixed: tuple[nn.Parameter, ...]  # always on the device
-    embedding: nn.Parameter | None  # looked up on the host unless the LM head shares it and is resident
+    embedding: nn.Parameter  # looked up in host memory unless the LM head shares it and is resident
     total_bytes: int  # every distinct weight of the model
 
 
