@@ -17,8 +17,8 @@ from batchgen.operators.work_balancer import start_work_balancer
 
 pytestmark = pytest.mark.slow  # end to end on a Ray runtime
 
-LONG = {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True}
-SEEDED = {"temperature": 0.9, "seed": 7, "max_tokens": 64, "ignore_eos": True}
+LONG = {"temperature": 0.0, "max_tokens": 128, "ignore_eos": True}
+SEEDED = {"temperature": 0.9, "seed": 7, "max_tokens": 128, "ignore_eos": True}
 SHORT = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}  # long enough to see the other's load
 
 
