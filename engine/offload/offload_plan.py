@@ -57,7 +57,7 @@ def plan_offload(units: WeightUnits, budget: int, device_type: str, activation_b
     module_slots = MIN_SLOTS.get(device_type, 1)
     local_experts = max((e.experts.num_local_experts for e in units.expert_layers), default=0)
     expert_slot = max((e.expert_bytes for e in units.expert_layers), default=0)
-    state = _Placement(frozenset(), frozenset(), min(MIN_SLOTS.get(device_type, 1), local_experts))
+    state = _Placement(frozenset(), frozenset(), min(module_slots, local_experts))
 
     def rings(p: _Placement) -> int:
         streamed = [u.nbytes for u in units.modules if u.name not in p.modules]

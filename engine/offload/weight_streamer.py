@@ -33,6 +33,7 @@ class ModuleRing:
         order = sorted(units, key=_program_order)
         self.next = {a.name: b for a, b in zip(order, order[1:])}
         self._bound: dict[str, int] = {}
+        self._slot_views: dict[tuple[str, int], list[torch.Tensor]] = {}  # made once per unit and slot
         for unit in units:
             unit.module.register_forward_pre_hook(functools.partial(self._bind, unit))
             unit.module.register_forward_hook(functools.partial(self._unbind, unit))
@@ -64,12 +65,15 @@ class ModuleRing:
         return slot
 
     def _views(self, unit: ModuleUnit, slot: int) -> list[torch.Tensor]:
-        buffer, offset, views = self.buffers[slot], 0, []
-        for host in unit.host:
-            nbytes = host.numel() * host.element_size()
-            views.append(buffer[offset : offset + nbytes].view(host.dtype).view(host.shape))
-            offset += aligned_bytes(nbytes)
-        return views
+        key = (unit.name, slot)
+        if key not in self._slot_views:
+            buffer, offset, views = self.buffers[slot], 0, []
+            for host in unit.host:
+                nbytes = host.numel() * host.element_size()
+                views.append(buffer[offset : offset + nbytes].view(host.dtype).view(host.shape))
+                offset += aligned_bytes(nbytes)
+            self._slot_views[key] = views
+        return self._slot_views[key]
 
 
 class ExpertRing:
