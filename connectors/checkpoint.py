@@ -31,6 +31,7 @@ from batchgen.connectors.checkpoint_files import (
     metadata_dir,
     read_tokenizer,
 )
+from batchgen.connectors.host_memory import place_in_arena
 from batchgen.connectors.io import filesystem
 from batchgen.connectors.presets import resolve_preset
 from batchgen.engine.models.layers import FusedExperts
@@ -158,6 +159,9 @@ def _build_empty(family: ModelFamily, config, dtype: torch.dtype, device: torch.
                 module.keep_shard(*expert_shard)
         if tensor_shard is not None:
             cuts = keep_tensor_shard(model, *tensor_shard)
+    if device.type == "cpu":  # one huge-page arena for every weight (connectors/host_memory.py)
+        place_in_arena(model.to(dtype=dtype))
+        return model.requires_grad_(False), cuts
     tied = _tied_parameters(model)
     model = model.to(dtype=dtype).to_empty(device=device).requires_grad_(False)
     for alias, source in tied:  # leaving the meta device gives every module its own Parameter: re-tie

@@ -1,10 +1,10 @@
 """AttentionContext implementations over the paged pools (see engine/models/context.py).
 
 Three ways a micro-batch meets its KV:
-- prefill: the new tokens' K/V are written to their pages (device pages, or host pages when the prompt
-  is offloaded right away) and attention runs over the batch's own new tokens, or, when a chunk
-  continues a prompt prefilled in earlier steps, over each sequence's whole prefix read back from its
-  pages;
+- prefill: the new tokens' K/V are written to their pages (device pages, or host pages layer by layer
+  when the prompt is offloaded right away: engine/prefill_offload.py) and attention runs over the
+  batch's own new tokens, or, when a chunk continues a prompt prefilled in earlier steps, over each
+  sequence's whole prefix read back from its pages;
 - resident decode: one new token per sequence against its device pages;
 - staged decode (offloaded COMBINE): the sequence's KV lives in the host store; for each layer
   its pages are copied into a one-layer staging pool, attention runs there, and the new token's
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.engine.kv_pool import KVPool
+from batchgen.engine.prefill_offload import PrefillOffload
 from batchgen.kernels import ops
 
 
@@ -30,14 +31,20 @@ class PrefillContext:
     # chunked prefill: every sequence's keys are its whole prefix so far, read back from its pages
     cu_seqlens_k: torch.Tensor | None = None  # [B + 1] int32 over the prefixes (None: = cu_seqlens)
     context_slots: torch.Tensor | None = None  # [sum of prefixes] int64 slots in `pool`
+    # prompts prefilled into host pages: each layer's K/V leaves for them as soon as the layer has attended
+    offload: PrefillOffload | None = None
+    offload_runs: list[tuple[int, int, int]] | None = None  # slot_runs of `slots`
 
     def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
-        """A prompt offloaded right away leaves each layer's KV in host pages as soon as that layer has
-        attended, so the device holds one layer's prefill KV of it at a time."""
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
-        ops.write_kv(k.to(k_cache.device), v.to(v_cache.device), k_cache, v_cache, self.slots)
+        if self.offload is None:
+            ops.write_kv(k, v, k_cache, v_cache, self.slots)
+        else:
+            self.offload.write(layer, k, v, self.offload_runs)
         if self.context_slots is None:
             return ops.prefill_attention(q, k, v, self.cu_seqlens, self.cu_seqlens, scale)
+        if self.offload is not None:
+            self.offload.flush()  # the prefix read back includes this layer's new tokens
         keys = k_cache.flatten(0, 1)[self.context_slots].to(q.device)
         values = v_cache.flatten(0, 1)[self.context_slots].to(q.device)
         return ops.prefill_attention(q, keys, values, self.cu_seqlens, self.cu_seqlens_k, scale)

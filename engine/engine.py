@@ -153,6 +153,7 @@ class Engine(Generates):
 
     def metrics(self) -> dict:
         summary = self.stats.summary(self.kv)
+        summary["prefill_offload"] = self.runner.prefill_offload.summary()
         if self.streamer is not None:
             summary["device_memory"] = self.streamer.memory(self.kv, self.stats.max_ffn_tokens)
         return summary

@@ -13,6 +13,7 @@ from batchgen.engine.coroutine import CoroutineGroup, ProgramPoint, run_idle_lay
 from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.kv_pool import KVPool
 from batchgen.engine.metrics import EngineMetrics
+from batchgen.engine.prefill_offload import PrefillOffload, slot_runs
 from batchgen.engine.scheduler import PrefillChunk
 from batchgen.engine.sequence import Sequence
 
@@ -36,6 +37,7 @@ class ModelRunner:
         self.stats = stats  # told every feed-forward batch size and the time spent in the forward itself
         # expert parallelism: this rank's feed-forward calls per layer -> the most any rank of the engine makes
         self.agree_ffn_calls = agree_ffn_calls
+        self.prefill_offload = PrefillOffload(kv.host, device)
 
     def step(self, chunks: list[PrefillChunk], resident: list[Sequence],
              staged_groups: list[list[Sequence]]) -> torch.Tensor:
@@ -81,6 +83,7 @@ class ModelRunner:
         if self.agree_ffn_calls is not None:
             calls = self.agree_ffn_calls(-(-tokens // self.limits.b_moe))
         hidden = run_layers(self.model, micro, self.limits.b_moe, self.stats.record_ffn_batch, calls)
+        self.prefill_offload.flush()
         logits = self.model.head(hidden if rows is None else hidden[rows])
         self.stats.forward_seconds += time.perf_counter() - start
         return logits
@@ -95,6 +98,7 @@ class ModelRunner:
         slots = [slot for c in chunks for slot in self.kv.slots(c.seq, c.start, c.end - c.start)]
         cu_seqlens = torch.tensor([0, *_cumsum(lengths)], dtype=torch.int32, device=self.device)
         continued = any(c.start for c in chunks)  # then every chunk attends over its whole prefix in pages
+        offloaded = pool is self.kv.host
         ctx = PrefillContext(
             positions=torch.cat([torch.arange(c.start, c.end, device=self.device) for c in chunks]),
             cu_seqlens=cu_seqlens,
@@ -104,6 +108,8 @@ class ModelRunner:
                                       device=self.device) if continued else cu_seqlens,
             context_slots=torch.tensor([slot for c in chunks for slot in self.kv.slots(c.seq, 0, c.end)],
                                        dtype=torch.long, device=pool.device) if continued else None,
+            offload=self.prefill_offload if offloaded else None,
+            offload_runs=slot_runs(slots) if offloaded else None,
         )
         return CoroutineGroup([c.seq for c in chunks], self._embed(tokens), ProgramPoint(0, "attn"), ctx)
 

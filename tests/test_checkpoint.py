@@ -2,6 +2,7 @@
 failing at load time with an error naming the file, tensor or type."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from tiny_models import (
 )
 
 from batchgen.connectors.checkpoint import CheckpointError, load_model
+from batchgen.connectors.host_memory import HUGE_PAGE, host_arena, huge_page_bytes
 from batchgen.connectors.checkpoint_files import load_tokenizer
 from batchgen.engine.models.registry import UnsupportedModelError, supported_model_types
 from batchgen.engine.reference import ReferenceRunner
@@ -212,3 +214,24 @@ def test_float8_weights_without_a_quantization_config_fail_naming_the_tensor(mix
     _rewrite_shard(directory, lambda tensors: tensors.__setitem__(name, tensors[name].to(torch.float8_e4m3fn)))
     with pytest.raises(CheckpointError, match=f"tensor '{name}' .* is torch.float8_e4m3fn"):
         load_model(str(directory))
+
+
+def test_host_weights_live_in_one_huge_page_arena(mixtral_dir):
+    """Every weight of a model loaded into host memory is a view of one mapping that starts on a 2 MiB boundary
+    ; the mapping is advised for transparent huge pages."""
+    model = load_model(mixtral_dir).model
+    params = list(model.parameters())
+    assert len({p.untyped_storage().data_ptr() for p in params}) == 1
+    assert min(p.data_ptr() for p in params) % HUGE_PAGE == 0
+    ends = sorted((p.data_ptr(), p.data_ptr() + p.nbytes) for p in params)
+    assert all(end <= start for (_, end), (start, _) in zip(ends, ends[1:]))  # no two weights overlap
+
+
+def test_a_host_arena_gets_huge_pages_where_the_os_gives_them():
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("this OS gives no transparent huge pages")
+    arena = host_arena(8 * HUGE_PAGE)
+    arena.fill_(1)  # the pages are given on first touch
+    assert arena.data_ptr() % HUGE_PAGE == 0
+    assert huge_page_bytes(arena) >= HUGE_PAGE

@@ -159,3 +159,19 @@ def test_planned_settings_with_a_budget_match_the_reference(monkeypatch, tmp_pat
     assert generate(engine, batch) == expected
     with pytest.raises(ValueError, match="already placed"):
         Engine(loaded, page_size=4, max_model_len=MAX_LEN, device_memory_bytes=int(total * 0.4))
+
+
+def test_a_steps_feed_forward_batches_reuse_the_experts_their_slots_hold(tmp_path):
+    """B_moe far below the step's tokens: each layer's MoE runs in several batches that route to much the
+    same experts; a slot still holding its expert is not loaded again, and tokens stay the reference's."""
+    save_tiny_checkpoint("qwen3_moe", tmp_path)
+    loaded = load_model(str(tmp_path))
+    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=LENGTHS)
+    expected = ReferenceRunner(loaded.model).generate(batch, max_new_tokens=MAX_TOKENS)
+    total = weight_units(loaded.model, "expert").total_bytes
+    engine = Engine(loaded, page_size=4, max_model_len=MAX_LEN, b_attn=3, b_moe=8,
+                    device_memory_bytes=int(total * 0.4))
+    assert generate(engine, batch) == expected
+    memory = engine.metrics()["device_memory"]
+    assert engine.streamer.experts is not None and memory["expert_loads_reused"] > 0
+    assert memory["peak_bytes"] <= memory["budget_bytes"]

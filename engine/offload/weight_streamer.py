@@ -78,7 +78,10 @@ class ModuleRing:
 
 class ExpertRing:
     """Expert slots shaped like one expert's weights; a MoE call streams its routed experts through them in
-    windows: on CUDA the slots are two halves, the next window loading into one while the other computes."""
+    windows: on CUDA the slots are two halves, the next window loading into one while the other computes.
+    A slot still holding the expert it needs (the same layer's previous call: a step's feed-forward batches
+    of up to B_moe tokens each route to much the same experts) is not loaded again, and a window its slots
+    already hold goes first."""
 
     def __init__(self, layers: list[ExpertLayer], slots: int, device: torch.device):
         first = layers[0].experts
@@ -87,25 +90,28 @@ class ExpertRing:
         self.copies = SlotCopies(device, slots)
         self.halves = 2 if device.type == "cuda" and slots > 1 else 1
         self.window = slots // self.halves
+        self.holds: list[tuple[int, int] | None] = [None] * slots  # (layer, expert) in each slot
+        self.reused = 0  # expert loads saved: the slot already held that expert
 
     def run(self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor) -> torch.Tensor:
-        """ops.fused_moe over the layer's experts, each routed expert fetched once. Windows follow the expert
-        order and their results are summed in that order: with top-2 routing, or when a call's routed experts
-        fit one window, that is the resident computation's sum exactly; with more experts per token in a later
-        window the partial sums associate differently (float rounding)."""
+        """ops.fused_moe over the layer's experts, each routed expert fetched at most once. Each window holds
+        consecutive experts in expert order and the windows' results are summed: with top-2 routing (in any
+        window order), or when a call's routed experts fit one window, that is the resident computation's sum
+        exactly; with more experts per token in another window the partial sums associate differently (float
+        rounding)."""
         experts = layer.experts
         routed = torch.unique(topk_ids[topk_ids >= 0]).tolist()
         windows = [routed[i : i + self.window] for i in range(0, len(routed), self.window)]
         if not windows:
             return torch.zeros_like(x)
-        starts = [(i % self.halves) * self.window for i in range(len(windows))]
+        plan = self._place(layer.layer, windows)
         slot_of = torch.full((experts.num_local_experts,), -1, dtype=topk_ids.dtype, device=topk_ids.device)
-        self._load(experts, windows[0], starts[0])
+        self._load(layer, *plan[0])
         out = None
-        for i, (window, start) in enumerate(zip(windows, starts)):
-            if self.halves == 2 and i + 1 < len(windows):
-                self._load(experts, windows[i + 1], starts[i + 1])
+        for i, (window, start) in enumerate(plan):
+            if self.halves == 2 and i + 1 < len(plan):
+                self._load(layer, *plan[i + 1])
             end = start + len(window)
             for slot in range(start, end):
                 self.copies.wait(slot)
@@ -116,13 +122,35 @@ class ExpertRing:
             for slot in range(start, end):
                 self.copies.release(slot)
             out = part if out is None else out + part
-            if self.halves == 1 and i + 1 < len(windows):
-                self._load(experts, windows[i + 1], starts[i + 1])
+            if self.halves == 1 and i + 1 < len(plan):
+                self._load(layer, *plan[i + 1])
         return out
 
-    def _load(self, experts, window: list[int], start: int) -> None:
+    def _place(self, layer: int, windows: list[list[int]]) -> list[tuple[list[int], int]]:
+        """(window, first slot) in run order: a window some half of the slots holds entirely runs first, there;
+        the others alternate between the halves (never the half the previous window computes in)."""
+        starts = [h * self.window for h in range(self.halves)]
+
+        def holder(window: list[int]) -> int | None:
+            return next((s for s in starts if self.holds[s : s + len(window)] == [(layer, e) for e in window]), None)
+
+        held = [(w, holder(w)) for w in windows if holder(w) is not None]
+        plan, previous = held[:], held[-1][1] if held else None
+        for window in windows:
+            if holder(window) is None:
+                start = next(s for s in starts if s != previous or self.halves == 1)
+                plan.append((window, start))
+                previous = start
+        return plan
+
+    def _load(self, layer: ExpertLayer, window: list[int], start: int) -> None:
+        experts = layer.experts
         for offset, expert in enumerate(window):
             slot = start + offset
+            if self.holds[slot] == (layer.layer, expert):
+                self.reused += 1
+                continue
+            self.holds[slot] = (layer.layer, expert)
             self.copies.load(slot, [(self.gate_up[slot], experts.gate_up_proj[expert]),
                                     (self.down[slot], experts.down_proj[expert])])
 
@@ -181,6 +209,7 @@ class WeightStreamer:
                 "kv_bytes": kv_bytes, "activation_bytes": activations,
                 "weight_bytes_streamed": sum(c.bytes for c in rings),
                 "weight_copies": sum(c.copies for c in rings),
+                "expert_loads_reused": self.experts.reused if self.experts is not None else 0,
                 # copying, and of that the time the computation waited for a copy (all of it on CPU; on CUDA the
                 # rest was hidden behind compute)
                 "weight_stream_seconds": sum(copy for copy, _ in seconds),
