@@ -26,6 +26,7 @@ from batchgen.engine.migration import MigratedRequest, MigratedSample
 from batchgen.engine.model_runner import MicroBatchLimits, ModelRunner
 from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.offload.memory_constrained import stream_weights
+from batchgen.engine.offload.phase_switch import PhaseSwitch
 from batchgen.engine.offload.weight_streamer import WeightStreamer
 from batchgen.engine.parallel.group_model import FfnCallAgreement, attach_dispatchers, attach_partial_sums
 from batchgen.engine.parallel.rank_group import RankGroup
@@ -90,7 +91,10 @@ class Engine(Generates):
             attach_dispatchers(self.model, group, self.device, loaded.dtype)
         elif group is not None:
             attach_partial_sums(self.model, group)
-        self.runner = ModelRunner(self.model, self.kv, self.device, limits, self.stats, agree)
+        phases = None
+        if self.streamer is not None and self.kv.stage.num_pages:
+            phases = PhaseSwitch(self.kv.stage, limits.b_moe, self.streamer.activation_bytes_per_token)
+        self.runner = ModelRunner(self.model, self.kv, self.device, limits, self.stats, agree, phases)
         self.model.observe_routing(self.stats.record_route)
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self._requests: dict[str, _RequestState] = {}
@@ -155,7 +159,7 @@ class Engine(Generates):
         summary = self.stats.summary(self.kv)
         summary["prefill_offload"] = self.runner.prefill_offload.summary()
         if self.streamer is not None:
-            summary["device_memory"] = self.streamer.memory(self.kv, self.stats.max_ffn_tokens)
+            summary["device_memory"] = self.streamer.memory(self.kv, self.stats.max_ffn_tokens, self.runner.phases)
         return summary
 
     @torch.inference_mode()

@@ -76,6 +76,18 @@ class KVPool:
         self.holders = [0] * num_pages
         self.cache = PageCache() if cache else None
 
+    def release_storage(self) -> None:
+        """Give back the pages' memory, keeping the pool's geometry (for a scratch pool whose contents do not
+        outlive a step: the staging pool; engine/offload/phase_switch.py)."""
+        self.k, self.v = self.k.new_empty((0, *self.k.shape[1:])), self.v.new_empty((0, *self.v.shape[1:]))
+
+    def restore_storage(self) -> None:
+        """Pages again after `release_storage`, contents undefined."""
+        spec = self.geometry.spec
+        shape = (spec.num_layers, self.num_pages, self.geometry.page_size, spec.num_kv_heads)
+        self.k = self.k.new_empty((*shape, spec.k_dim))
+        self.v = self.v.new_empty((*shape, spec.v_dim))
+
     @property
     def free_pages(self) -> int:
         """Pages an allocation can take: never held, or held no more (idle cached pages included)."""

@@ -13,6 +13,7 @@ from batchgen.engine.coroutine import CoroutineGroup, ProgramPoint, run_idle_lay
 from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.kv_pool import KVPool
 from batchgen.engine.metrics import EngineMetrics
+from batchgen.engine.offload.phase_switch import PhaseSwitch
 from batchgen.engine.prefill_offload import PrefillOffload, slot_runs
 from batchgen.engine.scheduler import PrefillChunk
 from batchgen.engine.sequence import Sequence
@@ -29,7 +30,8 @@ class MicroBatchLimits:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVManager, device: torch.device, limits: MicroBatchLimits,
-                 stats: EngineMetrics, agree_ffn_calls: Callable[[int], int] | None = None):
+                 stats: EngineMetrics, agree_ffn_calls: Callable[[int], int] | None = None,
+                 phases: PhaseSwitch | None = None):
         self.model = model
         self.kv = kv
         self.device = device
@@ -38,6 +40,7 @@ class ModelRunner:
         # expert parallelism: this rank's feed-forward calls per layer -> the most any rank of the engine makes
         self.agree_ffn_calls = agree_ffn_calls
         self.prefill_offload = PrefillOffload(kv.host, device)
+        self.phases = phases  # memory-constrained mode: the staging pool lent to prefill steps' MoE batches
 
     def step(self, chunks: list[PrefillChunk], resident: list[Sequence],
              staged_groups: list[list[Sequence]]) -> torch.Tensor:
@@ -58,7 +61,11 @@ class ModelRunner:
             rows = torch.tensor([end - 1 for c, end in zip(chunks, ends) if c.completes]
                                 + list(range(prefill_tokens, prefill_tokens + decoding)),
                                 dtype=torch.long, device=self.device)
-        logits = self._forward(micro, rows, (ends[-1] if chunks else 0) + decoding)
+        tokens = (ends[-1] if chunks else 0) + decoding
+        b_moe = self.limits.b_moe
+        if self.phases is not None:
+            b_moe = self.phases.enter(bool(chunks), bool(staged_groups), tokens)
+        logits = self._forward(micro, rows, tokens, b_moe)
         for c in chunks:
             c.seq.kv_len = c.end
         for s in [*resident, *(s for group in staged_groups for s in group)]:
@@ -76,13 +83,15 @@ class ModelRunner:
             embedding = self.model.embed_tokens.weight
             run_idle_layers(self.model, calls, embedding.new_empty(0, embedding.shape[1]))
 
-    def _forward(self, micro: list[CoroutineGroup], rows: torch.Tensor | None, tokens: int) -> torch.Tensor:
-        """The model forward proper: every layer over the micro-batches, then the LM head on `rows`."""
+    def _forward(self, micro: list[CoroutineGroup], rows: torch.Tensor | None, tokens: int,
+                 b_moe: int) -> torch.Tensor:
+        """The model forward proper: every layer over the micro-batches (feed-forward batches of at most `b_moe`
+        tokens), then the LM head on `rows`."""
         start = time.perf_counter()
         calls = 0
         if self.agree_ffn_calls is not None:
-            calls = self.agree_ffn_calls(-(-tokens // self.limits.b_moe))
-        hidden = run_layers(self.model, micro, self.limits.b_moe, self.stats.record_ffn_batch, calls)
+            calls = self.agree_ffn_calls(-(-tokens // b_moe))
+        hidden = run_layers(self.model, micro, b_moe, self.stats.record_ffn_batch, calls)
         self.prefill_offload.flush()
         logits = self.model.head(hidden if rows is None else hidden[rows])
         self.stats.forward_seconds += time.perf_counter() - start

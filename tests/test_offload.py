@@ -169,9 +169,31 @@ def test_a_steps_feed_forward_batches_reuse_the_experts_their_slots_hold(tmp_pat
     batch = prompts(vocab_size=loaded.model.vocab_size, lengths=LENGTHS)
     expected = ReferenceRunner(loaded.model).generate(batch, max_new_tokens=MAX_TOKENS)
     total = weight_units(loaded.model, "expert").total_bytes
-    engine = Engine(loaded, page_size=4, max_model_len=MAX_LEN, b_attn=3, b_moe=8,
-                    device_memory_bytes=int(total * 0.4))
+    engine = Engine(loaded, page_size=4, max_model_len=MAX_LEN, b_attn=3, b_moe=8, staging_fraction=0.0,
+                    device_memory_bytes=int(total * 0.4))  # no staging pool: no prefill layout, B_moe 8 always
     assert generate(engine, batch) == expected
     memory = engine.metrics()["device_memory"]
     assert engine.streamer.experts is not None and memory["expert_loads_reused"] > 0
     assert memory["peak_bytes"] <= memory["budget_bytes"]
+
+
+def test_prefill_steps_lend_the_staging_pool_to_a_larger_moe_batch(tmp_path):
+    """Local phase switching: steps that prefill with no host-resident sequence decoding release the staging
+    pool and run MoE batches larger by its bytes; a step with staged decode takes it back. Tokens stay the
+    reference's and the accounting (staging + activations, per step) stays within the budget."""
+    save_tiny_checkpoint("mixtral", tmp_path)
+    loaded = load_model(str(tmp_path))
+    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=LENGTHS * 3)
+    expected = ReferenceRunner(loaded.model).generate(batch, max_new_tokens=MAX_TOKENS)
+    total = weight_units(loaded.model, "expert").total_bytes
+    budget = int(total * 0.3)
+    engine = Engine(loaded, page_size=4, max_model_len=MAX_LEN, b_attn=4, b_moe=16, max_num_seqs=24,
+                    device_memory_bytes=budget, staging_fraction=0.5)
+    assert generate(engine, batch) == expected
+    metrics = engine.metrics()
+    memory = metrics["device_memory"]
+    assert metrics["staged_decode_batches"] > 0  # some steps needed the staging pool back
+    assert memory["phase_switches"] >= 2 and memory["prefill_b_moe"] > 16
+    assert metrics["max_ffn_tokens"] > 16  # a prefill step ran a MoE batch above the plan's B_moe
+    assert memory["peak_bytes"] <= budget
+    assert engine.kv.stage.k.shape[1] == engine.kv.stage.num_pages  # the last step decoded: pool allocated

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from batchgen.engine.offload.offload_plan import OffloadPlan
+from batchgen.engine.offload.phase_switch import PhaseSwitch
 from batchgen.engine.offload.slot_copies import SlotCopies
 from batchgen.engine.offload.weight_units import ExpertLayer, ModuleUnit, WeightUnits, aligned_bytes
 from batchgen.kernels import ops
@@ -193,13 +194,17 @@ class WeightStreamer:
         for layer in streamed_experts:
             layer.experts.streamed = functools.partial(self.experts.run, layer)
 
-    def memory(self, kv, max_ffn_tokens: int) -> dict:
+    def memory(self, kv, max_ffn_tokens: int, phases: PhaseSwitch | None = None) -> dict:
         """Device bytes by use, and their peak: the allocator's statistics on CUDA, this accounting elsewhere
-        (weights and slots, the KV pools as allocated, the largest feed-forward batch's activations)."""
+        (weights and slots, the device KV pool as allocated, and the most any step held of staging pages and
+        feed-forward activations together: with phase switching a prefill step's larger batch uses the staging
+        pool's bytes)."""
         plan = self.plan
-        kv_bytes = kv.device.nbytes(kv.device.num_pages) + kv.stage.nbytes(kv.stage.num_pages)
+        staging = kv.stage.nbytes(kv.stage.num_pages)
+        kv_bytes = kv.device.nbytes(kv.device.num_pages) + staging
         activations = max_ffn_tokens * self.activation_bytes_per_token
-        peak = plan.weight_bytes + kv_bytes + activations
+        step_bytes = staging + activations if phases is None else phases.peak_bytes
+        peak = plan.weight_bytes + kv.device.nbytes(kv.device.num_pages) + step_bytes
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device) - self._cuda_base
         rings = [r.copies for r in (self.modules, self.experts) if r is not None]
@@ -213,7 +218,9 @@ class WeightStreamer:
                 # copying, and of that the time the computation waited for a copy (all of it on CPU; on CUDA the
                 # rest was hidden behind compute)
                 "weight_stream_seconds": sum(copy for copy, _ in seconds),
-                "weight_stream_exposed_seconds": sum(stall for _, stall in seconds)}
+                "weight_stream_exposed_seconds": sum(stall for _, stall in seconds),
+                "phase_switches": phases.switches if phases is not None else 0,
+                "prefill_b_moe": phases.prefill_b_moe if phases is not None else plan.b_moe}
 
 
 def _program_order(unit: ModuleUnit) -> tuple[float, int]:
