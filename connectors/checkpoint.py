@@ -31,9 +31,9 @@ from batchgen.connectors.checkpoint_files import (
     metadata_dir,
     read_tokenizer,
 )
-from batchgen.connectors.host_memory import place_in_arena
+from batchgen.connectors.host_memory import SharedHostWeights, host_arena, place_in_arena
 from batchgen.connectors.io import filesystem
-from batchgen.connectors.presets import resolve_preset
+from batchgen.connectors.presets import default_cache_dir, resolve_preset
 from batchgen.engine.models.layers import FusedExperts
 from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.models.registry import ModelFamily, model_family
@@ -59,13 +59,17 @@ def load_model(
     weights: bool = True,
     expert_shard: tuple[int, int] | None = None,
     tensor_shard: tuple[int, int] | None = None,
+    shared_host_weights: bool = False,
 ) -> LoadedModel:
     """Load the checkpoint at `uri` (local path, s3://, memory://, or a preset name such as "tiny-moe").
     `weights=False`: only its shape, on the "meta" device (config and tokenizer read, no weight file): what the
     planner needs of a model too large for this machine. `expert_shard=(rank, ranks)`: hold only that rank's
     contiguous share of every MoE layer's routed experts, reading no other expert's bytes (expert parallelism).
     `tensor_shard=(rank, ranks)`: hold only that rank's attention heads and MLP / expert columns
-    (engine/models/tensor_parallel.py), reading only those slices of the checkpoint's tensors."""
+    (engine/models/tensor_parallel.py), reading only those slices of the checkpoint's tensors.
+    `shared_host_weights` (host memory only): the weights live in a file mapping every process of the node shares
+    (connectors/host_memory.py): the first load writes it, later ones, in any process, map it without reading the
+    checkpoint's weights again."""
     torch_dtype = parse_dtype(dtype)
     uri = resolve_preset(str(uri)) or str(uri)
     fs, root = filesystem(uri, storage_options)
@@ -75,10 +79,22 @@ def load_model(
         tokenizer = read_tokenizer(meta_dir, files, uri)
         eos_token_ids = _eos_token_ids(meta_dir, files, config, tokenizer)
     shards = _shard_paths(fs, root, files, uri)
+    store = None
+    if shared_host_weights and weights and torch.device(device).type == "cpu":
+        identity = {"uri": uri, "files": _file_identities(fs, root, files), "dtype": str(torch_dtype),
+                    "expert_shard": expert_shard, "tensor_shard": tensor_shard}
+        store = SharedHostWeights(default_cache_dir().parent / "host-weights", identity)
     model, cuts = _build_empty(family, config, torch_dtype, torch.device(device if weights else "meta"),
-                               expert_shard, tensor_shard)
-    if weights:
-        _fill_weights(model, family, fs, shards, uri, cuts)
+                               expert_shard, tensor_shard, store.allocate if store else host_arena)
+    if weights and not (store and store.complete):
+        try:
+            _fill_weights(model, family, fs, shards, uri, cuts)
+        except BaseException:
+            if store:
+                store.abandon()
+            raise
+        if store:
+            store.commit()
     return LoadedModel(model.eval(), config, tokenizer, eos_token_ids, int(config.max_position_embeddings),
                        torch_dtype, uri)
 
@@ -147,10 +163,11 @@ def _shard_paths(fs, root: str, files: set[str], uri: str) -> list[str]:
 
 
 def _build_empty(family: ModelFamily, config, dtype: torch.dtype, device: torch.device,
-                 expert_shard: tuple[int, int] | None = None, tensor_shard: tuple[int, int] | None = None,
-                 ) -> tuple[torch.nn.Module, dict[str, TensorSlice]]:
-    """The model with uninitialised weights in `dtype` on `device` (nothing is computed or allocated twice),
-    cut to a rank's share when asked, and how each cut parameter reads its checkpoint tensors."""
+                 expert_shard: tuple[int, int] | None, tensor_shard: tuple[int, int] | None,
+                 allocate_host: Callable[[int], torch.Tensor]) -> tuple[torch.nn.Module, dict[str, TensorSlice]]:
+    """The model with uninitialised weights in `dtype` on `device` (nothing is computed or allocated twice; on
+    the host in one region from `allocate_host`), cut to a rank's share when asked, and how each cut parameter
+    reads its checkpoint tensors."""
     cuts = {}
     with torch.device("meta"), _no_weight_init():
         model = family.build(config)
@@ -160,7 +177,7 @@ def _build_empty(family: ModelFamily, config, dtype: torch.dtype, device: torch.
         if tensor_shard is not None:
             cuts = keep_tensor_shard(model, *tensor_shard)
     if device.type == "cpu":  # one huge-page arena for every weight (connectors/host_memory.py)
-        place_in_arena(model.to(dtype=dtype))
+        place_in_arena(model.to(dtype=dtype), allocate_host)
         return model.requires_grad_(False), cuts
     tied = _tied_parameters(model)
     model = model.to(dtype=dtype).to_empty(device=device).requires_grad_(False)
@@ -168,6 +185,16 @@ def _build_empty(family: ModelFamily, config, dtype: torch.dtype, device: torch.
         module, _, attr = alias.rpartition(".")
         setattr(model.get_submodule(module), attr, model.get_parameter(source))
     return model, cuts
+
+
+def _file_identities(fs, root: str, files: set[str]) -> list[tuple[str, object, object]]:
+    """(name, size, modification mark) of every checkpoint file: a rewritten checkpoint is another identity."""
+    out = []
+    for name in sorted(files):
+        info = fs.info(posixpath.join(root, name))
+        mark = info.get("mtime") or info.get("LastModified") or info.get("ETag") or info.get("created")
+        out.append((name, info.get("size"), str(mark)))
+    return out
 
 
 @contextmanager

@@ -1,19 +1,29 @@
-"""Host memory for a model's weights: one anonymous mapping, aligned to and advised for transparent huge pages.
+"""Host memory for a model's weights: one region for all of them, in either of two kinds.
 
-The weights of a CPU engine, and the host copy a memory-constrained engine streams to its device from
-(engine/offload), are read in long sequential sweeps every step; on 2 MiB pages a 4 GB model spans 2,000 TLB
-entries instead of a million 4 KiB ones. One allocation for all of them also means one region to pin or to
-register with a device. Where the OS gives no huge pages (transparent huge pages "never") it is plain memory.
+- A private anonymous mapping aligned to and advised for transparent huge pages (`host_arena`): the weights of a
+  CPU engine are read in long sequential sweeps every step, and on 2 MiB pages a 4 GB model spans 2,000 TLB
+  entries instead of a million 4 KiB ones. Where the OS gives no huge pages it is plain memory.
+- A file mapping shared by every process of the node (`SharedHostWeights`): the host store memory-constrained
+  engines stream from (engine/offload). The first process to load a checkpoint writes its weights, in the
+  engine's layout and dtype, to a file under $BATCHGEN_CACHE/host-weights and every process maps that file, so the
+  engine actors of a node's devices read one copy in the page cache instead of holding one each, and a later
+  actor's load is a mapping, not a read. The OS gives such a mapping no huge pages.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import mmap
+import os
 import re
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 HUGE_PAGE = 2 << 20
+STORE_FORMAT = 1  # bump when the layout of a shared host-weights file changes
 _SMAPS_RANGE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) ")
 
 
@@ -29,10 +39,11 @@ def host_arena(nbytes: int) -> torch.Tensor:
     return buffer[start : start + nbytes]
 
 
-def place_in_arena(module: torch.nn.Module) -> torch.Tensor | None:
-    """Give every parameter of `module` (built on the meta device, in the dtypes it will hold) zeroed storage in
-    one host arena, each 64-byte aligned; a parameter registered under several names (tied) stays one. Buffers
-    get plain host memory. Returns the arena (None for a model without parameters)."""
+def place_in_arena(module: torch.nn.Module, allocate: Callable[[int], torch.Tensor] = host_arena
+                   ) -> torch.Tensor | None:
+    """Give every parameter of `module` (built on the meta device, in the dtypes it will hold) storage in one
+    host region from `allocate(nbytes)` (uint8), each 64-byte aligned; a parameter registered under several names
+    (tied) stays one. Buffers get plain host memory. Returns the region (None for a model without parameters)."""
     unique = {id(p): p for p in module.parameters()}
     offsets, total = {}, 0
     for key, param in unique.items():
@@ -40,7 +51,7 @@ def place_in_arena(module: torch.nn.Module) -> torch.Tensor | None:
         total += -(-param.numel() * param.element_size() // 64) * 64
     if not total:
         return None
-    arena = host_arena(total)
+    arena = allocate(total)
     placed = {key: torch.nn.Parameter(arena[offsets[key] : offsets[key] + p.numel() * p.element_size()]
                                       .view(p.dtype).view(p.shape), requires_grad=False)
               for key, p in unique.items()}
@@ -70,3 +81,50 @@ def huge_page_bytes(tensor: torch.Tensor) -> int:
     except OSError:
         pass
     return 0
+
+
+class SharedHostWeights:
+    """The node-shared file for one checkpoint loaded in one layout: `allocate` maps it (a new one is written to a
+    temporary file first), `complete` says whether it already held the weights, `commit` publishes a new one."""
+
+    def __init__(self, cache_dir: Path, identity: dict):
+        key = hashlib.sha256(json.dumps({**identity, "format": STORE_FORMAT, "torch": torch.__version__},
+                                        sort_keys=True).encode()).hexdigest()[:24]
+        self.path = cache_dir / f"{key}.bin"
+        self.complete = False
+        self._writing: Path | None = None
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        if self.path.exists() and self.path.stat().st_size == nbytes:
+            self.complete = True  # private: read from the page cache like the others, a stray write stays ours
+            return torch.from_file(str(self.path), shared=False, size=nbytes, dtype=torch.uint8)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._writing = self.path.with_name(f"{self.path.stem}.{os.getpid()}.tmp")
+        self._writing.unlink(missing_ok=True)
+        return torch.from_file(str(self._writing), shared=True, size=nbytes, dtype=torch.uint8)
+
+    def commit(self) -> None:
+        """The weights are written: later loads map the file (ours keeps mapping the same inode)."""
+        if self._writing is not None:
+            os.replace(self._writing, self.path)
+            self._writing = None
+
+    def abandon(self) -> None:
+        if self._writing is not None:
+            self._writing.unlink(missing_ok=True)
+            self._writing = None
+
+
+def mapped_file(tensor: torch.Tensor) -> str | None:
+    """The file the mapping holding `tensor` maps (Linux; None for anonymous memory or elsewhere)."""
+    address = tensor.data_ptr()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                if low <= address < high:
+                    return fields[5].strip() if len(fields) == 6 and fields[5].startswith("/") else None
+    except OSError:
+        pass
+    return None

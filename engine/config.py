@@ -116,6 +116,12 @@ class EngineConfig:
         resident on its device), else the device itself."""
         return torch.device("cpu") if self.device_memory_bytes is not None else self.torch_device()
 
+    @property
+    def shares_host_weights(self) -> bool:
+        """Memory-constrained engines stream from host weights that every process of the node shares (one file
+        mapping: connectors/host_memory.py), so a node's engine actors hold one copy, not one per device."""
+        return self.device_memory_bytes is not None
+
     @classmethod
     def from_kwargs(cls, base: EngineConfig | None = None, **overrides: Any) -> EngineConfig:
         known = {f.name for f in dataclasses.fields(cls)}

@@ -24,5 +24,6 @@ def load_engine(model: str, storage_options: dict[str, Any] | None = None,
         load = functools.partial(load_model, model, dtype=config.dtype, storage_options=storage_options)
         threads = max(1, torch.get_num_threads() // config.ranks)
         return start_engine_group(rank_spec(load, config, threads))
-    loaded = load_model(model, dtype=config.dtype, device=config.load_device(), storage_options=storage_options)
+    loaded = load_model(model, dtype=config.dtype, device=config.load_device(),
+                        shared_host_weights=config.shares_host_weights, storage_options=storage_options)
     return Engine(loaded, config)

@@ -37,7 +37,8 @@ def _plan_on_engine_node(model: str, engine: dict[str, Any], input_uri: str, sto
     from batchgen.operators.workload_sample import input_workload
 
     config = EngineConfig.from_kwargs(**engine)
-    loaded = load_model(model, dtype=config.dtype, device=config.load_device(), storage_options=storage_options)
+    loaded = load_model(model, dtype=config.dtype, device=config.load_device(),
+                        shared_host_weights=config.shares_host_weights, storage_options=storage_options)
     workload = input_workload(input_uri, loaded, SamplingParams.from_dict(sampling), storage_options)
     plan = plan_engine(loaded, config, workload=workload, progress=False)
     split = plan_stage_split(engine_actors, plan.workload, plan.curves, plan.config)

@@ -60,6 +60,7 @@ def run_plan(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     loaded = load_model(args.model, dtype=config.dtype, device=config.load_device(),
+                        shared_host_weights=config.shares_host_weights,
                         storage_options=args.storage_options, weights=curves is None)
     if curves is None:
         curves = curves_for(loaded, progress=None if args.json else True)

@@ -18,7 +18,7 @@ from tiny_models import (
 )
 
 from batchgen.connectors.checkpoint import CheckpointError, load_model
-from batchgen.connectors.host_memory import HUGE_PAGE, host_arena, huge_page_bytes
+from batchgen.connectors.host_memory import HUGE_PAGE, host_arena, huge_page_bytes, mapped_file
 from batchgen.connectors.checkpoint_files import load_tokenizer
 from batchgen.engine.models.registry import UnsupportedModelError, supported_model_types
 from batchgen.engine.reference import ReferenceRunner
@@ -235,3 +235,28 @@ def test_a_host_arena_gets_huge_pages_where_the_os_gives_them():
     arena.fill_(1)  # the pages are given on first touch
     assert arena.data_ptr() % HUGE_PAGE == 0
     assert huge_page_bytes(arena) >= HUGE_PAGE
+
+
+def test_shared_host_weights_are_written_once_and_mapped_by_every_later_load(mixtral_dir, tmp_path, monkeypatch):
+    """The node-shared host store: the first load writes the weights to one file under $BATCHGEN_CACHE, later
+    loads map it without reading the checkpoint's tensors; a rewritten checkpoint gets a file of its own."""
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "cache"))
+    directory = _copy(mixtral_dir, tmp_path / "ckpt")
+    expected = ReferenceRunner(load_model(directory).model).generate(prompts(), max_new_tokens=4)
+    first = load_model(directory, shared_host_weights=True).model
+    stores = sorted((tmp_path / "cache" / "host-weights").iterdir())
+    assert len(stores) == 1 and stores[0].suffix == ".bin"  # no temporary file left behind
+    written = stores[0].stat().st_mtime_ns
+    reads = []
+    monkeypatch.setattr("batchgen.connectors.checkpoint._open_shard", lambda *a: reads.append(a) or 1 / 0)
+    second = load_model(directory, shared_host_weights=True).model
+    assert reads == [] and stores[0].stat().st_mtime_ns == written
+    for a, b in zip(first.state_dict().values(), second.state_dict().values()):
+        assert torch.equal(a, b)
+    assert mapped_file(next(second.parameters())) == str(stores[0])
+    assert ReferenceRunner(second).generate(prompts(), max_new_tokens=4) == expected
+    monkeypatch.undo()
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "cache"))
+    _rewrite_shard(directory, lambda tensors: None)  # same tensors, a new file: another identity
+    load_model(directory, shared_host_weights=True)
+    assert len(list((tmp_path / "cache" / "host-weights").iterdir())) == 2

@@ -163,6 +163,8 @@ def test_planner_respects_memory_limits_and_keeps_explicit_values(loaded):
 def test_planned_defaults_give_the_tokens_of_an_explicit_config(loaded, tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path))
     monkeypatch.setenv("BATCHGEN_PLAN", "1")
+    # free memory is part of a plan's key (as a power of two); other tests running beside this one move it
+    monkeypatch.setattr("batchgen.engine.planner.planner.available_memory_bytes", lambda device: 12 << 30)
     batch = prompts(vocab_size=loaded.model.vocab_size, lengths=(3, 9, 17, 5, 30, 12))
     requests = [Request(f"r{i}", prompt_token_ids=p, sampling=GREEDY) for i, p in enumerate(batch)]
     planned = Engine(loaded)
