@@ -18,8 +18,8 @@ from tiny_models import (
 )
 
 from batchgen.connectors.checkpoint import CheckpointError, load_model
-from batchgen.connectors.host_memory import HUGE_PAGE, host_arena, huge_page_bytes, mapped_file
 from batchgen.connectors.checkpoint_files import load_tokenizer
+from batchgen.connectors.host_memory import HUGE_PAGE, host_arena, huge_page_bytes, mapped_file
 from batchgen.engine.models.registry import UnsupportedModelError, supported_model_types
 from batchgen.engine.reference import ReferenceRunner
 
