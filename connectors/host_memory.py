@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import mmap
@@ -84,8 +85,10 @@ def huge_page_bytes(tensor: torch.Tensor) -> int:
 
 
 class SharedHostWeights:
-    """The node-shared file for one checkpoint loaded in one layout: `allocate` maps it (a new one is written to a
-    temporary file first), `complete` says whether it already held the weights, `commit` publishes a new one."""
+    """The node-shared file for one checkpoint loaded in one layout: `allocate` maps it, `complete` says whether it
+    already held the weights, `commit` publishes a new one. The engine actors of a node start together: the first
+    to allocate holds a file lock while it writes (into a temporary file renamed into place), and the others wait
+    for it, then map the file it wrote, so the node never holds two copies."""
 
     def __init__(self, cache_dir: Path, identity: dict):
         key = hashlib.sha256(json.dumps({**identity, "format": STORE_FORMAT, "torch": torch.__version__},
@@ -93,12 +96,16 @@ class SharedHostWeights:
         self.path = cache_dir / f"{key}.bin"
         self.complete = False
         self._writing: Path | None = None
+        self._lock = None
 
     def allocate(self, nbytes: int) -> torch.Tensor:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = open(self.path.with_suffix(".lock"), "w")
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
         if self.path.exists() and self.path.stat().st_size == nbytes:
+            self._unlock()
             self.complete = True  # private: read from the page cache like the others, a stray write stays ours
             return torch.from_file(str(self.path), shared=False, size=nbytes, dtype=torch.uint8)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._writing = self.path.with_name(f"{self.path.stem}.{os.getpid()}.tmp")
         self._writing.unlink(missing_ok=True)
         return torch.from_file(str(self._writing), shared=True, size=nbytes, dtype=torch.uint8)
@@ -108,11 +115,18 @@ class SharedHostWeights:
         if self._writing is not None:
             os.replace(self._writing, self.path)
             self._writing = None
+        self._unlock()
 
     def abandon(self) -> None:
         if self._writing is not None:
             self._writing.unlink(missing_ok=True)
             self._writing = None
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.close()  # closing the file releases the lock
+            self._lock = None
 
 
 def mapped_file(tensor: torch.Tensor) -> str | None:

@@ -2,6 +2,10 @@
 failing at load time with an error naming the file, tensor or type."""
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,7 @@ from tiny_models import (
     tiny_tokenizer,
 )
 
+from batchgen.connectors import checkpoint as checkpoint_module
 from batchgen.connectors.checkpoint import CheckpointError, load_model
 from batchgen.connectors.checkpoint_files import load_tokenizer
 from batchgen.connectors.host_memory import HUGE_PAGE, host_arena, huge_page_bytes, mapped_file
@@ -244,8 +249,8 @@ def test_shared_host_weights_are_written_once_and_mapped_by_every_later_load(mix
     directory = _copy(mixtral_dir, tmp_path / "ckpt")
     expected = ReferenceRunner(load_model(directory).model).generate(prompts(), max_new_tokens=4)
     first = load_model(directory, shared_host_weights=True).model
-    stores = sorted((tmp_path / "cache" / "host-weights").iterdir())
-    assert len(stores) == 1 and stores[0].suffix == ".bin"  # no temporary file left behind
+    stores = sorted((tmp_path / "cache" / "host-weights").glob("*.bin"))
+    assert len(stores) == 1 and not list((tmp_path / "cache" / "host-weights").glob("*.tmp"))
     written = stores[0].stat().st_mtime_ns
     reads = []
     monkeypatch.setattr("batchgen.connectors.checkpoint._open_shard", lambda *a: reads.append(a) or 1 / 0)
@@ -259,4 +264,31 @@ def test_shared_host_weights_are_written_once_and_mapped_by_every_later_load(mix
     monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "cache"))
     _rewrite_shard(directory, lambda tensors: None)  # same tensors, a new file: another identity
     load_model(directory, shared_host_weights=True)
-    assert len(list((tmp_path / "cache" / "host-weights").iterdir())) == 2
+    assert len(list((tmp_path / "cache" / "host-weights").glob("*.bin"))) == 2
+
+
+def test_a_load_waits_while_another_process_writes_the_shared_file(mixtral_dir, tmp_path, monkeypatch):
+    """Engine actors of a node start together: while one writes the shared file, another load of the same
+    checkpoint waits for it and then maps the published file (it neither writes a second copy nor reads a half
+    written one)."""
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "cache"))
+    script = ("import sys\n"
+              "from batchgen.connectors.checkpoint import load_model\n"
+              "from batchgen.connectors.host_memory import mapped_file\n"
+              "model = load_model(sys.argv[1], shared_host_weights=True).model\n"
+              "print(mapped_file(next(model.parameters())))\n")
+    fill, other = checkpoint_module._fill_weights, {}
+
+    def fill_while_another_loads(*args):
+        other["process"] = subprocess.Popen([sys.executable, "-c", script, str(mixtral_dir)], env=dict(os.environ),
+                                            stdout=subprocess.PIPE, text=True)
+        time.sleep(6)  # the other process is past its imports by now, at the file lock
+        other["waited"] = other["process"].poll() is None
+        fill(*args)
+
+    monkeypatch.setattr(checkpoint_module, "_fill_weights", fill_while_another_loads)
+    load_model(mixtral_dir, shared_host_weights=True)
+    printed = other["process"].communicate(timeout=120)[0].strip()
+    assert other["process"].returncode == 0 and other["waited"]
+    published = [str(f) for f in (tmp_path / "cache" / "host-weights").glob("*.bin")]
+    assert [printed] == published
