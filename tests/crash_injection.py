@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -115,13 +116,26 @@ def crashing_agent(stage: type, *, marker: str | Path, moment: str) -> type:
 
             agent.loop.adopt = adopt_then_die
         elif moment == "checkpointed":
-            store = agent._store_checkpoints
+            store, snapshot = agent._store_checkpoints, agent.loop.snapshot
+            holds: list[threading.Event] = []
+
+            def snapshot_then_hold(skip: Any) -> Any:
+                """The engine thread waits right after the snapshot until it is stored and this worker dead: no
+                request can finish meanwhile (its task would then drop its checkpoints before the crash)."""
+                taken = snapshot(skip)
+                holds.append(threading.Event())
+                agent.loop._call(holds[-1].wait)
+                return taken
 
             async def store_then_die(snapshots: Any) -> None:
-                await store(snapshots)
-                if snapshots:
-                    _die_first(marker, f"{name} pid={os.getpid()} moment=checkpointed requests={len(snapshots)}")
+                try:
+                    await store(snapshots)
+                    if snapshots:
+                        _die_first(marker, f"{name} pid={os.getpid()} moment=checkpointed requests={len(snapshots)}")
+                finally:
+                    holds.pop(0).set()
 
+            agent.loop.snapshot = snapshot_then_hold
             agent._store_checkpoints = store_then_die
         else:
             raise ValueError(f"unknown moment {moment!r}")
