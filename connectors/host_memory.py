@@ -69,19 +69,38 @@ def place_in_arena(module: torch.nn.Module, allocate: Callable[[int], torch.Tens
 def huge_page_bytes(tensor: torch.Tensor) -> int:
     """Bytes of the mapping holding `tensor` that the OS backs with transparent huge pages now (Linux; 0
     elsewhere)."""
+    _, fields = _mapping_of(tensor)
+    return int(fields.get("AnonHugePages", "0 kB").split()[0]) * 1024
+
+
+def mapped_file(tensor: torch.Tensor) -> str | None:
+    """The file the mapping holding `tensor` maps (Linux; None for anonymous memory or elsewhere)."""
+    path, _ = _mapping_of(tensor)
+    return path if path.startswith("/") else None
+
+
+def _mapping_of(tensor: torch.Tensor) -> tuple[str, dict[str, str]]:
+    """(pathname, smaps fields) of the mapping holding `tensor`'s first byte; ("", {}) where there is no
+    /proc/self/smaps."""
     address = tensor.data_ptr()
+    path, fields, inside = "", {}, False
     try:
         with open("/proc/self/smaps") as smaps:
-            inside = False
             for line in smaps:
                 bounds = _SMAPS_RANGE.match(line)
                 if bounds:
+                    if inside:
+                        break
                     inside = int(bounds[1], 16) <= address < int(bounds[2], 16)
-                elif inside and line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
+                    if inside:
+                        parts = line.split(maxsplit=5)
+                        path = parts[5].strip() if len(parts) == 6 else ""
+                elif inside:
+                    key, _, value = line.partition(":")
+                    fields[key] = value.strip()
     except OSError:
         pass
-    return 0
+    return path, fields
 
 
 class SharedHostWeights:
@@ -127,18 +146,3 @@ class SharedHostWeights:
         if self._lock is not None:
             self._lock.close()  # closing the file releases the lock
             self._lock = None
-
-
-def mapped_file(tensor: torch.Tensor) -> str | None:
-    """The file the mapping holding `tensor` maps (Linux; None for anonymous memory or elsewhere)."""
-    address = tensor.data_ptr()
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                low, high = (int(x, 16) for x in fields[0].split("-"))
-                if low <= address < high:
-                    return fields[5].strip() if len(fields) == 6 and fields[5].startswith("/") else None
-    except OSError:
-        pass
-    return None

@@ -135,10 +135,11 @@ class ExpertRing:
         def holder(window: list[int]) -> int | None:
             return next((s for s in starts if self.holds[s : s + len(window)] == [(layer, e) for e in window]), None)
 
-        held = [(w, holder(w)) for w in windows if holder(w) is not None]
-        plan, previous = held[:], held[-1][1] if held else None
-        for window in windows:
-            if holder(window) is None:
+        holders = [holder(w) for w in windows]
+        plan = [(w, h) for w, h in zip(windows, holders) if h is not None]
+        previous = plan[-1][1] if plan else None
+        for window, held in zip(windows, holders):
+            if held is None:
                 start = next(s for s in starts if s != previous or self.halves == 1)
                 plan.append((window, start))
                 previous = start
@@ -200,11 +201,11 @@ class WeightStreamer:
         feed-forward activations together: with phase switching a prefill step's larger batch uses the staging
         pool's bytes)."""
         plan = self.plan
-        staging = kv.stage.nbytes(kv.stage.num_pages)
-        kv_bytes = kv.device.nbytes(kv.device.num_pages) + staging
+        pages, staging = kv.device.nbytes(kv.device.num_pages), kv.stage.nbytes(kv.stage.num_pages)
+        kv_bytes = pages + staging
         activations = max_ffn_tokens * self.activation_bytes_per_token
         step_bytes = staging + activations if phases is None else phases.peak_bytes
-        peak = plan.weight_bytes + kv.device.nbytes(kv.device.num_pages) + step_bytes
+        peak = plan.weight_bytes + pages + step_bytes
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device) - self._cuda_base
         rings = [r.copies for r in (self.modules, self.experts) if r is not None]
