@@ -107,6 +107,30 @@ def test_vectorised_pricing_equals_each_step_dag(streams_host):
         assert vectorised == pytest.approx([step_seconds(s, curves, b_attn, b_moe) for s in steps], rel=1e-9)
 
 
+def test_execution_tells_configurations_that_compute_the_same_apart_from_those_that_do_not():
+    curves = synthetic_curves()
+    steps = [StepShape(prefill=((0, 100), (0, 60)), resident=(), staged=(), completed=2, migrated_bytes=0,
+                       streams_host=False),
+             StepShape(prefill=(), resident=(101, 61, 5), staged=(), completed=0, migrated_bytes=0,
+                       streams_host=False)]
+    pricer = SchedulePricer(steps, curves)
+    # at most 3 sequences and 160 tokens a step: larger limits cut nothing, and time the same
+    assert pricer.execution(4, 256) == pricer.execution(1024, 8192)
+    assert pricer.step_seconds(4, 256).tolist() == pricer.step_seconds(1024, 8192).tolist()
+    assert pricer.execution(2, 256) != pricer.execution(3, 256)  # 2 splits the decode step, 3 does not
+    assert pricer.execution(4, 128) != pricer.execution(4, 160)  # 128 splits the prefill's 160 tokens
+    assert SchedulePricer(steps[:1], curves).execution(4, 256) != pricer.execution(4, 256)
+
+
+def test_runner_ups_compute_something_else_than_the_plan(loaded):
+    """A small workload: every b_moe candidate holds a whole step, so most candidates are the plan again."""
+    workload = WorkloadShape.synthetic(40, (4, 16), mu=1.5, sigma=0.5, max_output=8)
+    plan = plan_engine(loaded, EngineConfig(page_size=8), workload=workload, curves=synthetic_curves(),
+                       limits=MemoryLimits(device_kv_bytes=8 << 20, host_kv_bytes=8 << 20, activation_bytes=1 << 30))
+    predicted = [plan.predicted_bct_s] + [c.predicted_bct_s for c in plan.runner_ups]
+    assert plan.runner_ups and len(set(predicted)) == len(predicted)
+
+
 def test_copies_on_the_critical_path_when_host_kv_streams():
     curves = synthetic_curves(copy_bytes_per_s=1e6)  # slow copies: the copy stream bounds the layer
     step = StepShape(prefill=(), resident=(), staged=((1000,), (1000,)), completed=0, migrated_bytes=0,

@@ -215,7 +215,14 @@ def search(config: EngineConfig, curves: CostCurves, workload: WorkloadShape, sp
     best.sort(key=lambda item: (item[0], -item[1]["max_num_seqs"]))
     bct, settings, pricer = best[0]
     times = pricer.step_seconds(settings["b_attn"], settings["b_moe"]).tolist()
-    runner_ups = [Candidate(s, b) for b, s, _ in best[1 : 1 + RUNNER_UPS]]
+    runner_ups, seen = [], {pricer.execution(settings["b_attn"], settings["b_moe"])}
+    for other_bct, other, other_pricer in best[1:]:  # the next best that compute something else
+        if len(runner_ups) == RUNNER_UPS:
+            break
+        execution = other_pricer.execution(other["b_attn"], other["b_moe"])
+        if execution not in seen:
+            seen.add(execution)
+            runner_ups.append(Candidate(other, other_bct))
     return Plan(dataclasses.replace(config, **settings), bct, times, pricer.steps, runner_ups, limits, workload,
                 curves, searched, notes)
 

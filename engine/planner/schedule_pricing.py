@@ -61,6 +61,15 @@ class SchedulePricer:
         host = sum(coef * features[name] for name, coef in zip(c.host.features, hs))
         return c.num_layers * (attention + ffn) + head + host + self.migrated / c.copy_bytes_per_s
 
+    def execution(self, b_attn: int, b_moe: int) -> tuple:
+        """What the engine computes for this schedule cut by (b_attn, b_moe): equal for two pairs exactly when
+        they run the same steps in the same micro-batches and feed-forward calls (a limit above every step's
+        count cuts nothing, so its value does not matter). Such configurations differ only in the noise of a
+        measurement."""
+        widest = int(torch.maximum(self.prefill_chunks, self.resident).max().item()) if self.steps else 0
+        most_tokens = int(self.tokens.max().item()) if self.steps else 0
+        return tuple(self.steps), min(b_attn, max(1, widest)), min(b_moe, max(1, most_tokens))
+
     def host_features(self, b_attn: int) -> dict[str, torch.Tensor]:
         """Each step's host-cost features (cost_curves.HOST, in order): one step, its sequences, its attention
         micro-batches, no admissions (priced once per prompt, apart)."""
