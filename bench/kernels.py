@@ -2,8 +2,8 @@
 
     python bench/kernels.py [--json] [--dim 512] [--inter 1024] [--experts 8] [--dtype float32]
 
-1. Expert GEMM versus tokens per expert: our grouped torch MoE (and the Triton kernel on CUDA) against
-   transformers' Mixtral experts module on the same weights and routing. Routing is balanced so every
+1. Expert GEMM versus tokens per expert: our grouped torch MoE (and the C kernel on CPU, the Triton kernel
+   on CUDA) against transformers' Mixtral experts module on the same weights and routing. Routing is balanced so every
    expert sees exactly n tokens; FLOP/s counts the useful work only (6 * D * I per routed token). Each
    point also reports its weight-read bound (every expert's weights read once at the measured read
    bandwidth) and the time over that bound: at 1-8 tokens per expert a call should cost about one read
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from batchgen.kernels import ops, registry
+from batchgen.kernels import moe_cpu, ops, registry
 from batchgen.kernels.moe_torch import fused_moe_torch
 
 TOP_K = 2
@@ -63,6 +63,8 @@ def implementations(device: torch.device, w_gate_up, w_down) -> dict:
     impls = {
         "batchgen_torch_grouped": lambda x, ids, weights: fused_moe_torch(x, w_gate_up, w_down, weights, ids)
     }
+    if device.type == "cpu" and w_gate_up.dtype == torch.float32 and not moe_cpu.unavailable():
+        impls["batchgen_cpu_c"] = lambda x, ids, weights: moe_cpu.fused_moe_cpu(x, w_gate_up, w_down, weights, ids)
     if device.type == "cuda":
         from batchgen.kernels.moe_triton import fused_moe_triton
 
@@ -208,9 +210,10 @@ def print_table(report: dict) -> None:
         print(f"{n:>13} " + " ".join(f"{c['gflops']:>24.2f}" if c else f"{'-':>24}" for c in cells))
     for name, reason in report["skipped"].items():
         print(f"skipped {name}: {reason}")
-    ours = [r for r in report["results"] if r["impl"] == "batchgen_torch_grouped" and r["tokens_per_expert"] <= 8]
-    print(f"MoE call vs weight-read bound ({report['read_bandwidth_gbs']} GB/s read): " + ", ".join(
-        f"{r['tokens_per_expert']} tok/expert {r['ms']:.3f} ms = {r['over_weight_bound']}x" for r in ours))
+    for name in (n for n in names if n.startswith("batchgen")):
+        ours = [r for r in report["results"] if r["impl"] == name and r["tokens_per_expert"] <= 8]
+        print(f"{name} call vs weight-read bound ({report['read_bandwidth_gbs']} GB/s read): " + ", ".join(
+            f"{r['tokens_per_expert']} tok/expert {r['ms']:.3f} ms = {r['over_weight_bound']}x" for r in ours))
     print("paged decode attention vs KV-read bound:")
     for r in report["decode_attention"]:
         print(f"  {r['backend']}: {r['sequences']} seqs x ~{r['mean_context']} tokens ({r['kv_mib']} MiB KV): "

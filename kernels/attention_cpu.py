@@ -15,15 +15,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
+
+from batchgen.kernels.c_library import build
 
 _SOURCE = r"""
 #include <math.h>
@@ -112,33 +107,12 @@ void paged_decode_f32(const float *q, const float *k, const float *v, const int3
 }
 """
 
-_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-          "-fPIC", "-shared", "-pthread")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("BATCHGEN_CACHE", Path.home() / ".cache" / "batchgen")) / "kernels"
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     """The compiled kernel, or why it cannot be had (no compiler, a failed build)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return "no C compiler (cc/gcc) on PATH"
-    key = hashlib.sha256("\n".join([_SOURCE, compiler, *_FLAGS, platform.node(), platform.machine()]).encode())
-    target = cache_dir() / f"paged_decode_{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            source, built = Path(tmp) / "paged_decode.c", Path(tmp) / "paged_decode.so"
-            source.write_text(_SOURCE)
-            proc = subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True,
-                                  text=True)
-            if proc.returncode != 0:
-                return f"building the CPU decode kernel failed: {proc.stderr.strip()[-500:]}"
-            os.replace(built, target)  # atomic: concurrent builders (engine actors) never see half a file
-    library = ctypes.CDLL(str(target))
+    library = build("paged_decode", _SOURCE)
+    if isinstance(library, str):
+        return library
     library.paged_decode_f32.restype = None
     library.paged_decode_f32.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int]
                                          + [ctypes.POINTER(ctypes.c_int64)] * 2)

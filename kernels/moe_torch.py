@@ -4,6 +4,8 @@ Tokens are sorted by expert so every active expert runs as one dense GEMM over a
 it (instead of one GEMV per token), then the weighted results are scattered back.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +22,27 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     return order[skipped:], counts[1:].tolist()
 
 
+@dataclass
+class RoutedRows:
+    """Every (token, k) pair routed to an expert of this rank, as rows sorted by expert."""
+
+    xs: torch.Tensor  # [R, D] the token's hidden state, once per routed pair
+    token_rows: torch.Tensor  # [R] int64 output row of each
+    weights: torch.Tensor  # [R] float32 routing weight of each
+    counts: list[int]  # rows per expert
+    starts: list[int]  # expert e's rows are [starts[e], starts[e + 1])
+
+
+def route_rows(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> RoutedRows:
+    order, counts = group_by_expert(topk_ids, num_experts)
+    token_rows = order // topk_ids.shape[1]
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
+    return RoutedRows(x.index_select(0, token_rows), token_rows,
+                      topk_weights.reshape(-1)[order].to(torch.float32), counts, starts)
+
+
 def fused_moe_torch(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -28,25 +51,21 @@ def fused_moe_torch(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """out[t] = sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t,k]; see kernels/ops.py."""
-    num_experts, two_i, _ = w_gate_up.shape
-    inter = two_i // 2
-    top_k = topk_ids.shape[1]
-    order, counts = group_by_expert(topk_ids, num_experts)
-    token_rows = order // top_k
-    weights = topk_weights.reshape(-1)[order].to(torch.float32).unsqueeze(1)
-    xs = x.index_select(0, token_rows)
+    rows = route_rows(x, topk_weights, topk_ids, w_gate_up.shape[0])
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        end = start + count
-        gate_up = F.linear(xs[start:end], w_gate_up[expert])
+    accumulate_experts(out, rows, [e for e, count in enumerate(rows.counts) if count], w_gate_up, w_down)
+    return out.to(x.dtype)
+
+
+def accumulate_experts(out: torch.Tensor, rows: RoutedRows, experts: list[int], w_gate_up: torch.Tensor,
+                       w_down: torch.Tensor) -> None:
+    """out[token] += weight * expert(x) for the rows of each of `experts`: one dense GEMM pair per expert."""
+    inter = w_gate_up.shape[1] // 2
+    for expert in experts:
+        start, end = rows.starts[expert], rows.starts[expert + 1]
+        gate_up = F.linear(rows.xs[start:end], w_gate_up[expert])
         hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         y = F.linear(hidden, w_down[expert])
         # rows are unique within one expert (top-k never repeats an expert), so a plain indexed add
         # is exact; index_add_ is an order of magnitude slower on CPU for these small row counts
-        rows = token_rows[start:end]
-        out[rows] += y.to(torch.float32) * weights[start:end]
-        start = end
-    return out.to(x.dtype)
+        out[rows.token_rows[start:end]] += y.to(torch.float32) * rows.weights[start:end].unsqueeze(1)

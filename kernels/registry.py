@@ -73,6 +73,14 @@ BACKENDS = (
     Backend(
         "fused_moe", "triton", f"{_PKG}.moe_triton:fused_moe_triton", _CUDA, ("triton",), interpretable=True
     ),
+    Backend(
+        "fused_moe",
+        "cpu_c",
+        f"{_PKG}.moe_cpu:fused_moe_cpu",
+        frozenset({"cpu"}),
+        dtypes=frozenset({torch.float32}),
+        probe=f"{_PKG}.moe_cpu:unavailable",
+    ),
     Backend("fused_moe", "torch", f"{_PKG}.moe_torch:fused_moe_torch", _ANY),
     Backend(
         "prefill_attention",

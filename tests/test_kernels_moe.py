@@ -53,6 +53,53 @@ def test_grouped_torch_skips_remote_experts():
     )
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("tokens,top_k", [(1, 1), (7, 2), (33, 4), (90, 2)])
+def test_cpu_c_matches_naive(tokens, top_k, threads, monkeypatch):
+    """Expert 5 is picked by (nearly) every token, so by many rows in the larger cases (BLAS), expert 6 by
+    three (the C kernel); some pairs belong to experts of another rank."""
+    from batchgen.kernels import moe_cpu
+
+    if moe_cpu.unavailable():
+        pytest.skip(moe_cpu.unavailable())
+    x, w13, w2, _, _ = make_moe(tokens, 16, 24, 7, 1)
+    scores = torch.rand(tokens, 7, generator=torch.Generator().manual_seed(tokens))
+    scores[:, 5] += 1
+    scores[:3, 6] += 2  # the first three tokens, and no other
+    scores[3:, 6] *= 0.01
+    weights, ids = scores.topk(top_k, dim=1)
+    weights = weights / weights.sum(1, keepdim=True)
+    ids[1::5, -1] = -1
+    library = moe_cpu._library()
+    calls = []
+    monkeypatch.setattr(moe_cpu, "_library", lambda: calls.append(1) or library)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = moe_cpu.fused_moe_cpu(x, w13, w2, weights, ids)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+    counts = torch.bincount(ids[ids >= 0], minlength=7)
+    assert calls and 0 < counts[counts > 0].min() <= moe_cpu.SMALL_ROWS  # the C kernel had rows to compute
+    if tokens > 4 * moe_cpu.SMALL_ROWS:
+        assert counts.max() > moe_cpu.SMALL_ROWS  # and BLAS some
+
+
+def test_cpu_c_reads_strided_expert_views():
+    """An expert-parallel rank's experts are a slice of the layer's tensors; weights may be column views."""
+    from batchgen.kernels import moe_cpu
+
+    if moe_cpu.unavailable():
+        pytest.skip(moe_cpu.unavailable())
+    x, w13, w2, weights, ids = make_moe(5, 16, 24, 8, 2)
+    wide = torch.randn(8, 48, 20)
+    wide[:, :, :16] = w13
+    view = wide[:, :, :16]  # rows strided by 20, last dim dense
+    torch.testing.assert_close(moe_cpu.fused_moe_cpu(x, view, w2, weights, ids).double(),
+                               naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
 def test_align_groups_pairs_by_expert_in_blocks():
     ids = torch.tensor([[2, 0], [2, -1], [0, 2], [2, 2]])
     blocks = align_to_blocks(ids, num_experts=4, block_m=4)
@@ -109,9 +156,13 @@ def test_ops_validates_shapes():
         ops.fused_moe(x, w13, w2, weights[:, :1], ids)
 
 
-def test_ops_picks_torch_on_cpu():
+def test_ops_picks_the_c_kernel_for_float32_on_cpu_and_torch_otherwise():
+    from batchgen.kernels import moe_cpu
+
     args = make_moe(5, 16, 24, 4, 2)
     ops.fused_moe(*args)
+    assert registry.last_used("fused_moe") == ("torch" if moe_cpu.unavailable() else "cpu_c")
+    ops.fused_moe(*make_moe(5, 16, 24, 4, 2, dtype=torch.bfloat16))
     assert registry.last_used("fused_moe") == "torch"
 
 

@@ -35,13 +35,15 @@ def test_parse_overrides():
 
 def test_auto_picks_cpu_backends_even_under_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from batchgen.kernels.attention_cpu import unavailable
+    from batchgen.kernels import attention_cpu, moe_cpu
 
-    decode = "torch" if unavailable() else "cpu_c"  # the C decode kernel where a compiler built it
+    # the C kernels where a compiler built them
+    expected = {"paged_decode_attention": "torch" if attention_cpu.unavailable() else "cpu_c",
+                "fused_moe": "torch" if moe_cpu.unavailable() else "cpu_c"}
     for op in registry.OPS:
-        expected = decode if op == "paged_decode_attention" else "torch"
-        assert registry.resolve(op, "cpu", torch.float32)[0] == expected
-    assert registry.resolve("paged_decode_attention", "cpu", torch.float16)[0] == "torch"  # C kernel: fp32 only
+        assert registry.resolve(op, "cpu", torch.float32)[0] == expected.get(op, "torch")
+    for op in expected:  # C kernels: fp32 only
+        assert registry.resolve(op, "cpu", torch.float16)[0] == "torch"
 
 
 def test_a_backend_whose_probe_fails_is_skipped_and_named_when_forced(monkeypatch):
@@ -93,7 +95,7 @@ def test_forcing_triton_on_cpu_without_interpreter_names_device(monkeypatch):
 
 def test_unknown_names():
     with pytest.raises(
-        ValueError, match="set_backend: unknown backend 'flash_attn' for fused_moe; known: triton, torch"
+        ValueError, match="set_backend: unknown backend 'flash_attn' for fused_moe; known: triton, cpu_c, torch"
     ):
         registry.set_backend("fused_moe", "flash_attn")
     with pytest.raises(ValueError, match="unknown kernel op"):

@@ -1,0 +1,44 @@
+"""Small C kernels for CPU tensors: compiled on first use with the system C compiler, cached on disk, loaded
+through ctypes. No build step at install time and no Python extension ABI to match: a machine without a C
+compiler simply reports the backend unavailable and the registry keeps the torch path."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+# -fassociative-math and friends let the compiler vectorise float reductions (dot products); the kernels
+# do not rely on IEEE summation order
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+         "-fPIC", "-shared", "-pthread")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BATCHGEN_CACHE", Path.home() / ".cache" / "batchgen")) / "kernels"
+
+
+def build(name: str, source: str) -> ctypes.CDLL | str:
+    """The library compiled from `source`, or why it cannot be had (no compiler, a failed build). Keyed by
+    source, compiler, flags and machine, so a changed kernel or another CPU builds anew."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return "no C compiler (cc/gcc) on PATH"
+    key = hashlib.sha256("\n".join([source, compiler, *FLAGS, platform.node(), platform.machine()]).encode())
+    target = cache_dir() / f"{name}_{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            src, built = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+            src.write_text(source)
+            proc = subprocess.run([compiler, *FLAGS, str(src), "-o", str(built), "-lm"], capture_output=True,
+                                  text=True)
+            if proc.returncode != 0:
+                return f"building the CPU kernel {name} failed: {proc.stderr.strip()[-500:]}"
+            os.replace(built, target)  # atomic: concurrent builders (engine actors) never see half a file
+    return ctypes.CDLL(str(target))
