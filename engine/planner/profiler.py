@@ -42,7 +42,6 @@ PAGE = 64
 DECODE_GRID = ((1, 64), (8, 256), (32, 1024), (128, 128), (256, 512))  # seqs, context
 PREFILL_GRID = ((1, 16), (1, 1024), (16, 64), (64, 8), (8, 512), (2, 2048))  # prompts, length
 FFN_GRID = tuple(2**i for i in range(13))  # tokens: 1 .. 4096 (beyond: along the last segment)
-FFN_LAYERS = 4  # MoE layers a feed-forward call is timed over, in turn
 HEAD_GRID = (1, 64, 512)  # rows
 HOST_RUNS = ((16, 6, 16), (64, 6, 64), (64, 6, 8), (128, 4, 128))  # prompts, output tokens each, b_attn
 PROMPT_TOKENS = 8
@@ -77,10 +76,7 @@ def profile_model(loaded: LoadedModel, progress: bool | None = None) -> CostCurv
     model, device = loaded.model, loaded.device
     limit = loaded.max_model_len
     attn_layer = model.layers[0]
-    # a step runs layer after layer, so each layer's expert weights come from memory, not from a cache a
-    # repeated call of one layer would keep them in: feed-forward calls are timed over several layers in turn
-    ffn_layers = [layer for layer in model.layers if getattr(layer, "is_moe", False)][:FFN_LAYERS] or [attn_layer]
-    ffn_layer = ffn_layers[0]
+    ffn_layer = next((layer for layer in model.layers if getattr(layer, "is_moe", False)), attn_layer)
     moe = getattr(ffn_layer.ffn.mlp, "num_experts", 0) if getattr(ffn_layer, "is_moe", False) else 0
     top_k = getattr(getattr(ffn_layer.ffn.mlp, "gate", None), "top_k", 1) if moe else 1
     spec = model.kv_spec()
@@ -114,8 +110,7 @@ def profile_model(loaded: LoadedModel, progress: bool | None = None) -> CostCurv
                    measure(lambda x=x, context=context: attn_layer.attn(x, context)))
         for tokens in FFN_GRID:
             x = torch.randn(tokens, hidden_size, dtype=loaded.dtype, device=device)
-            record("ffn", {"tokens": tokens},
-                   measure(lambda x=x: [layer.ffn(x) for layer in ffn_layers]) / len(ffn_layers))
+            record("ffn", {"tokens": tokens}, measure(lambda x=x: ffn_layer.ffn(x)))
         for n in HEAD_GRID:
             x = torch.randn(n, hidden_size, dtype=loaded.dtype, device=device)
             record("head", {"calls": 1, "rows": n}, measure(lambda x=x: model.head(x)))
