@@ -14,11 +14,10 @@ compiler the backend reports itself unavailable and the registry keeps the torch
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
-from batchgen.kernels.c_library import build
+from batchgen.kernels.c_library import CFunction
 
 _SOURCE = r"""
 #include <math.h>
@@ -107,22 +106,14 @@ void paged_decode_f32(const float *q, const float *k, const float *v, const int3
 }
 """
 
-@functools.cache
-def _library() -> ctypes.CDLL | str:
-    """The compiled kernel, or why it cannot be had (no compiler, a failed build)."""
-    library = build("paged_decode", _SOURCE)
-    if isinstance(library, str):
-        return library
-    library.paged_decode_f32.restype = None
-    library.paged_decode_f32.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int]
-                                         + [ctypes.POINTER(ctypes.c_int64)] * 2)
-    return library
+_KERNEL = CFunction("paged_decode", _SOURCE, "paged_decode_f32",
+                    (*[ctypes.c_void_p] * 6, *[ctypes.c_int] * 7, ctypes.c_float, ctypes.c_int,
+                     *[ctypes.POINTER(ctypes.c_int64)] * 2))
 
 
 def unavailable() -> str | None:
     """Why this backend cannot run here, or None (compiles the kernel on first call)."""
-    library = _library()
-    return library if isinstance(library, str) else None
+    return _KERNEL.unavailable()
 
 
 def paged_decode_attention_cpu(
@@ -134,9 +125,6 @@ def paged_decode_attention_cpu(
     scale: float,
 ) -> torch.Tensor:
     """Same contract as kernels.ops.paged_decode_attention, for float32 CPU tensors."""
-    library = _library()
-    if isinstance(library, str):
-        raise RuntimeError(library)
     batch, heads, dim_k = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
     dim_v = v_cache.shape[-1]
@@ -149,9 +137,9 @@ def paged_decode_attention_cpu(
         raise ValueError(f"paged_decode_attention: seq_lens[{row}] = {int(lens[row])} exceeds page_table capacity "
                          f"{table.shape[1]} pages x {page_size}")
     out = torch.empty(batch, heads, dim_v, dtype=q.dtype)
-    library.paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), lens.data_ptr(),
-                             out.data_ptr(), batch, heads, kv_heads, dim_k, dim_v, page_size, table.shape[1],
-                             float(scale), torch.get_num_threads(), _strides(k_cache), _strides(v_cache))
+    _KERNEL(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), lens.data_ptr(), out.data_ptr(),
+            batch, heads, kv_heads, dim_k, dim_v, page_size, table.shape[1], float(scale), torch.get_num_threads(),
+            _strides(k_cache), _strides(v_cache))
     return out
 
 

@@ -5,12 +5,15 @@ compiler simply reports the backend unavailable and the registry keeps the torch
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 # -fassociative-math and friends let the compiler vectorise float reductions (dot products); the kernels
@@ -42,3 +45,33 @@ def build(name: str, source: str) -> ctypes.CDLL | str:
                 return f"building the CPU kernel {name} failed: {proc.stderr.strip()[-500:]}"
             os.replace(built, target)  # atomic: concurrent builders (engine actors) never see half a file
     return ctypes.CDLL(str(target))
+
+
+@dataclass(frozen=True)
+class CFunction:
+    """One function of a C kernel, compiled and loaded on first use."""
+
+    library: str
+    source: str
+    name: str
+    argtypes: tuple
+
+    @functools.cache  # noqa: B019 (a few module-level instances, alive for the process anyway)
+    def _loaded(self) -> Callable | str:
+        library = build(self.library, self.source)
+        if isinstance(library, str):
+            return library
+        function = getattr(library, self.name)
+        function.restype, function.argtypes = None, list(self.argtypes)
+        return function
+
+    def unavailable(self) -> str | None:
+        """Why it cannot run here (no compiler, a failed build), or None."""
+        loaded = self._loaded()
+        return loaded if isinstance(loaded, str) else None
+
+    def __call__(self, *args) -> None:
+        loaded = self._loaded()
+        if isinstance(loaded, str):
+            raise RuntimeError(loaded)
+        loaded(*args)

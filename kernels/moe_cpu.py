@@ -13,11 +13,10 @@ compute-bound GEMMs and go through the torch path's BLAS calls (moe_torch.py).
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
-from batchgen.kernels.c_library import build
+from batchgen.kernels.c_library import CFunction
 from batchgen.kernels.moe_torch import accumulate_experts, route_rows
 
 SMALL_ROWS = 6  # rows per expert up to which this kernel beats BLAS (here: 2-3x at 1-4 rows, 0.8x at 8)
@@ -106,21 +105,13 @@ void small_experts_f32(const float *x, const int64_t *spans, const int64_t *expe
 """
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | str:
-    library = build("small_experts", _SOURCE)
-    if isinstance(library, str):
-        return library
-    library.small_experts_f32.restype = None
-    library.small_experts_f32.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 7
-                                          + [ctypes.c_int] * 3)
-    return library
+_KERNEL = CFunction("small_experts", _SOURCE, "small_experts_f32",
+                    (*[ctypes.c_void_p] * 3, ctypes.c_int, *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 3))
 
 
 def unavailable() -> str | None:
     """Why this backend cannot run here, or None (compiles the kernel on first call)."""
-    library = _library()
-    return library if isinstance(library, str) else None
+    return _KERNEL.unavailable()
 
 
 def fused_moe_cpu(
@@ -131,9 +122,6 @@ def fused_moe_cpu(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """Same contract as kernels.ops.fused_moe, for float32 CPU tensors."""
-    library = _library()
-    if isinstance(library, str):
-        raise RuntimeError(library)
     num_experts, two_i, dim = w_gate_up.shape
     inter = two_i // 2
     w_gate_up, w_down = (w if w.stride(-1) == 1 else w.contiguous() for w in (w_gate_up, w_down))
@@ -150,10 +138,9 @@ def fused_moe_cpu(
                                dtype=torch.int64)
         h = torch.empty(total, inter, dtype=torch.float32)
         xs, token_rows, weights = (t.contiguous() for t in (rows.xs, rows.token_rows, rows.weights))
-        library.small_experts_f32(xs.data_ptr(), spans_t.data_ptr(), experts.data_ptr(), len(small),
-                                  w_gate_up.data_ptr(), w_down.data_ptr(), strides.data_ptr(), h.data_ptr(),
-                                  token_rows.data_ptr(), weights.data_ptr(), out.data_ptr(), dim, inter,
-                                  torch.get_num_threads())
+        _KERNEL(xs.data_ptr(), spans_t.data_ptr(), experts.data_ptr(), len(small),
+                w_gate_up.data_ptr(), w_down.data_ptr(), strides.data_ptr(), h.data_ptr(), token_rows.data_ptr(),
+                weights.data_ptr(), out.data_ptr(), dim, inter, torch.get_num_threads())
     accumulate_experts(out, rows, [e for e, count in enumerate(rows.counts) if count > SMALL_ROWS], w_gate_up,
                        w_down)
     return out.to(x.dtype)
