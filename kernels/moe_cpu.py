@@ -67,17 +67,17 @@ static void *gate_up(void *arg) {
         const float *wg = j->wgu + j->experts[a] * j->gu0 + (int64_t)i * j->gu1;
         const float *wu = wg + (int64_t)j->I * j->gu1;
         const int64_t *span = j->spans + 3 * a;
-        float *h = j->h + (span[2] - span[0]) * j->I + i;  /* row r's column i is h[r * I] */
-        int64_t r = span[0];
-        for (; r + 4 <= span[1]; r += 4) {
+        float *h = j->h + span[2] * j->I + i;  /* the expert's n-th row's column i is h[n * I] */
+        int64_t n = 0, rows = span[1] - span[0];
+        for (; n + 4 <= rows; n += 4) {
             float g[4], u[4];
-            dot4(wg, j->x + r * j->D, j->D, j->D, g);
-            dot4(wu, j->x + r * j->D, j->D, j->D, u);
-            for (int k = 0; k < 4; k++) h[(r + k) * j->I] = silu_mul(g[k], u[k]);
+            dot4(wg, j->x + (span[0] + n) * j->D, j->D, j->D, g);
+            dot4(wu, j->x + (span[0] + n) * j->D, j->D, j->D, u);
+            for (int k = 0; k < 4; k++) h[(n + k) * j->I] = silu_mul(g[k], u[k]);
         }
-        for (; r < span[1]; r++) {
-            const float *xr = j->x + r * j->D;
-            h[r * j->I] = silu_mul(dot(xr, wg, j->D), dot(xr, wu, j->D));
+        for (; n < rows; n++) {
+            const float *xr = j->x + (span[0] + n) * j->D;
+            h[n * j->I] = silu_mul(dot(xr, wg, j->D), dot(xr, wu, j->D));
         }
     }
     return 0;
@@ -89,16 +89,19 @@ static void *down(void *arg) {
     for (int a = 0; a < j->A; a++) {
         const float *we = j->wd + j->experts[a] * j->d0;
         const int64_t *span = j->spans + 3 * a;
-        const float *h = j->h + (span[2] - span[0]) * j->I;  /* row r is h + r * I */
+        const float *h = j->h + span[2] * j->I;  /* the expert's n-th row is h + n * I */
+        const int64_t *token = j->token + span[0];
+        const float *weight = j->weight + span[0];
+        int64_t rows = span[1] - span[0];
         for (int64_t d = j->first; d < j->last; d++) {
             const float *wr = we + d * j->d1;
-            int64_t r = span[0];
-            for (; r + 4 <= span[1]; r += 4) {
+            int64_t n = 0;
+            for (; n + 4 <= rows; n += 4) {
                 float y[4];
-                dot4(wr, h + r * j->I, j->I, j->I, y);
-                for (int k = 0; k < 4; k++) j->out[j->token[r + k] * j->D + d] += j->weight[r + k] * y[k];
+                dot4(wr, h + n * j->I, j->I, j->I, y);
+                for (int k = 0; k < 4; k++) j->out[token[n + k] * j->D + d] += weight[n + k] * y[k];
             }
-            for (; r < span[1]; r++) j->out[j->token[r] * j->D + d] += j->weight[r] * dot(h + r * j->I, wr, j->I);
+            for (; n < rows; n++) j->out[token[n] * j->D + d] += weight[n] * dot(h + n * j->I, wr, j->I);
         }
     }
     return 0;

@@ -5,6 +5,7 @@ it (instead of one GEMV per token), then the weighted results are scattered back
 """
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -36,11 +37,8 @@ class RoutedRows:
 def route_rows(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> RoutedRows:
     order, counts = group_by_expert(topk_ids, num_experts)
     token_rows = order // topk_ids.shape[1]
-    starts = [0]
-    for count in counts:
-        starts.append(starts[-1] + count)
     return RoutedRows(x.index_select(0, token_rows), token_rows,
-                      topk_weights.reshape(-1)[order].to(torch.float32), counts, starts)
+                      topk_weights.reshape(-1)[order].to(torch.float32), counts, list(accumulate(counts, initial=0)))
 
 
 def fused_moe_torch(
