@@ -7,8 +7,10 @@ tensor, whatever the number of layers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from batchgen.engine.models.context import KVSpec
@@ -54,6 +56,16 @@ class PoolGeometry:
         return k, v
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool = False) -> torch.Tensor:
+    """torch.zeros, except in plain host memory, where the pages come from calloc (numpy.zeros): the OS maps
+    zero pages on first touch, so a pool of gigabytes costs nothing at start-up and memory only as pages are
+    written, instead of an engine's constructor writing every byte."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or pin or not nbytes:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+    return torch.from_numpy(numpy.zeros(nbytes, numpy.uint8)).view(dtype).view(shape)
+
+
 class KVPool:
     """k/v tensors [L, P, page, Hkv, D] on one device, a free list of page ids and each page's holder count.
 
@@ -70,8 +82,8 @@ class KVPool:
         self.device = device
         shape = (spec.num_layers, num_pages, geometry.page_size, spec.num_kv_heads)
         pin = pin and device.type == "cpu" and torch.cuda.is_available()
-        self.k = torch.zeros(*shape, spec.k_dim, dtype=geometry.dtype, device=device, pin_memory=pin)
-        self.v = torch.zeros(*shape, spec.v_dim, dtype=geometry.dtype, device=device, pin_memory=pin)
+        self.k = zeroed((*shape, spec.k_dim), geometry.dtype, device, pin)
+        self.v = zeroed((*shape, spec.v_dim), geometry.dtype, device, pin)
         self._free = list(range(num_pages - 1, -1, -1))
         self.holders = [0] * num_pages
         self.cache = PageCache() if cache else None

@@ -8,6 +8,7 @@ from tiny_models import scheduler_config
 
 from batchgen.engine.coroutine import CoroutineGroup, ProgramPoint, combine, partition
 from batchgen.engine.kv_manager import KVBudget, KVManager
+from batchgen.engine.kv_pool import zeroed
 from batchgen.engine.models.context import KVSpec
 from batchgen.engine.sampling_params import InvalidRequestError, SamplingParams
 from batchgen.engine.scheduler import DecodePlan, Scheduler
@@ -25,6 +26,25 @@ def manager(device_pages: int, host_pages: int = 64, stage_pages: int = 0, reser
                       host_bytes=host_pages * PAGE_BYTES, staging_bytes=stage_pages * PAGE_BYTES // SPEC.num_layers)
     return KVManager(SPEC, PAGE, torch.float32, budget, torch.device("cpu"), stream_host=True,
                      prefix_caching=prefix_caching, reserve_pages=reserve)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_host_pool_is_zero_and_takes_memory_only_where_written(dtype):
+    """An engine's constructor must not write gigabytes of zeros (start-up of an engine actor): host pools come
+    zeroed from the OS, page by page as they are touched."""
+    before = resident_bytes()
+    pool = zeroed((4, 64, 1024, 256), dtype, torch.device("cpu"))  # 256 or 128 MiB
+    assert pool.shape == (4, 64, 1024, 256) and pool.dtype == dtype and pool.is_contiguous()
+    assert resident_bytes() - before < pool.nbytes // 8
+    pool[1, 3] = 2.0
+    assert resident_bytes() - before >= 1024 * 256 * pool.element_size()
+    assert float(pool[1, 3].sum()) == 2.0 * 1024 * 256 and float(pool[1, 2:4].sum()) == float(pool[1, 3].sum())
+    assert zeroed((2, 0, 3), dtype, torch.device("cpu")).shape == (2, 0, 3)
 
 
 def sequence(seq_id: int, prompt_len: int = 3, generated: int = 0) -> Sequence:
