@@ -44,10 +44,14 @@ _Command = tuple[Callable[[], None], list[Future]]  # what to run on the engine 
 
 
 class EngineLoop:
-    def __init__(self, make_engine: Callable[[], Engine | GroupEngine], max_outstanding: int | None = None) -> None:
+    def __init__(self, make_engine: Callable[[], Engine | GroupEngine], max_outstanding: int | None = None,
+                 on_work: Callable[[bool], object] | None = None) -> None:
         """Build the engine on the loop's own thread: loading the model there keeps the model's
         OpenMP team on the thread that runs every step (a second team makes each small op pay a
-        wake-up). A construction error is raised here, in the caller."""
+        wake-up). A construction error is raised here, in the caller. `on_work(busy)` runs on that
+        thread too: with True before each step, with False when the engine runs out of work (an engine
+        actor lends its threads meanwhile: operators/thread_lending.py)."""
+        self._on_work = on_work
         self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._pending: dict[str, Future] = {}
         self._adopted: dict[str, Callable[[Result], None]] = {}  # foreign request id -> who gets its Result
@@ -226,10 +230,15 @@ class EngineLoop:
             return
         ready.set_result(self.engine)
         while not self._closed:
-            if not self._run_commands(block=self.failure is not None or not self.engine.has_unfinished()):
+            out_of_work = self.failure is not None or not self.engine.has_unfinished()
+            if out_of_work and self._on_work is not None:
+                self._on_work(False)
+            if not self._run_commands(block=out_of_work):
                 return
             if self.failure is not None or self._closed:
                 continue
+            if self._on_work is not None and self.engine.has_unfinished():
+                self._on_work(True)
             try:
                 finished = self.engine.step()
             except BaseException as exc:  # handed to every waiting caller

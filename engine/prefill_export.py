@@ -12,7 +12,7 @@ The engine's scheduler still plans the prefill batches (token budget, KV room).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -29,8 +29,9 @@ class PrefillExporter:
         self.engine = engine
 
     @torch.inference_mode()
-    def prefill(self, requests: Iterable[Request]) -> PrefillBatch:
-        """One PrefillOutput per request, or a Result with `error` for a request the engine rejects."""
+    def prefill(self, requests: Iterable[Request], before_step: Callable[[], object] | None = None) -> PrefillBatch:
+        """One PrefillOutput per request, or a Result with `error` for a request the engine rejects.
+        `before_step()` runs before each prefill step (an engine actor recounts its threads there)."""
         engine, scheduler = self.engine, self.engine.scheduler
         engine.stats.mark_start()
         out: dict[str, PrefillOutput | Result] = {}
@@ -57,6 +58,8 @@ class PrefillExporter:
             scheduler.admit(seq)
         by_id = {r.request_id: r for r in requests}
         while scheduler.waiting or scheduler.prefilling:
+            if before_step is not None:
+                before_step()
             plan = scheduler.schedule()  # nothing decodes here, so a plan is prefill alone
             if plan is None or plan.prefill is None:
                 raise RuntimeError("the prefill engine ran out of KV room; give it a larger kv budget")

@@ -39,6 +39,7 @@ from batchgen.operators.columns import (
     report_finished,
 )
 from batchgen.operators.engine_actor import prepare_engine_process
+from batchgen.operators.thread_lending import lend_threads
 from batchgen.operators.engine_factory import load_engine
 
 
@@ -57,10 +58,11 @@ class BatchGen:
         engine actors of the pool and recover them from checkpoints (None: each actor keeps its own).
         """
         init_started = time.perf_counter()
-        prepare_engine_process()
+        self.lending = lend_threads(prepare_engine_process(), engine_options)
         defaults = SamplingParams.from_dict(sampling_params)
         self.list_outputs = defaults.n > 1 if list_outputs is None else bool(list_outputs)
-        self.loop = EngineLoop(lambda: load_engine(model, storage_options, **engine_options))
+        self.loop = EngineLoop(lambda: load_engine(model, storage_options, **engine_options),
+                               on_work=self.lending and self.lending.on_work)
         self.engine = self.loop.engine
         self.parser = RowParser(self.engine.normalizer, defaults, self.list_outputs)
         prefix = uuid.uuid4().hex[:12]  # once per actor: a uuid per row costs an os.urandom call

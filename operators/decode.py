@@ -19,6 +19,7 @@ from batchgen.operators.balancing import BalancingAgent, run_requests
 from batchgen.operators.blocks import Block, column_values, to_block, with_columns, without_columns
 from batchgen.operators.columns import ERROR, RowOutcome, output_columns, report_finished
 from batchgen.operators.engine_actor import prepare_engine_process
+from batchgen.operators.thread_lending import lend_threads
 from batchgen.operators.engine_factory import load_engine
 
 
@@ -30,9 +31,10 @@ class Decode:
         if EngineConfig.from_kwargs(**engine_options).tp_size > 1:
             raise ValueError("the decode stage adopts prefilled KV of whole heads: tp_size > 1 serves BatchGen only "
                              "(ep_size serves Decode)")
-        prepare_engine_process()
+        self.lending = lend_threads(prepare_engine_process(), engine_options)
         self.list_outputs = list_outputs
-        self.loop = EngineLoop(lambda: load_engine(model, storage_options, **engine_options))
+        self.loop = EngineLoop(lambda: load_engine(model, storage_options, **engine_options),
+                               on_work=self.lending and self.lending.on_work)
         self.engine = self.loop.engine
         self.progress = progress
         self.agent = None if balancer is None else BalancingAgent(balancer, self.loop)

@@ -22,6 +22,7 @@ from batchgen.operators.actor_ready import announce_ready
 from batchgen.operators.blocks import Block, column_values, num_rows, to_block, with_columns
 from batchgen.operators.columns import ERROR
 from batchgen.operators.engine_actor import prepare_engine_process
+from batchgen.operators.thread_lending import lend_threads
 from batchgen.operators.engine_factory import load_engine
 
 
@@ -33,7 +34,7 @@ class Prefill:
         if EngineConfig.from_kwargs(**engine_options).ranks > 1:
             raise ValueError("the prefill stage runs one rank per engine actor: an engine over several ranks "
                              "(ep_size or tp_size > 1) serves BatchGen, and Decode with ep_size")
-        prepare_engine_process()
+        self.lending = lend_threads(prepare_engine_process(), engine_options)
         self.exporter = PrefillExporter(load_engine(model, storage_options, **engine_options))
         announce_ready(progress, "Prefill", init_started, self.exporter.engine)
 
@@ -42,7 +43,12 @@ class Prefill:
         errors = column_values(block, ERROR)
         requests = sc.requests(block)
         todo = [i for i, (request, error) in enumerate(zip(requests, errors)) if request is not None and error is None]
-        exported = self.exporter.prefill([requests[i] for i in todo])
+        busy = self.lending.busy if self.lending else None
+        try:
+            exported = self.exporter.prefill([requests[i] for i in todo], before_step=busy)
+        finally:
+            if self.lending:
+                self.lending.idle()
         outputs: list[PrefillOutput | None] = [None] * num_rows(block)
         for i, out in zip(todo, exported.outputs):
             if isinstance(out, PrefillOutput):

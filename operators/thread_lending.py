@@ -1,0 +1,146 @@
+"""Engine actors of one node lend their threads to each other while they have nothing to compute.
+
+Ray grants each engine actor a share of its node's CPUs for the whole job, but an actor's work does not last
+the whole job: a disaggregated decode actor waits for the first prefilled block, the prefill actor has nothing
+left once the input is read, and in single mode an actor whose tail drained waits for the others. Meanwhile
+its cores idle. So each engine actor of a node keeps a small file (one directory per Ray job and node) saying
+how many threads it was granted and since when it is idle; a busy engine computes with its own grant plus an
+even share of the grants of the peers idle for at least IDLE_S, never with more threads than the node has
+cores; an actor that left while the others ran (its stage done) lends its grant for the rest of their run. A
+peer that gets work again takes its grant back at once; the borrowers give theirs back at their next recount
+(at most CHECK_S later, after the step in progress).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from batchgen.engine import EngineConfig
+
+IDLE_S = 0.5  # a peer idle this long lends its threads: not one that is between two batches
+CHECK_S = 0.25  # a busy engine recounts its threads at most this often
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another engine actor of this node, as its file says."""
+
+    granted: int  # threads Ray's CPU grant gives it
+    idle_since: float | None  # wall clock; None while it computes
+
+
+def lent_threads(granted: int, peers: Iterable[Peer], cores: int, now: float) -> int:
+    """Threads for a busy engine granted `granted`: its own, plus an even share (rounded down) of the threads of
+    the peers idle since IDLE_S or longer among the busy engines, itself included; at most `cores`."""
+    peers = list(peers)
+    idle = sum(p.granted for p in peers if p.idle_since is not None and now - p.idle_since >= IDLE_S)
+    busy = 1 + sum(1 for p in peers if p.idle_since is None or now - p.idle_since < IDLE_S)
+    return max(1, min(cores, granted + idle // busy))
+
+
+class ThreadLending:
+    """This process's engine in its node's lending directory; `busy()` before each step, `idle()` when out of
+    work, both on the thread that computes (torch's thread count is that thread's)."""
+
+    def __init__(self, directory: Path, granted: int, cores: int | None = None) -> None:
+        self.directory = directory
+        self.granted = granted
+        self.cores = cores or os.cpu_count() or 1
+        self.path = directory / str(os.getpid())
+        self.changes = 0  # thread-count changes made: how often threads were borrowed or given back
+        self._idle_since: float | None = time.time()
+        self._checked = 0.0
+        self._met: set[int] = set()  # peers' pids seen alive
+        directory.mkdir(parents=True, exist_ok=True)
+        self._publish()
+
+    def on_work(self, busy: bool) -> None:
+        """EngineLoop's hook: `busy()` or `idle()`."""
+        if busy:
+            self.busy()
+        else:
+            self.idle()
+
+    def busy(self) -> int:
+        """About to compute: take this engine's grant back if it was lent, and (every CHECK_S) borrow what idle
+        peers lend. Returns the thread count in use."""
+        now = time.time()
+        if self._idle_since is not None:
+            self._idle_since, self._checked = None, 0.0
+            self._publish()
+        if now - self._checked >= CHECK_S:
+            self._checked = now
+            threads = lent_threads(self.granted, self.peers(), self.cores, now)
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+                self.changes += 1
+        return torch.get_num_threads()
+
+    def idle(self) -> None:
+        """Out of work: from IDLE_S on, busy peers may compute with this engine's threads."""
+        if self._idle_since is None:
+            self._idle_since = time.time()
+            self._publish()
+
+    def peers(self) -> list[Peer]:
+        """The other engine actors of this job on this node, as their files say; one that ended after this
+        engine saw it alive (its stage done, or crashed and replaced) is idle for good, one that ended before
+        (an earlier pipeline of the same Ray job) is forgotten."""
+        found = []
+        for entry in os.scandir(self.directory):
+            if entry.name == self.path.name or not entry.name.isdigit():
+                continue
+            try:
+                granted, idle_since = Path(entry.path).read_text().split()
+            except (OSError, ValueError):  # being replaced
+                continue
+            pid = int(entry.name)
+            if _alive(pid):
+                self._met.add(pid)
+                found.append(Peer(int(granted), None if idle_since == "-" else float(idle_since)))
+            elif pid in self._met:  # its stage is done while this one runs: its grant stays the job's to lend
+                found.append(Peer(int(granted), 0.0))
+            else:  # an engine of an earlier run of the job
+                Path(entry.path).unlink(missing_ok=True)
+        return found
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def _publish(self) -> None:
+        """Write this engine's state; a reader sees the old file or the new one, never half of one."""
+        since = "-" if self._idle_since is None else repr(self._idle_since)
+        partial = self.path.with_suffix(".tmp")
+        partial.write_text(f"{self.granted} {since}")
+        os.replace(partial, self.path)
+
+
+def lend_threads(granted: int, engine_options: dict[str, Any]) -> ThreadLending | None:
+    """In an engine actor granted `granted` threads: its place in the lending of its Ray job and node. None
+    outside a Ray worker, and for an engine over several ranks (each rank process has its fixed share)."""
+    if not ray.is_initialized() or ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
+        return None
+    if EngineConfig.from_kwargs(**engine_options).ranks > 1:
+        return None
+    context = ray.get_runtime_context()
+    name = f"batchgen-threads-{context.get_job_id()}-{context.get_node_id()[:16]}"
+    return ThreadLending(Path(tempfile.gettempdir()) / name, granted)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

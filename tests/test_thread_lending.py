@@ -1,0 +1,146 @@
+"""Engine actors of a node lending their threads while idle: the policy, the files, the engine loop's hook, and
+two real Ray actors of one node."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from pipeline_helpers import ENGINE, SAMPLING, workload
+
+from batchgen.engine import EngineLoop, Request, SamplingParams
+from batchgen.operators.engine_factory import load_engine
+from batchgen.operators.thread_lending import IDLE_S, Peer, ThreadLending, lent_threads
+
+NOW = 1000.0
+LONG_IDLE = NOW - IDLE_S - 1
+
+
+@pytest.fixture
+def own_threads():
+    """ThreadLending sets this process's torch threads: put them back for the next test."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_busy_engine_borrows_the_threads_of_peers_idle_long_enough():
+    assert lent_threads(1, [], cores=8, now=NOW) == 1
+    assert lent_threads(1, [Peer(1, LONG_IDLE)], cores=8, now=NOW) == 2
+    assert lent_threads(1, [Peer(1, None)], cores=8, now=NOW) == 1  # the peer computes
+    assert lent_threads(1, [Peer(3, NOW - IDLE_S / 2)], cores=8, now=NOW) == 1  # between two batches
+    # two busy engines share two idle ones' four threads; an odd thread is not split
+    assert lent_threads(2, [Peer(2, LONG_IDLE), Peer(2, LONG_IDLE), Peer(2, None)], cores=16, now=NOW) == 4
+    assert lent_threads(1, [Peer(3, LONG_IDLE), Peer(1, None)], cores=16, now=NOW) == 2
+    assert lent_threads(2, [Peer(8, LONG_IDLE)], cores=4, now=NOW) == 4  # never more than the node's cores
+
+
+@pytest.fixture
+def processes():
+    """A live process and the pid of one that ended, to stand for peer engine actors."""
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    yield live.pid, ended.pid
+    if live.poll() is None:
+        live.kill()
+        live.wait()
+
+
+def peer_file(directory, pid, granted, idle_since):
+    (directory / str(pid)).write_text(f"{granted} {'-' if idle_since is None else idle_since}")
+
+
+def test_threads_follow_the_peers_files(tmp_path, processes, own_threads):
+    live, ended = processes
+    torch.set_num_threads(1)
+    lending = ThreadLending(tmp_path, granted=1, cores=2)
+    assert (tmp_path / str(os.getpid())).read_text().split()[0] == "1"
+    peer_file(tmp_path, live, 1, time.time() - IDLE_S - 1)
+    assert lending.busy() == 2 and torch.get_num_threads() == 2 and lending.changes == 1
+    assert (tmp_path / str(os.getpid())).read_text().split()[1] == "-"  # published as busy
+    peer_file(tmp_path, live, 1, None)  # the peer got work: the next recount gives its thread back
+    lending._checked = 0.0
+    assert lending.busy() == 1 and lending.changes == 2
+    lending.idle()
+    assert float((tmp_path / str(os.getpid())).read_text().split()[1]) <= time.time()
+    lending.close()
+    assert not (tmp_path / str(os.getpid())).exists()
+
+
+def test_a_peer_that_ended_lends_its_grant_only_if_it_ran_beside_this_engine(tmp_path, processes, own_threads):
+    live, ended = processes
+    peer_file(tmp_path, ended, 1, None)  # an engine of an earlier pipeline: forgotten, its file removed
+    torch.set_num_threads(1)
+    lending = ThreadLending(tmp_path, granted=1, cores=2)
+    assert lending.busy() == 1 and not (tmp_path / str(ended)).exists()
+    peer_file(tmp_path, live, 1, None)  # a peer computing beside this engine, whose stage then ends
+    lending._checked = 0.0
+    assert lending.busy() == 1
+    os.kill(live, 9)
+    os.waitpid(live, 0)
+    lending._checked = 0.0
+    assert lending.busy() == 2 and (tmp_path / str(live)).exists()
+
+
+def test_the_engine_loop_says_when_it_computes_and_when_it_runs_out_of_work(tiny_moe_dir):
+    states: list[bool] = []
+    engine = load_engine(tiny_moe_dir, **ENGINE)
+    loop = EngineLoop(lambda: engine, on_work=states.append)
+    params = SamplingParams.from_dict(SAMPLING)
+    requests = [Request(f"r{i}", prompt=p, sampling=params) for i, p in enumerate(workload(3))]
+
+    def admit(engine):
+        for request in requests:
+            engine.add_request(request)
+
+    results = asyncio.run(loop.run([r.request_id for r in requests], admit))
+    deadline = time.time() + 10
+    while (not states or states[-1]) and time.time() < deadline:  # the loop goes idle after the last step
+        time.sleep(0.01)
+    loop.close()
+    assert all(r.error is None for r in results)
+    assert states[0] is False  # idle before the first request
+    steps = states.count(True)
+    assert steps >= max(len(r.outputs[0].token_ids) for r in results)  # once before every step
+    assert states[-1] is False
+
+
+def test_engine_actors_of_a_node_lend_their_threads(ray_cluster):
+    import ray
+
+    from batchgen.operators.thread_lending import lend_threads
+
+    @ray.remote(num_cpus=0.5)
+    class Actor:
+        def __init__(self):
+            torch.set_num_threads(1)
+            self.lending = lend_threads(1, {})
+
+        def work(self, busy: bool) -> int:
+            self.lending.on_work(busy)
+            return torch.get_num_threads()
+
+        def group_rank_lends(self) -> bool:
+            return lend_threads(1, {"ep_size": 2}) is not None
+
+        def recount(self) -> int:
+            self.lending._checked = 0.0
+            return self.lending.busy()
+
+    first, second = Actor.remote(), Actor.remote()
+    assert ray.get(second.work.remote(False)) == 1
+    time.sleep(IDLE_S + 0.1)
+    cores = min(2, os.cpu_count() or 1)
+    assert ray.get(first.work.remote(True)) == cores  # the idle one's thread
+    assert ray.get(second.work.remote(True)) == 1
+    assert ray.get(first.recount.remote()) == 1  # given back at the next recount
+    assert not ray.get(first.group_rank_lends.remote())  # each rank of an engine group has its fixed share
+    ray.kill(first)
+    ray.kill(second)
+    assert lend_threads(1, {}) is None  # the driver is no engine actor
