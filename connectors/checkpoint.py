@@ -31,9 +31,10 @@ from batchgen.connectors.checkpoint_files import (
     metadata_dir,
     read_tokenizer,
 )
-from batchgen.connectors.host_memory import SharedHostWeights, host_arena, place_in_arena
+from batchgen.connectors.host_memory import SharedHostWeights, place_in_arena
 from batchgen.connectors.io import filesystem
 from batchgen.connectors.presets import default_cache_dir, resolve_preset
+from batchgen.engine.host_arena import host_arena
 from batchgen.engine.models.layers import FusedExperts
 from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.models.registry import ModelFamily, model_family

@@ -1,8 +1,8 @@
 """Host memory for a model's weights: one region for all of them, in either of two kinds.
 
-- A private anonymous mapping aligned to and advised for transparent huge pages (`host_arena`): the weights of a
-  CPU engine are read in long sequential sweeps every step, and on 2 MiB pages a 4 GB model spans 2,000 TLB
-  entries instead of a million 4 KiB ones. Where the OS gives no huge pages it is plain memory.
+- A private anonymous mapping aligned to and advised for transparent huge pages (`host_arena`,
+  engine/host_arena.py): the weights of a CPU engine are read in long sequential sweeps every step, and on 2 MiB
+  pages a 4 GB model spans 2,000 TLB entries instead of a million 4 KiB ones.
 - A file mapping shared by every process of the node (`SharedHostWeights`): the host store memory-constrained
   engines stream from (engine/offload). The first process to load a checkpoint writes its weights, in the
   engine's layout and dtype, to a file under $BATCHGEN_CACHE/host-weights and every process maps that file, so the
@@ -15,7 +15,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import mmap
 import os
 import re
 from collections.abc import Callable
@@ -23,21 +22,10 @@ from pathlib import Path
 
 import torch
 
-HUGE_PAGE = 2 << 20
+from batchgen.engine.host_arena import host_arena
+
 STORE_FORMAT = 1  # bump when the layout of a shared host-weights file changes
 _SMAPS_RANGE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) ")
-
-
-def host_arena(nbytes: int) -> torch.Tensor:
-    """`nbytes` of zero-filled host memory as a uint8 tensor starting on a huge-page boundary; the mapping lives
-    as long as a view of it does."""
-    # private: a shared anonymous mapping is shmem, which gets huge pages only where shmem_enabled says so
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; elsewhere the mapping keeps the OS's default pages
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    buffer = torch.frombuffer(mapping, dtype=torch.uint8)
-    start = -buffer.data_ptr() % HUGE_PAGE
-    return buffer[start : start + nbytes]
 
 
 def place_in_arena(module: torch.nn.Module, allocate: Callable[[int], torch.Tensor] = host_arena

@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy
 import torch
 
+from batchgen.engine.host_arena import host_arena
 from batchgen.engine.models.context import KVSpec
 from batchgen.engine.page_cache import PageCache
 
@@ -57,13 +57,12 @@ class PoolGeometry:
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool = False) -> torch.Tensor:
-    """torch.zeros, except in plain host memory, where the pages come from calloc (numpy.zeros): the OS maps
-    zero pages on first touch, so a pool of gigabytes costs nothing at start-up and memory only as pages are
-    written, instead of an engine's constructor writing every byte."""
+    """torch.zeros, except in plain host memory: a host arena, whose pages the OS zeroes as they are first
+    written, so the engine's constructor writes none of a pool's gigabytes."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or pin or not nbytes:
         return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
-    return torch.from_numpy(numpy.zeros(nbytes, numpy.uint8)).view(dtype).view(shape)
+    return host_arena(nbytes).view(dtype).view(shape)
 
 
 class KVPool:

@@ -39,8 +39,8 @@ from batchgen.operators.columns import (
     report_finished,
 )
 from batchgen.operators.engine_actor import prepare_engine_process
-from batchgen.operators.thread_lending import lend_threads
 from batchgen.operators.engine_factory import load_engine
+from batchgen.operators.thread_lending import lend_threads
 
 
 class BatchGen:

@@ -19,8 +19,8 @@ from batchgen.operators.balancing import BalancingAgent, run_requests
 from batchgen.operators.blocks import Block, column_values, to_block, with_columns, without_columns
 from batchgen.operators.columns import ERROR, RowOutcome, output_columns, report_finished
 from batchgen.operators.engine_actor import prepare_engine_process
-from batchgen.operators.thread_lending import lend_threads
 from batchgen.operators.engine_factory import load_engine
+from batchgen.operators.thread_lending import lend_threads
 
 
 class Decode:

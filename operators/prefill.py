@@ -22,8 +22,8 @@ from batchgen.operators.actor_ready import announce_ready
 from batchgen.operators.blocks import Block, column_values, num_rows, to_block, with_columns
 from batchgen.operators.columns import ERROR
 from batchgen.operators.engine_actor import prepare_engine_process
-from batchgen.operators.thread_lending import lend_threads
 from batchgen.operators.engine_factory import load_engine
+from batchgen.operators.thread_lending import lend_threads
 
 
 class Prefill:

@@ -24,7 +24,8 @@ from tiny_models import (
 from batchgen.connectors import checkpoint as checkpoint_module
 from batchgen.connectors.checkpoint import CheckpointError, load_model
 from batchgen.connectors.checkpoint_files import load_tokenizer
-from batchgen.connectors.host_memory import HUGE_PAGE, host_arena, huge_page_bytes, mapped_file
+from batchgen.connectors.host_memory import huge_page_bytes, mapped_file
+from batchgen.engine.host_arena import HUGE_PAGE, host_arena
 from batchgen.engine.models.registry import UnsupportedModelError, supported_model_types
 from batchgen.engine.reference import ReferenceRunner
 

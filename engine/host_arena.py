@@ -1,0 +1,27 @@
+"""Large host buffers: zero-filled by the OS page by page as they are first written, on transparent huge pages.
+
+What the weights and the KV pools of a CPU engine live in. Nothing is written at allocation, so a pool of
+gigabytes costs an engine's constructor nothing and memory only as its pages fill; and the kernels sweep
+these buffers every step, where 2 MiB pages need 512 times fewer TLB entries than 4 KiB ones. Where the OS
+gives no huge pages it is plain memory.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+HUGE_PAGE = 2 << 20
+
+
+def host_arena(nbytes: int) -> torch.Tensor:
+    """`nbytes` of zero-filled host memory as a uint8 tensor starting on a huge-page boundary; the mapping lives
+    as long as a view of it does."""
+    # private: a shared anonymous mapping is shmem, which gets huge pages only where shmem_enabled says so
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; elsewhere the mapping keeps the OS's default pages
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = -buffer.data_ptr() % HUGE_PAGE
+    return buffer[start : start + nbytes]
