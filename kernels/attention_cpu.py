@@ -4,8 +4,11 @@ The torch path (attention_torch.py) gathers every sequence's pages into padded K
 a copy of the whole cache per call, plus padding. This backend is a small C kernel, compiled on first
 use with the system C compiler and loaded through ctypes: for each sequence it walks its pages where
 they lie, one page at a time, with an online softmax, every query head reusing the page's K/V rows
-from cache, so every cached K/V byte is read from memory once. Sequences are split over
-`torch.get_num_threads()` POSIX threads.
+from cache, so every cached K/V byte is read from memory once. What bounds it is the memory, so the
+next page (of the sequence, or the next sequence's first) is prefetched row by row while the current
+one is computed (the pages lie scattered through the pool), query heads sharing a KV head go four at
+a time over each K/V row, and the softmax's exponentials are a polynomial the compiler vectorises
+instead of a libm call each. Sequences are split over `torch.get_num_threads()` POSIX threads.
 
 float32 only (the CPU engine's dtype); caches may be strided views with a dense last dim. Without a C
 compiler the backend reports itself unavailable and the registry keeps the torch path.
@@ -32,46 +35,106 @@ typedef struct {
     int first, last;  /* sequences [first, last) */
 } Job;
 
-/* One sequence, all heads: each page's K/V rows (every KV head side by side) are read from memory
-   once and reused from cache by the query heads that share them. */
-static void attend(const Job *j, int b, float *scores, float *acc, float *m, float *l) {
-    int len = j->lens[b], group = j->heads / j->kv_heads;
-    const float *q = j->q + (int64_t)b * j->heads * j->dk;
-    for (int x = 0; x < j->heads; x++) { m[x] = -INFINITY; l[x] = 0.f; }
-    for (int x = 0; x < j->heads * j->dv; x++) acc[x] = 0.f;
-    for (int p = 0; p * j->page < len; p++) {
-        int64_t page = j->table[(int64_t)b * j->max_pages + p];
-        int n = len - p * j->page < j->page ? len - p * j->page : j->page;
-        const float *kp = j->k + page * j->ks[0];
-        const float *vp = j->v + page * j->vs[0];
-        for (int x = 0; x < j->heads; x++) {
-            int h = x / group;
-            const float *qx = q + x * j->dk;
-            float *sx = scores + x * j->page;
-            float best = m[x];
-            for (int t = 0; t < n; t++) {
-                const float *kt = kp + t * j->ks[1] + h * j->ks[2];
-                float s = 0.f;
-                for (int d = 0; d < j->dk; d++) s += qx[d] * kt[d];
-                s *= j->scale;
-                sx[t] = s;
-                best = s > best ? s : best;
+/* e^x for x <= 0 without a libm call, so the loops over it vectorise: 2^(x log2 e) split into the nearest
+   integer power (exponent bits) and a degree-6 Taylor polynomial of the rest in [-1/2, 1/2], relative error
+   about 1.2e-7; x is clamped at -87 (e^-87 ~ 1.6e-38, nothing next to the row maximum's 1). */
+static inline float exp_neg(float x) {
+    x = x < -87.f ? -87.f : x;
+    float t = x * 1.44269504f, n = rintf(t), f = t - n;
+    float p = 1.540353e-4f;
+    p = p * f + 1.3333558e-3f; p = p * f + 9.6181291e-3f; p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f; p = p * f + 6.9314718e-1f; p = p * f + 1.f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+/* Scores of `c` (4 or 1) query heads sharing one KV head against n cached K rows: each K row is read once
+   for all c heads. */
+static void scores_of(int c, const float *restrict q, int dk, const float *restrict kh, int64_t kstride, int n,
+                      float scale, float *restrict s, int page, const char *next, int next_n) {
+    for (int t = 0; t < n; t++) {
+        const float *restrict kt = kh + t * kstride;
+        if (t < next_n)
+            for (int o = 0; o < dk * 4; o += 64) __builtin_prefetch(next + t * kstride * 4 + o, 0, 3);
+        if (c == 4) {
+            float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+            for (int d = 0; d < dk; d++) {
+                float kd = kt[d];
+                s0 += q[d] * kd; s1 += q[dk + d] * kd; s2 += q[2 * dk + d] * kd; s3 += q[3 * dk + d] * kd;
             }
-            float shrink = expf(m[x] - best), total = 0.f;
-            for (int t = 0; t < n; t++) { sx[t] = expf(sx[t] - best); total += sx[t]; }
-            float *ax = acc + x * j->dv;
-            for (int d = 0; d < j->dv; d++) ax[d] *= shrink;
-            for (int t = 0; t < n; t++) {
-                const float *vt = vp + t * j->vs[1] + h * j->vs[2];
-                float w = sx[t];
-                for (int d = 0; d < j->dv; d++) ax[d] += w * vt[d];
-            }
-            l[x] = l[x] * shrink + total;
-            m[x] = best;
+            s[t] = s0 * scale; s[page + t] = s1 * scale; s[2 * page + t] = s2 * scale; s[3 * page + t] = s3 * scale;
+        } else {
+            float s0 = 0.f;
+            for (int d = 0; d < dk; d++) s0 += q[d] * kt[d];
+            s[t] = s0 * scale;
         }
     }
-    float *o = j->out + (int64_t)b * j->heads * j->dv;
-    for (int x = 0; x < j->heads; x++)
+}
+
+/* acc[x] += sum_t w[x][t] V[t] for the same c heads: each V row read once for all of them. */
+static void accumulate(int c, const float *restrict w, int page, const float *restrict vh, int64_t vstride, int n,
+                       int dv, float *restrict acc, const char *next, int next_n) {
+    for (int t = 0; t < n; t++) {
+        const float *restrict vt = vh + t * vstride;
+        if (t < next_n)
+            for (int o = 0; o < dv * 4; o += 64) __builtin_prefetch(next + t * vstride * 4 + o, 0, 3);
+        if (c == 4) {
+            float w0 = w[t], w1 = w[page + t], w2 = w[2 * page + t], w3 = w[3 * page + t];
+            float *restrict a0 = acc, *restrict a1 = acc + dv, *restrict a2 = acc + 2 * dv, *restrict a3 = acc + 3 * dv;
+            for (int d = 0; d < dv; d++) {
+                float vd = vt[d];
+                a0[d] += w0 * vd; a1[d] += w1 * vd; a2[d] += w2 * vd; a3[d] += w3 * vd;
+            }
+        } else {
+            float w0 = w[t];
+            for (int d = 0; d < dv; d++) acc[d] += w0 * vt[d];
+        }
+    }
+}
+
+/* One sequence, all heads, page by page with an online softmax. Query heads go four at a time where four
+   share a KV head (GQA), so each cached K/V row is read from memory once and from L1 by the four. */
+static void attend(const Job *j, int b, float *scores, float *acc, float *m, float *l) {
+    int len = j->lens[b], heads = j->heads, group = heads / j->kv_heads, page = j->page;
+    const float *q = j->q + (int64_t)b * heads * j->dk;
+    const int32_t *pages = j->table + (int64_t)b * j->max_pages;
+    for (int x = 0; x < heads; x++) { m[x] = -INFINITY; l[x] = 0.f; }
+    for (int x = 0; x < heads * j->dv; x++) acc[x] = 0.f;
+    for (int p = 0; p * page < len; p++) {
+        int n = len - p * page < page ? len - p * page : page;
+        /* the next page's rows (this sequence's, else the next sequence's first) are fetched while this page's
+           are computed: pages lie scattered in the pool */
+        int rest = len - (p + 1) * page, next_n = rest <= 0 ? 0 : rest < page ? rest : page;
+        int64_t next = next_n ? pages[p + 1] : pages[p];
+        if (!next_n && b + 1 < j->last && j->lens[b + 1] > 0) {
+            next = pages[j->max_pages];
+            next_n = j->lens[b + 1] < page ? j->lens[b + 1] : page;
+        }
+        const float *kp = j->k + pages[p] * j->ks[0], *vp = j->v + pages[p] * j->vs[0];
+        for (int x = 0; x < heads;) {
+            int c = x % group + 4 <= group ? 4 : 1, h = x / group;
+            float *sx = scores + x * page;
+            /* the first head of each KV head's group fetches the next page's rows of that KV head */
+            int fetch = x % group == 0 ? next_n : 0;
+            scores_of(c, q + x * j->dk, j->dk, kp + h * j->ks[2], j->ks[1], n, j->scale, sx, page,
+                      (const char *)(j->k + next * j->ks[0] + h * j->ks[2]), fetch);
+            for (int i = x; i < x + c; i++) {
+                float *si = scores + i * page, best = m[i], total = 0.f;
+                for (int t = 0; t < n; t++) best = si[t] > best ? si[t] : best;
+                float shrink = exp_neg(m[i] - best);
+                for (int t = 0; t < n; t++) { si[t] = exp_neg(si[t] - best); total += si[t]; }
+                float *ai = acc + i * j->dv;
+                for (int d = 0; d < j->dv; d++) ai[d] *= shrink;
+                l[i] = l[i] * shrink + total;
+                m[i] = best;
+            }
+            accumulate(c, sx, page, vp + h * j->vs[2], j->vs[1], n, j->dv, acc + x * j->dv,
+                       (const char *)(j->v + next * j->vs[0] + h * j->vs[2]), fetch);
+            x += c;
+        }
+    }
+    float *o = j->out + (int64_t)b * heads * j->dv;
+    for (int x = 0; x < heads; x++)
         for (int d = 0; d < j->dv; d++) o[x * j->dv + d] = l[x] > 0.f ? acc[x * j->dv + d] / l[x] : 0.f;
 }
 

@@ -143,7 +143,8 @@ def test_decode_triton_matches_torch(heads, kv_heads, dim_k, dim_v, dtype, split
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 1), (8, 1), (16, 2)])
+# KV groups of 1, 4 and 8 query heads (taken four at a time), and of 6 and 3 (four, then one by one)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 1), (8, 1), (16, 2), (12, 2), (6, 2)])
 @pytest.mark.parametrize("page_size", [8, 64])
 def test_decode_cpu_c_matches_naive(heads, kv_heads, page_size):
     from batchgen.kernels.attention_cpu import paged_decode_attention_cpu, unavailable
