@@ -17,8 +17,9 @@ from batchgen.operators.work_balancer import start_work_balancer
 
 pytestmark = pytest.mark.slow  # end to end on a Ray runtime
 
-LONG = {"temperature": 0.0, "max_tokens": 128, "ignore_eos": True}
-SEEDED = {"temperature": 0.9, "seed": 7, "max_tokens": 128, "ignore_eos": True}
+LONG = {"temperature": 0.0, "max_tokens": 384, "ignore_eos": True}  # long enough that the idle actor,
+# after its linger grace, finds work left even when it lent the busy one its thread (operators/thread_lending.py)
+SEEDED = {"temperature": 0.9, "seed": 7, "max_tokens": 384, "ignore_eos": True}
 SHORT = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}  # long enough to see the other's load
 
 
