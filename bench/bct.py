@@ -3,7 +3,8 @@
 in one process and one run.
 
     python bench/bct.py [--quick] [--json] [--seed 0] [--num-prompts 128] [--experts 16] [--top-k 2]
-                        [--sigma 0.8] [--kv-budget-mb MB | --budget-seqs 16] [--dtype float32] [--profile]
+                        [--sigma 0.8] [--kv-budget-mb MB | --budget-seqs 16] [--dtype float32] [--repeats 3]
+                        [--profile]
 
 Workload "bench-moe": the bench-moe preset (Mixtral-style, random weights), prompts of random token ids
 with lengths uniform in [32, 256), output lengths lognormal(mu=3.5, sigma) + 1 capped at 512, fixed per
@@ -14,7 +15,9 @@ transformers gets the same bytes as its cache size (num_blocks); its CPU swap po
 on a CPU-only torch it soft-resets (re-prefills) the requests it evicts.
 
 Each system first runs a few short warm-up requests (kept out of the timings); BCT runs from the first
-request submitted to the last result returned. The roofline bound (bench/roofline.py) is measured in the
+request submitted to the last result returned. The two engine modes run --repeats times each, interleaved, and
+report their median run (`bct_runs_s` lists every run): this machine's speed drifts by more than the gap
+between modes that run one schedule. The roofline bound (bench/roofline.py) is measured in the
 same run. With --json the last line printed is one JSON object.
 """
 
@@ -144,6 +147,15 @@ def run_engine(loaded, mode: str, workload: Workload, device_bytes: int, host_by
     return SystemRun(tokens=[r.outputs[0].token_ids for r in results], bct_s=bct,
                      completion_times=[r.finished_at - start for r in results],
                      mean_expert_batch=metrics["mean_expert_batch"], engine_metrics=metrics)
+
+
+def median_run(name: str, runs: list[SystemRun]) -> SystemRun:
+    """The run of median BCT (the lower middle one of an even count); every run must have generated the same
+    tokens: the engine's outputs may not depend on when it ran."""
+    for i, run in enumerate(runs[1:], 2):
+        if run.tokens != runs[0].tokens:
+            raise RuntimeError(f"{name}: run {i} generated other tokens than run 1")
+    return sorted(runs, key=lambda r: r.bct_s)[(len(runs) - 1) // 2]
 
 
 def profile_engine(loaded, mode: str, workload: Workload, device_bytes: int, host_bytes: int,
@@ -384,6 +396,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--experts", type=int, default=None, help="override the preset's expert count")
     parser.add_argument("--top-k", type=int, default=None, help="override the preset's experts per token")
     parser.add_argument("--sigma", type=float, default=0.8, help="sigma of the lognormal output lengths")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each engine mode per scenario, interleaved; BCT is their median (default 3; "
+                             "transformers runs once)")
     parser.add_argument("--profile", action="store_true",
                         help="after the timed runs, print a cProfile of one more BatchGen run per scenario")
     parser.add_argument("--kv-budget-mb", type=float, default=None,
@@ -393,7 +408,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget-seqs", type=int, default=None,
                         help="mean full contexts the constrained scenario's budget holds (default 16, 8 with --quick)")
     args = parser.parse_args(argv)
-    for name in ("num_prompts", "experts", "top_k", "budget_seqs"):
+    for name in ("num_prompts", "experts", "top_k", "budget_seqs", "repeats"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -458,14 +473,17 @@ def run(args: argparse.Namespace, log) -> dict:
     budgets = {"unconstrained": 2 * host_bytes, "kv_budget": constrained}
     scenarios = {}
     for scenario, device_bytes in budgets.items():
-        runs = {}
+        repeated: dict[str, list[SystemRun]] = {name: [] for name in ENGINE_MODES}
+        for _ in range(args.repeats):  # interleaved: a drift of the machine's speed hits both engine modes alike
+            for name, mode in ENGINE_MODES.items():
+                repeated[name].append(run_engine(loaded, mode, workload, device_bytes, host_bytes))
+        runs = {name: median_run(name, repeated[name]) for name in ENGINE_MODES}
+        runs["transformers"] = run_transformers(hf_model, workload, device_bytes, host_bytes,
+                                                shape.kv_bytes_per_token)
         for name in SYSTEMS:
-            if name == "transformers":
-                runs[name] = run_transformers(hf_model, workload, device_bytes, host_bytes,
-                                              shape.kv_bytes_per_token)
-            else:
-                runs[name] = run_engine(loaded, ENGINE_MODES[name], workload, device_bytes, host_bytes)
-            log(f"{scenario:>13} {name:>12}: BCT {runs[name].bct_s:7.2f} s, "
+            each = ", ".join(f"{r.bct_s:.2f}" for r in repeated.get(name, ()))
+            log(f"{scenario:>13} {name:>12}: BCT {runs[name].bct_s:7.2f} s"
+                f"{f' (median of {each})' if args.repeats > 1 and each else ''}, "
                 f"{output_tokens / runs[name].bct_s:7.1f} tok/s, "
                 f"mean expert batch {runs[name].mean_expert_batch:.2f}")
         if args.profile:
@@ -473,7 +491,8 @@ def run(args: argparse.Namespace, log) -> dict:
                 + profile_engine(loaded, "coroutine", workload, device_bytes, host_bytes))
         summary = scenario_summary(runs, output_tokens, bound.seconds, probe, TIE_GAP[args.dtype],
                                    ROUTING_TIE_GAP[args.dtype])
-        scenarios[scenario] = {"kv_budget_bytes": device_bytes, **summary}
+        scenarios[scenario] = {"kv_budget_bytes": device_bytes, **summary,
+                               "bct_runs_s": {name: [r.bct_s for r in rs] for name, rs in repeated.items()}}
         log(describe(scenario, summary))
 
     return {
