@@ -5,6 +5,8 @@ and columns; bad group shapes fail with the rank's reason; a Ray job's BatchGen 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 
 import pytest
@@ -13,8 +15,10 @@ from pipeline_helpers import ENGINE, SAMPLING, engine_outputs, read_output, work
 from tiny_models import kv_bytes_per_token, prompts, save_tiny_checkpoint
 
 from batchgen.connectors.checkpoint import load_model
+from batchgen.connectors.host_memory import mapped_file
 from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
 from batchgen.engine.models.layers import FusedExperts
+from batchgen.engine.parallel.group_engine import GroupEngine, rank_spec, start_engine_group
 from batchgen.engine.parallel.rank_worker import GroupStartError
 from batchgen.engine.reference import ReferenceRunner
 from batchgen.operators.engine_factory import load_engine
@@ -85,18 +89,40 @@ def test_two_rank_expert_parallel_engine_gives_the_single_engines_tokens(arch, p
         assert metrics["partitions"] == 0 and sum(rank["expert_only_steps"] for rank in ranks) > 0, metrics
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])  # GQA: KV split by heads; MLA: latent replicated
-def test_a_straggler_partitions_over_every_rank_moves_back_for_new_work_and_keeps_its_tokens(arch, tmp_path):
-    """A lone request decodes on both ranks (half the heads each, experts on their own ranks); a request arriving
-    part-way moves it back to one rank with its KV heads joined; once that one finishes it partitions again."""
+def expert_group(directory, whole_weights: bool, **options) -> GroupEngine:
+    """A 2-rank expert-parallel engine whose ranks map every expert (`whole_weights`: CPU ranks, which share the
+    host's memory) or read only their own (as ranks on devices of their own do)."""
+    config = EngineConfig.from_kwargs(ep_size=2, **options)
+    spec = rank_spec(functools.partial(load_model, str(directory)), config, threads=1)
+    assert spec.whole_weights  # what a CPU group chooses
+    return start_engine_group(dataclasses.replace(spec, whole_weights=whole_weights))
+
+
+# GQA: KV split by heads; MLA: latent replicated. Experts: every routed expert's columns split over the ranks, or
+# each rank's own experts whole
+@pytest.mark.parametrize("arch,whole_weights", [("mixtral", True), ("deepseek_v3", True), ("mixtral", False)])
+def test_a_straggler_partitions_over_every_rank_moves_back_for_new_work_and_keeps_its_tokens(arch, whole_weights,
+                                                                                          tmp_path):
+    """A lone request decodes on both ranks (half the heads each; half of every routed expert's columns, or the
+    experts on their own ranks); a request arriving part-way moves it back to one rank with its KV heads joined;
+    once that one finishes it partitions again."""
     loaded, batch, options, single = single_process_case(arch, tmp_path, pages=24)
     work = requests(batch)[:3]  # r0 greedy, 40 tokens; r1 greedy and r2 seeded, 16 tokens
     single = Engine(loaded, **options).generate(work)
-    group = load_engine(str(tmp_path), ep_size=2, **options)
+    group = expert_group(tmp_path, whole_weights, **options)
     results = []
     try:
         view = group.rank_engines.model  # half of the vocabulary's head rows on each rank
         assert view.lm_head.weight.shape[0] * 2 == loaded.model.vocab_size and view.gather_vocab is not None
+        own = [m for m in group.engine.model.modules() if isinstance(m, FusedExperts)]
+        shares = [m for m in view.modules() if isinstance(m, FusedExperts)]
+        assert all(m.num_local_experts * 2 == m.num_experts for m in own)  # expert parallel: half the experts
+        if whole_weights:  # views of one node-wide file; the partition: all experts, half of each one's columns
+            assert {mapped_file(m.whole[0]) for m in own} == {mapped_file(own[0].gate_up_proj)} != {None}
+            assert all(m.gate_up_proj.shape[:3] == (m.num_experts, 2, m.whole[1].shape[2] // 2) for m in shares)
+            assert all(m.down_proj.shape[2] * 2 == m.whole[1].shape[2] for m in shares)
+        else:  # each rank's own experts, whole
+            assert all(m.whole is None and m.gate_up_proj.shape == o.gate_up_proj.shape for m, o in zip(shares, own))
         group.add_request(work[0])
         while group.partitions == 0:
             results += group.step()

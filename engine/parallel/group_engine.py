@@ -66,8 +66,11 @@ def start_engine_group(spec: RankSpec) -> GroupEngine:
 
 
 def rank_spec(load, config, threads: int) -> RankSpec:
-    """The spec of a group of `config.ranks` ranks on this machine."""
-    return RankSpec(free_address(), config.ranks, config, load, threads)
+    """The spec of a group of `config.ranks` ranks on this machine. CPU ranks share the host's memory: when they
+    may PARTITION a straggler, each maps every expert (one copy for all), so a partition splits each routed
+    expert's columns evenly instead of waiting on the rank that holds more of the token's experts."""
+    whole = config.ep_size > 1 and config.partition_stragglers and config.torch_device().type == "cpu"
+    return RankSpec(free_address(), config.ranks, config, load, threads, whole_weights=whole)
 
 
 class GroupEngine(Generates):

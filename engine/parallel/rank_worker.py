@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.engine import Engine
+from batchgen.engine.models.layers import FusedExperts
 from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.parallel.partition import RankEngines
 from batchgen.engine.parallel.rank_group import (
@@ -43,6 +44,9 @@ class RankSpec:
     # (device, expert_shard= or tensor_shard=(rank, ranks)) -> that rank's model: picklable (a partial of the loader)
     load: Callable[..., LoadedModel]
     threads: int  # torch threads per rank
+    # expert parallel: every rank maps one node-wide copy of all the weights and keeps views of its experts (ranks
+    # that share host memory: CPU), so a PARTITION splits every expert's columns; else each reads only its experts
+    whole_weights: bool = False
 
 
 class GroupStartError(RuntimeError):
@@ -57,8 +61,7 @@ def build_rank_engine(spec: RankSpec, rank: int) -> tuple[RankEngines, RankGroup
     group = join_rank_group(spec.address, rank, spec.size, device)
     engine, error = None, None
     try:
-        share = "expert_shard" if spec.config.ep_size > 1 else "tensor_shard"
-        loaded = spec.load(device=device, **{share: (rank, spec.size)})
+        loaded = load_rank_share(spec, rank, device)
         engine = RankEngines(Engine(loaded, spec.config, group=group), group)
     except Exception as exc:  # noqa: BLE001 - gathered below, raised on every rank
         error = f"{type(exc).__name__}: {exc}"
@@ -69,6 +72,22 @@ def build_rank_engine(spec: RankSpec, rank: int) -> tuple[RankEngines, RankGroup
         leave_rank_group()
         raise GroupStartError("; ".join(f"engine rank {r}: {e}" for r, e in failed))
     return engine, group
+
+
+def load_rank_share(spec: RankSpec, rank: int, device: torch.device) -> LoadedModel:
+    """This rank's model: its heads and columns (tensor parallel) or its experts, read alone from the checkpoint;
+    with `whole_weights`, a map of one node-wide copy of every weight (written by the first rank to load:
+    connectors/host_memory.py) holding views of its experts, so a partition can split every expert's columns
+    over the ranks at no extra memory."""
+    if spec.config.tp_size > 1:
+        return spec.load(device=device, tensor_shard=(rank, spec.size))
+    if not spec.whole_weights:
+        return spec.load(device=device, expert_shard=(rank, spec.size))
+    loaded = spec.load(device=device, shared_host_weights=True)
+    for module in loaded.model.modules():
+        if isinstance(module, FusedExperts):
+            module.keep_shard(rank, spec.size)
+    return loaded
 
 
 def serve(engines: RankEngines, group: RankGroup) -> None:
