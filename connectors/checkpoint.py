@@ -61,6 +61,7 @@ def load_model(
     expert_shard: tuple[int, int] | None = None,
     tensor_shard: tuple[int, int] | None = None,
     shared_host_weights: bool = False,
+    experts_only: bool = False,
 ) -> LoadedModel:
     """Load the checkpoint at `uri` (local path, s3://, memory://, or a preset name such as "tiny-moe").
     `weights=False`: only its shape, on the "meta" device (config and tokenizer read, no weight file): what the
@@ -70,7 +71,8 @@ def load_model(
     (engine/models/tensor_parallel.py), reading only those slices of the checkpoint's tensors.
     `shared_host_weights` (host memory only): the weights live in a file mapping every process of the node shares
     (connectors/host_memory.py): the first load writes it, later ones, in any process, map it without reading the
-    checkpoint's weights again."""
+    checkpoint's weights again. `experts_only`: only the routed experts' weights load (everything else stays on the
+    meta device): with `tensor_shard`, a rank's 1/N of every expert's columns (engine/parallel/partition.py)."""
     torch_dtype = parse_dtype(dtype)
     uri = resolve_preset(str(uri)) or str(uri)
     fs, root = filesystem(uri, storage_options)
@@ -86,7 +88,7 @@ def load_model(
                     "expert_shard": expert_shard, "tensor_shard": tensor_shard}
         store = SharedHostWeights(default_cache_dir().parent / "host-weights", identity)
     model, cuts = _build_empty(family, config, torch_dtype, torch.device(device if weights else "meta"),
-                               expert_shard, tensor_shard, store.allocate if store else host_arena)
+                               expert_shard, tensor_shard, store.allocate if store else host_arena, experts_only)
     if weights and not (store and store.complete):
         try:
             _fill_weights(model, family, fs, shards, uri, cuts)
@@ -165,10 +167,11 @@ def _shard_paths(fs, root: str, files: set[str], uri: str) -> list[str]:
 
 def _build_empty(family: ModelFamily, config, dtype: torch.dtype, device: torch.device,
                  expert_shard: tuple[int, int] | None, tensor_shard: tuple[int, int] | None,
-                 allocate_host: Callable[[int], torch.Tensor]) -> tuple[torch.nn.Module, dict[str, TensorSlice]]:
+                 allocate_host: Callable[[int], torch.Tensor], experts_only: bool = False,
+                 ) -> tuple[torch.nn.Module, dict[str, TensorSlice]]:
     """The model with uninitialised weights in `dtype` on `device` (nothing is computed or allocated twice; on
-    the host in one region from `allocate_host`), cut to a rank's share when asked, and how each cut parameter
-    reads its checkpoint tensors."""
+    the host in one region from `allocate_host`; `experts_only`: only the routed experts' leave the meta device),
+    cut to a rank's share when asked, and how each cut parameter reads its checkpoint tensors."""
     cuts = {}
     with torch.device("meta"), _no_weight_init():
         model = family.build(config)
@@ -177,6 +180,13 @@ def _build_empty(family: ModelFamily, config, dtype: torch.dtype, device: torch.
                 module.keep_shard(*expert_shard)
         if tensor_shard is not None:
             cuts = keep_tensor_shard(model, *tensor_shard)
+    if experts_only:
+        experts = torch.nn.ModuleList(m for m in model.modules() if isinstance(m, FusedExperts)).to(dtype=dtype)
+        if device.type == "cpu":
+            place_in_arena(experts, allocate_host)
+        else:
+            experts.to_empty(device=device)
+        return model.requires_grad_(False), cuts
     if device.type == "cpu":  # one huge-page arena for every weight (connectors/host_memory.py)
         place_in_arena(model.to(dtype=dtype), allocate_host)
         return model.requires_grad_(False), cuts
@@ -246,7 +256,8 @@ def _open_shard(fs, path: str) -> tuple[list[str], _Getter, _Shape]:
 @torch.no_grad()
 def _fill_weights(model: torch.nn.Module, family: ModelFamily, fs, shards: list[str], uri: str,
                   cuts: dict[str, TensorSlice]) -> None:
-    params = dict(model.named_parameters())
+    every = dict(model.named_parameters())
+    params = {name: p for name, p in every.items() if not p.is_meta}  # all of them, unless experts_only
     aliases = dict(_tied_parameters(model))  # a tied lm_head.weight fills embed_tokens.weight
     experts = {f"{name}.{param}": module for name, module in model.named_modules()
                if isinstance(module, FusedExperts) for param in ("gate_up_proj", "down_proj")}
@@ -258,7 +269,8 @@ def _fill_weights(model: torch.nn.Module, family: ModelFamily, fs, shards: list[
             target = checkpoint_target(name, family.checkpoint_renames)
             param_name = aliases.get(target.param, target.param)
             if param_name not in params:
-                ignored.append(name)
+                if param_name not in every:
+                    ignored.append(name)
                 continue
             shard = experts.get(param_name)
             rows = slice(None)

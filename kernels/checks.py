@@ -19,10 +19,8 @@ def _shape(t: torch.Tensor) -> str:
 def check_moe_inputs(x, w_gate_up, w_down, topk_weights, topk_ids) -> None:
     op = "fused_moe"
     _require(x.dim() == 2, op, lambda: f"x must be [T, D], got {_shape(x)}")
-    _require(w_gate_up.dim() == 3 or (w_gate_up.dim() == 4 and w_gate_up.shape[1] == 2), op,
-             lambda: f"w_gate_up must be [E, 2*I, D] or [E, 2, I, D], got {_shape(w_gate_up)}")
-    num_experts, dim = w_gate_up.shape[0], w_gate_up.shape[-1]
-    two_i = w_gate_up.shape[1] * (w_gate_up.shape[2] if w_gate_up.dim() == 4 else 1)
+    _require(w_gate_up.dim() == 3, op, lambda: f"w_gate_up must be [E, 2*I, D], got {_shape(w_gate_up)}")
+    num_experts, two_i, dim = w_gate_up.shape
     _require(two_i % 2 == 0, op, lambda: f"w_gate_up dim 1 must be 2*I (gate then up), got {two_i}")
     _require(dim == x.shape[1], op, lambda: f"w_gate_up {_shape(w_gate_up)} does not match x {_shape(x)} in D")
     _require(

@@ -30,9 +30,8 @@ typedef struct {
     const float *x;            /* [R, D] rows sorted by expert */
     const int64_t *spans;      /* [A, 3] each of the A experts' first row, end row, first row of h */
     const int64_t *experts;    /* [A] expert ids */
-    const float *wgu, *wd;     /* [E, 2I, D] (or gate and up halves apart), [E, D, I]; rows dense */
-    int64_t gu0, gu1, gup;     /* element strides: expert, row; offset of an up row from its gate row */
-    int64_t d0, d1;            /* element strides: expert, row */
+    const float *wgu, *wd;     /* [E, 2I, D], [E, D, I]; rows dense */
+    int64_t gu0, gu1, d0, d1;  /* element strides: expert, row */
     float *h;                  /* [rows of the A experts, I] silu(gate) * up */
     const int64_t *token;      /* [R] output row of each row */
     const float *weight;       /* [R] routing weight of each row */
@@ -66,7 +65,7 @@ static void *gate_up(void *arg) {
     for (int64_t item = j->first; item < j->last; item++) {
         int a = (int)(item / j->I), i = (int)(item % j->I);
         const float *wg = j->wgu + j->experts[a] * j->gu0 + (int64_t)i * j->gu1;
-        const float *wu = wg + j->gup;
+        const float *wu = wg + (int64_t)j->I * j->gu1;
         const int64_t *span = j->spans + 3 * a;
         float *h = j->h + span[2] * j->I + i;  /* the expert's n-th row's column i is h[n * I] */
         int64_t n = 0, rows = span[1] - span[0];
@@ -127,8 +126,8 @@ static void parallel(void *(*fn)(void *), Job base, int64_t items, int threads) 
 void small_experts_f32(const float *x, const int64_t *spans, const int64_t *experts, int A, const float *wgu,
                        const float *wd, const int64_t *strides, float *h, const int64_t *token,
                        const float *weight, float *out, int D, int I, int threads) {
-    Job base = {x, spans, experts, wgu, wd, strides[0], strides[1], strides[2], strides[3], strides[4], h, token,
-                weight, out, A, D, I, 0, 0};
+    Job base = {x, spans, experts, wgu, wd, strides[0], strides[1], strides[2], strides[3], h, token, weight,
+                out, A, D, I, 0, 0};
     parallel(gate_up, base, (int64_t)A * I, threads);
     parallel(down, base, D, threads);
 }
@@ -152,7 +151,8 @@ def fused_moe_cpu(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """Same contract as kernels.ops.fused_moe, for float32 CPU tensors."""
-    num_experts, dim, inter = w_down.shape
+    num_experts, two_i, dim = w_gate_up.shape
+    inter = two_i // 2
     w_gate_up, w_down = (w if w.stride(-1) == 1 else w.contiguous() for w in (w_gate_up, w_down))
     rows = route_rows(x, topk_weights, topk_ids, num_experts)
     out = torch.zeros(x.shape, dtype=torch.float32)
@@ -163,8 +163,7 @@ def fused_moe_cpu(
             spans.append((rows.starts[e], rows.starts[e + 1], total))
             total += rows.counts[e]
         spans_t, experts = torch.tensor(spans, dtype=torch.int64), torch.tensor(small, dtype=torch.int64)
-        up = w_gate_up.stride(1) * (1 if w_gate_up.dim() == 4 else inter)  # from a gate row to its up row
-        strides = torch.tensor([w_gate_up.stride(0), w_gate_up.stride(-2), up, w_down.stride(0), w_down.stride(1)],
+        strides = torch.tensor([w_gate_up.stride(0), w_gate_up.stride(1), w_down.stride(0), w_down.stride(1)],
                                dtype=torch.int64)
         h = torch.empty(total, inter, dtype=torch.float32)
         xs, token_rows, weights = (t.contiguous() for t in (rows.xs, rows.token_rows, rows.weights))

@@ -58,11 +58,10 @@ def fused_moe_torch(
 def accumulate_experts(out: torch.Tensor, rows: RoutedRows, experts: list[int], w_gate_up: torch.Tensor,
                        w_down: torch.Tensor) -> None:
     """out[token] += weight * expert(x) for the rows of each of `experts`: one dense GEMM pair per expert."""
-    inter = w_down.shape[2]
+    inter = w_gate_up.shape[1] // 2
     for expert in experts:
         start, end = rows.starts[expert], rows.starts[expert + 1]
-        # [2I, D]; halves kept apart ([E, 2, I, D]) join here, one expert's share at a time
-        gate_up = F.linear(rows.xs[start:end], w_gate_up[expert].reshape(2 * inter, -1))
+        gate_up = F.linear(rows.xs[start:end], w_gate_up[expert])
         hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         y = F.linear(hidden, w_down[expert])
         # rows are unique within one expert (top-k never repeats an expert), so a plain indexed add

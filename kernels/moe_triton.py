@@ -154,8 +154,6 @@ def fused_moe_triton(
     if x.dtype not in _TL_DTYPES:
         raise ValueError(f"fused_moe (triton): unsupported dtype {x.dtype}")
     num_tokens, dim = x.shape
-    if w_gate_up.dim() == 4:  # gate and up halves apart: the kernel reads [E, 2I, D] rows
-        w_gate_up = w_gate_up.reshape(w_gate_up.shape[0], -1, dim)
     num_experts, two_i, _ = w_gate_up.shape
     inter = two_i // 2
     top_k = topk_ids.shape[1]

@@ -21,10 +21,9 @@ def fused_moe(
 ) -> torch.Tensor:
     """out[t] = sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t,k].
 
-    x [T, D]; w_gate_up [E, 2*I, D] (gate rows first, then up), or [E, 2, I, D] with the gate and up halves
-    apart (a view of 1/N of the columns of experts held whole: a PARTITION's share, which is no [E, 2*I, D]
-    view); w_down [E, D, I]; topk_weights [T, K] float; topk_ids [T, K] int64 (an id < 0 means "expert on
-    another rank": skipped). Returns [T, D] in x.dtype.
+    x [T, D]; w_gate_up [E, 2*I, D] (gate rows first, then up); w_down [E, D, I];
+    topk_weights [T, K] float; topk_ids [T, K] int64 (an id < 0 means "expert on another rank": skipped).
+    Returns [T, D] in x.dtype.
     """
     check_moe_inputs(x, w_gate_up, w_down, topk_weights, topk_ids)
     return registry.dispatch("fused_moe", x)(x, w_gate_up, w_down, topk_weights, topk_ids)

@@ -15,7 +15,6 @@ from pipeline_helpers import ENGINE, SAMPLING, engine_outputs, read_output, work
 from tiny_models import kv_bytes_per_token, prompts, save_tiny_checkpoint
 
 from batchgen.connectors.checkpoint import load_model
-from batchgen.connectors.host_memory import mapped_file
 from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
 from batchgen.engine.models.layers import FusedExperts
 from batchgen.engine.parallel.group_engine import GroupEngine, rank_spec, start_engine_group
@@ -89,19 +88,19 @@ def test_two_rank_expert_parallel_engine_gives_the_single_engines_tokens(arch, p
         assert metrics["partitions"] == 0 and sum(rank["expert_only_steps"] for rank in ranks) > 0, metrics
 
 
-def expert_group(directory, whole_weights: bool, **options) -> GroupEngine:
-    """A 2-rank expert-parallel engine whose ranks map every expert (`whole_weights`: CPU ranks, which share the
-    host's memory) or read only their own (as ranks on devices of their own do)."""
+def expert_group(directory, expert_columns: bool, **options) -> GroupEngine:
+    """A 2-rank expert-parallel engine whose ranks also hold half of every expert's columns (`expert_columns`, as
+    CPU ranks do) or only their own experts (as ranks on devices of their own)."""
     config = EngineConfig.from_kwargs(ep_size=2, **options)
     spec = rank_spec(functools.partial(load_model, str(directory)), config, threads=1)
-    assert spec.whole_weights  # what a CPU group chooses
-    return start_engine_group(dataclasses.replace(spec, whole_weights=whole_weights))
+    assert spec.expert_columns  # what a CPU group chooses
+    return start_engine_group(dataclasses.replace(spec, expert_columns=expert_columns))
 
 
 # GQA: KV split by heads; MLA: latent replicated. Experts: every routed expert's columns split over the ranks, or
 # each rank's own experts whole
-@pytest.mark.parametrize("arch,whole_weights", [("mixtral", True), ("deepseek_v3", True), ("mixtral", False)])
-def test_a_straggler_partitions_over_every_rank_moves_back_for_new_work_and_keeps_its_tokens(arch, whole_weights,
+@pytest.mark.parametrize("arch,expert_columns", [("mixtral", True), ("deepseek_v3", True), ("mixtral", False)])
+def test_a_straggler_partitions_over_every_rank_moves_back_for_new_work_and_keeps_its_tokens(arch, expert_columns,
                                                                                           tmp_path):
     """A lone request decodes on both ranks (half the heads each; half of every routed expert's columns, or the
     experts on their own ranks); a request arriving part-way moves it back to one rank with its KV heads joined;
@@ -109,7 +108,7 @@ def test_a_straggler_partitions_over_every_rank_moves_back_for_new_work_and_keep
     loaded, batch, options, single = single_process_case(arch, tmp_path, pages=24)
     work = requests(batch)[:3]  # r0 greedy, 40 tokens; r1 greedy and r2 seeded, 16 tokens
     single = Engine(loaded, **options).generate(work)
-    group = expert_group(tmp_path, whole_weights, **options)
+    group = expert_group(tmp_path, expert_columns, **options)
     results = []
     try:
         view = group.rank_engines.model  # half of the vocabulary's head rows on each rank
@@ -117,12 +116,17 @@ def test_a_straggler_partitions_over_every_rank_moves_back_for_new_work_and_keep
         own = [m for m in group.engine.model.modules() if isinstance(m, FusedExperts)]
         shares = [m for m in view.modules() if isinstance(m, FusedExperts)]
         assert all(m.num_local_experts * 2 == m.num_experts for m in own)  # expert parallel: half the experts
-        if whole_weights:  # views of one node-wide file; the partition: all experts, half of each one's columns
-            assert {mapped_file(m.whole[0]) for m in own} == {mapped_file(own[0].gate_up_proj)} != {None}
-            assert all(m.gate_up_proj.shape[:3] == (m.num_experts, 2, m.whole[1].shape[2] // 2) for m in shares)
-            assert all(m.down_proj.shape[2] * 2 == m.whole[1].shape[2] for m in shares)
+        if expert_columns:  # the partition: every expert, half of each one's columns (rank 0: the first halves)
+            full = {k: v for k, v in loaded.model.state_dict().items() if k.endswith("experts.down_proj")}
+            for name, down in full.items():
+                half = down.shape[2] // 2
+                gate_up = loaded.model.get_parameter(name.replace("down_proj", "gate_up_proj"))
+                mine = torch.cat([gate_up[:, :half], gate_up[:, 2 * half: 3 * half]], dim=1)
+                assert torch.equal(view.get_parameter(name.replace("down_proj", "gate_up_proj")), mine), name
+                assert torch.equal(view.get_parameter(name), down[:, :, :half]), name
+            assert full and len(shares) == len(own) and all(m.num_local_experts == m.num_experts for m in shares)
         else:  # each rank's own experts, whole
-            assert all(m.whole is None and m.gate_up_proj.shape == o.gate_up_proj.shape for m, o in zip(shares, own))
+            assert all(m.columns is None and m.gate_up_proj.shape == o.gate_up_proj.shape for m, o in zip(shares, own))
         group.add_request(work[0])
         while group.partitions == 0:
             results += group.step()
@@ -214,6 +218,17 @@ def test_a_rank_loads_only_its_share_of_the_experts(tmp_path):
         else:
             assert torch.equal(tensor, full[name]), name
     assert {m.first_expert for m in shard.modules() if isinstance(m, FusedExperts)} == {2}
+
+
+def test_a_rank_can_load_its_columns_of_every_expert_alone(tmp_path):
+    save_tiny_checkpoint("mixtral", tmp_path)
+    tensor_shard = load_model(str(tmp_path), tensor_shard=(1, 2)).model
+    columns = load_model(str(tmp_path), tensor_shard=(1, 2), experts_only=True).model
+    loaded = {name for name, p in columns.named_parameters() if not p.is_meta}
+    assert loaded and all(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in loaded)
+    for name in loaded:  # every expert, the second half of its columns
+        assert torch.equal(columns.get_parameter(name), tensor_shard.get_parameter(name)), name
+    assert columns.layers[0].attn.self_attn.q_proj.weight.is_meta
 
 
 def test_experts_that_do_not_split_over_the_ranks_fail_the_group_with_each_ranks_reason(tmp_path):

@@ -103,37 +103,6 @@ def test_cpu_c_reads_strided_expert_views():
                                naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
 
 
-def column_shares(w13, w2, ranks):
-    """Each rank's 1/`ranks` of every expert's intermediate columns, as views: gate and up halves apart
-    ([E, 2, I/N, D]: no [E, 2I/N, D] view exists) and [E, D, I/N]."""
-    experts, two_i, dim = w13.shape
-    share = two_i // 2 // ranks
-    halves = w13.view(experts, 2, two_i // 2, dim)
-    return [(halves[:, :, r * share:(r + 1) * share], w2[:, :, r * share:(r + 1) * share]) for r in range(ranks)]
-
-
-@pytest.mark.parametrize("backend", ["torch", "cpu_c"])
-@pytest.mark.parametrize("tokens", [1, 12])
-def test_column_shares_of_whole_experts_sum_to_the_experts(backend, tokens):
-    """A PARTITION's rank computes its columns of every routed expert from views of the whole weights; the
-    ranks' partial outputs add up to the experts' (12 tokens: some experts get more rows than the C kernel
-    takes, so the BLAS path reads the halves too)."""
-    from batchgen.kernels import moe_cpu
-
-    if backend == "cpu_c" and moe_cpu.unavailable():
-        pytest.skip(moe_cpu.unavailable())
-    x, w13, w2, weights, ids = make_moe(tokens, 16, 24, 3, 2)
-    shares = column_shares(w13, w2, 3)
-    assert not shares[1][0].is_contiguous() and shares[1][0].dim() == 4
-    with registry.use_backend("fused_moe", backend):
-        parts = [ops.fused_moe(x, gu, d, weights, ids) for gu, d in shares]
-    assert registry.last_used("fused_moe") == backend
-    torch.testing.assert_close(sum(p.double() for p in parts), naive_moe(x, w13, w2, weights, ids),
-                               rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match=r"w_gate_up must be \[E, 2\*I, D\] or \[E, 2, I, D\]"):
-        ops.fused_moe(x, w13.view(3, 4, 12, 16), w2, weights, ids)
-
-
 def test_align_groups_pairs_by_expert_in_blocks():
     ids = torch.tensor([[2, 0], [2, -1], [0, 2], [2, 2]])
     blocks = align_to_blocks(ids, num_experts=4, block_m=4)
@@ -235,13 +204,3 @@ def test_triton_default_config_and_remote_experts_through_ops():
         got = ops.fused_moe(x, w13, w2, weights, ids)
     assert registry.last_used("fused_moe") == "triton"
     torch.testing.assert_close(got.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.triton_cpu
-def test_triton_takes_column_shares_of_whole_experts():
-    from batchgen.kernels.moe_triton import fused_moe_triton
-
-    x, w13, w2, weights, ids = make_moe(5, 32, 16, 4, 2)
-    parts = [fused_moe_triton(x, gu, d, weights, ids, config=SMALL_BLOCKS) for gu, d in column_shares(w13, w2, 2)]
-    torch.testing.assert_close(sum(p.double() for p in parts), naive_moe(x, w13, w2, weights, ids),
-                               rtol=1e-5, atol=1e-5)

@@ -174,9 +174,9 @@ class FusedExperts(nn.Module):
     """The routed experts' weights in the transformers-5 fused layout, computed by kernels.ops.fused_moe.
 
     gate_up_proj [E, 2I, D] (gate rows, then up rows); down_proj [E, D, I]. Under expert parallelism a rank
-    keeps only experts [first_expert, first_expert + E / ranks) (`keep_shard`, before the weights load, or as
-    views of loaded weights) and its dispatcher sends each token to the ranks holding its experts and sums their
-    results back; on one rank the dispatcher is the identity.
+    keeps only experts [first_expert, first_expert + E / ranks) (`keep_shard`, before the weights load) and its
+    dispatcher sends each token to the ranks holding its experts and sums their results back; on one rank the
+    dispatcher is the identity.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
@@ -186,9 +186,9 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.dispatcher = LocalDispatcher(num_experts)
-        # (gate_up, down) of every expert, when a rank keeps its shard as views of weights it can read whole (ranks
-        # sharing host memory): a PARTITION then splits every routed expert's columns over the ranks
-        self.whole: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (gate_up [E, 2I/N, D], down [E, D, I/N]): an expert-parallel rank's 1/N of every expert's columns, held
+        # beside its own experts where a PARTITION splits each routed expert's columns over the ranks
+        self.columns: tuple[torch.Tensor, torch.Tensor] | None = None
         # memory-constrained mode: computes the experts from weights streamed into device slots (engine/offload)
         self.streamed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
@@ -197,30 +197,14 @@ class FusedExperts(nn.Module):
         return self.gate_up_proj.shape[0]
 
     def keep_shard(self, rank: int, ranks: int) -> None:
-        """Hold only rank `rank`'s contiguous share of the experts: on the meta device the parameters are re-made
-        empty (before the weights load); loaded, they become views of it and the whole weights stay readable
-        (`whole`)."""
+        """Hold only rank `rank`'s contiguous share of the experts (the parameters are re-made empty)."""
         if self.num_experts % ranks:
             raise ValueError(f"expert parallel: {self.num_experts} experts do not split evenly over {ranks} ranks")
         local = self.num_experts // ranks
         self.first_expert = rank * local
-        if not self.gate_up_proj.is_meta:
-            self.whole = (self.gate_up_proj, self.down_proj)
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(self, name)
-            share = full.new_empty((local, *full.shape[1:])) if full.is_meta else full[rank * local:(rank + 1) * local]
-            setattr(self, name, nn.Parameter(share, requires_grad=False))
-
-    def column_share(self, rank: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rank `rank`'s 1/`ranks` of every expert's intermediate columns, views of `whole`: gate and up halves
-        apart ([E, 2, I/N, D], which kernels.ops.fused_moe takes) and [E, D, I/N]."""
-        gate_up, down = self.whole
-        experts, two_i, dim = gate_up.shape
-        if (two_i // 2) % ranks:
-            raise ValueError(f"{two_i // 2} expert columns do not split over {ranks} ranks")
-        share = two_i // 2 // ranks
-        columns = slice(rank * share, (rank + 1) * share)
-        return gate_up.view(experts, 2, two_i // 2, dim)[:, :, columns], down[:, :, columns]
+            setattr(self, name, nn.Parameter(full.new_empty((local, *full.shape[1:])), requires_grad=False))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         sent = self.dispatcher.dispatch(x, topk_ids, topk_weights)

@@ -66,11 +66,12 @@ def start_engine_group(spec: RankSpec) -> GroupEngine:
 
 
 def rank_spec(load, config, threads: int) -> RankSpec:
-    """The spec of a group of `config.ranks` ranks on this machine. CPU ranks share the host's memory: when they
-    may PARTITION a straggler, each maps every expert (one copy for all), so a partition splits each routed
-    expert's columns evenly instead of waiting on the rank that holds more of the token's experts."""
-    whole = config.ep_size > 1 and config.partition_stragglers and config.torch_device().type == "cpu"
-    return RankSpec(free_address(), config.ranks, config, load, threads, whole_weights=whole)
+    """The spec of a group of `config.ranks` ranks on this machine. Expert-parallel CPU ranks that may PARTITION a
+    straggler also hold 1/N of every expert's columns (twice an expert rank's expert bytes: as much as one engine
+    holding every expert, over N ranks), so a partition splits each routed expert's columns evenly instead of
+    waiting on the rank holding more of the token's experts; ranks on devices of their own keep to their experts."""
+    columns = config.ep_size > 1 and config.partition_stragglers and config.torch_device().type == "cpu"
+    return RankSpec(free_address(), config.ranks, config, load, threads, expert_columns=columns)
 
 
 class GroupEngine(Generates):

@@ -4,12 +4,11 @@ Expert parallel, a rank attends only over its own sequences, so when one request
 only serve their experts while one rank reads every attention weight and the LM head alone. A partition
 lends that request every rank: each builds (once) a tensor-parallel view of its own model, its 1/N of the
 attention heads, dense MLP columns and LM head rows (slices of the weights it already holds, views where they
-are contiguous) and, of the experts, its 1/N of every routed expert's columns where the ranks share host memory
-and so read every expert (a CPU group maps one node-wide copy of the weights), else its own experts whole; every
-feed-forward block sums the ranks' shares (one all-reduce; nothing is dispatched, every rank holds the same
-token; the head's logits are gathered). Split by columns, every rank reads 1/N of each token's expert bytes;
-whole, the rank holding more of a token's experts sets the pace (with top-2 of 16 over 2 ranks, 1.47 of the 2
-on average). The
+are contiguous) and, of the experts, its 1/N of every expert's columns where the rank holds them beside its own
+experts (CPU groups: `FusedExperts.columns`), else its own experts whole; every feed-forward block sums the
+ranks' shares (one all-reduce; nothing is dispatched, every rank holds the same token; the head's logits are
+gathered). Split by columns, every rank reads 1/N of each token's expert bytes; whole, the rank holding more of
+a token's experts sets the pace (with top-2 of 16 over 2 ranks, 1.47 of the 2 on average). The
 request moves in with its KV split by heads (GQA: each rank keeps its KV heads; MLA: the latent is
 replicated) into a small engine of its own on every rank, sized for that request; it moves back with the
 heads joined when other work arrives (or ends there when it finishes).
@@ -53,12 +52,10 @@ def partition_model(model: nn.Module, group: RankGroup) -> nn.Module:
     for module in view.modules():
         if not isinstance(module, FusedExperts):
             continue
-        if module.whole is None:  # experts stay on their ranks: each computes the routes to its own
+        if module.columns is None:  # experts stay on their ranks: each computes the routes to its own
             module.dispatcher = ExpertShareDispatcher(module.num_experts, rank, ranks)
-        else:  # every rank reads every expert: each computes its columns of every routed expert
-            gate_up, down = module.column_share(rank, ranks)
-            module.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
-            module.down_proj = nn.Parameter(down, requires_grad=False)
+        else:  # each rank computes its columns of every routed expert
+            module.gate_up_proj, module.down_proj = (nn.Parameter(w, requires_grad=False) for w in module.columns)
             module.first_expert, module.dispatcher = 0, LocalDispatcher(module.num_experts)
     head = view.lm_head.weight
     if head.shape[0] % ranks == 0:

@@ -44,9 +44,9 @@ class RankSpec:
     # (device, expert_shard= or tensor_shard=(rank, ranks)) -> that rank's model: picklable (a partial of the loader)
     load: Callable[..., LoadedModel]
     threads: int  # torch threads per rank
-    # expert parallel: every rank maps one node-wide copy of all the weights and keeps views of its experts (ranks
-    # that share host memory: CPU), so a PARTITION splits every expert's columns; else each reads only its experts
-    whole_weights: bool = False
+    # expert parallel: each rank also holds 1/N of every expert's columns, so a PARTITION splits each routed
+    # expert's columns over the ranks (CPU groups: host memory is what all ranks draw on)
+    expert_columns: bool = False
 
 
 class GroupStartError(RuntimeError):
@@ -75,18 +75,16 @@ def build_rank_engine(spec: RankSpec, rank: int) -> tuple[RankEngines, RankGroup
 
 
 def load_rank_share(spec: RankSpec, rank: int, device: torch.device) -> LoadedModel:
-    """This rank's model: its heads and columns (tensor parallel) or its experts, read alone from the checkpoint;
-    with `whole_weights`, a map of one node-wide copy of every weight (written by the first rank to load:
-    connectors/host_memory.py) holding views of its experts, so a partition can split every expert's columns
-    over the ranks at no extra memory."""
+    """This rank's model, read alone from the checkpoint: its heads and columns (tensor parallel), or its experts
+    and, with `expert_columns`, its 1/N of every expert's columns beside them."""
     if spec.config.tp_size > 1:
         return spec.load(device=device, tensor_shard=(rank, spec.size))
-    if not spec.whole_weights:
-        return spec.load(device=device, expert_shard=(rank, spec.size))
-    loaded = spec.load(device=device, shared_host_weights=True)
-    for module in loaded.model.modules():
-        if isinstance(module, FusedExperts):
-            module.keep_shard(rank, spec.size)
+    loaded = spec.load(device=device, expert_shard=(rank, spec.size))
+    if spec.expert_columns:
+        columns = spec.load(device=device, tensor_shard=(rank, spec.size), experts_only=True).model.modules()
+        own = (m for m in loaded.model.modules() if isinstance(m, FusedExperts))
+        for mine, share in zip(own, (m for m in columns if isinstance(m, FusedExperts)), strict=True):
+            mine.columns = (share.gate_up_proj, share.down_proj)
     return loaded
 
 
