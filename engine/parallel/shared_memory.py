@@ -64,6 +64,10 @@ class SharedMemoryChannel:
             os.close(fd)
         self._header = np.frombuffer(self._map, dtype=np.int64, count=header // 8)
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
+        self._tensor = torch.from_numpy(self._bytes)  # the same bytes, sliced without a conversion per call
+        # header words of the other ranks' collective counters: what every collective waits on
+        self._others = [r for r in range(size) if r != rank]
+        self._their_counters = [_RANKS + _PER_RANK * r + _COLLECTIVE for r in self._others]
         self._collectives = 0
         self._rounds = 0
         self._word(rank, _PID)[...] = os.getpid()
@@ -80,13 +84,12 @@ class SharedMemoryChannel:
         read = self._publish(tensor)
         nbytes = tensor.numel() * tensor.element_size()
         parts = [read(rank, 0, nbytes).view(tensor.dtype).view(tensor.shape) for rank in range(self.size)]
-        if op == "sum":
-            total = parts[0].clone()
-            for part in parts[1:]:
-                total += part
-        else:
-            total = torch.stack(parts).amax(dim=0)
-        return tensor.copy_(total)
+        if op != "sum":
+            return tensor.copy_(torch.stack(parts).amax(dim=0))
+        tensor.copy_(parts[0])  # this rank's own part is in its slot too
+        for part in parts[1:]:
+            tensor += part
+        return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """[ranks, *shape]: every rank's `tensor` (same shape on every rank), in rank order."""
@@ -119,16 +122,18 @@ class SharedMemoryChannel:
         self._collectives += 1
         seq = self._collectives
         base = self._reduce_at + (seq % 2) * self.size * REDUCE_BYTES
-        data = tensor.contiguous().reshape(-1).view(torch.uint8)
+        data = tensor.contiguous().view(-1).view(torch.uint8)
         mine = base + self.rank * REDUCE_BYTES
-        torch.from_numpy(self._bytes[mine:mine + data.numel()]).copy_(data)
-        self._word(self.rank, _COLLECTIVE)[...] = seq
-        others = [r for r in range(self.size) if r != self.rank]
-        self._wait(lambda: all(self._word(r, _COLLECTIVE)[0] >= seq for r in others), others)
+        self._tensor[mine:mine + data.numel()].copy_(data)
+        header = self._header
+        header[_RANKS + _PER_RANK * self.rank + _COLLECTIVE] = seq
+        counters = self._their_counters
+        if not all(header[i] >= seq for i in counters):  # else they are all there already: no wait at all
+            self._wait(lambda: all(header[i] >= seq for i in counters), self._others)
 
         def read(rank: int, start: int, nbytes: int) -> torch.Tensor:
             at = base + rank * REDUCE_BYTES + start
-            return torch.from_numpy(self._bytes[at:at + nbytes])
+            return self._tensor[at:at + nbytes]
 
         return read
 
