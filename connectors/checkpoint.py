@@ -72,7 +72,7 @@ def load_model(
     `shared_host_weights` (host memory only): the weights live in a file mapping every process of the node shares
     (connectors/host_memory.py): the first load writes it, later ones, in any process, map it without reading the
     checkpoint's weights again. `experts_only`: only the routed experts' weights load (everything else stays on the
-    meta device): with `tensor_shard`, a rank's 1/N of every expert's columns (engine/parallel/partition.py)."""
+    meta device, uncut): with `tensor_shard`, a rank's 1/N of every expert's columns (engine/parallel/partition.py)."""
     torch_dtype = parse_dtype(dtype)
     uri = resolve_preset(str(uri)) or str(uri)
     fs, root = filesystem(uri, storage_options)
@@ -179,7 +179,7 @@ def _build_empty(family: ModelFamily, config, dtype: torch.dtype, device: torch.
             if expert_shard is not None and isinstance(module, FusedExperts):
                 module.keep_shard(*expert_shard)
         if tensor_shard is not None:
-            cuts = keep_tensor_shard(model, *tensor_shard)
+            cuts = keep_tensor_shard(model, *tensor_shard, dense=not experts_only)
     if experts_only:
         experts = torch.nn.ModuleList(m for m in model.modules() if isinstance(m, FusedExperts)).to(dtype=dtype)
         if device.type == "cpu":

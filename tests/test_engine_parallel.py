@@ -126,7 +126,7 @@ def test_a_straggler_partitions_over_every_rank_moves_back_for_new_work_and_keep
                 assert torch.equal(view.get_parameter(name), down[:, :, :half]), name
             assert full and len(shares) == len(own) and all(m.num_local_experts == m.num_experts for m in shares)
         else:  # each rank's own experts, whole
-            assert all(m.columns is None and m.gate_up_proj.shape == o.gate_up_proj.shape for m, o in zip(shares, own))
+            assert all(m.gate_up_proj is o.gate_up_proj and m.down_proj is o.down_proj for m, o in zip(shares, own))
         group.add_request(work[0])
         while group.partitions == 0:
             results += group.step()
@@ -228,7 +228,24 @@ def test_a_rank_can_load_its_columns_of_every_expert_alone(tmp_path):
     assert loaded and all(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in loaded)
     for name in loaded:  # every expert, the second half of its columns
         assert torch.equal(columns.get_parameter(name), tensor_shard.get_parameter(name)), name
-    assert columns.layers[0].attn.self_attn.q_proj.weight.is_meta
+    attention = columns.layers[0].attn.self_attn  # the rest not loaded, nor cut: heads need not split
+    assert attention.q_proj.weight.is_meta and attention.num_kv_heads == 2 and columns.kv_spec().num_kv_heads == 2
+
+
+def test_a_group_whose_heads_do_not_split_over_its_ranks_runs_without_partitions(tmp_path):
+    """4 experts over 4 ranks, but 2 KV heads: no partition (and no expert columns loaded), the same tokens."""
+    save_tiny_checkpoint("mixtral", tmp_path)
+    work = [Request(f"r{i}", ids, sampling=SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+            for i, ids in enumerate(prompts(lengths=(5, 9)))]
+    single = load_engine(str(tmp_path)).generate(work)
+    group = load_engine(str(tmp_path), ep_size=4)
+    try:
+        assert "2 KV heads, which do not split over 4 ranks" in group.partition_error
+        results = group.generate(work)
+        assert group.metrics()["partitions"] == 0
+    finally:
+        group.close()
+    assert [r.outputs[0].token_ids for r in results] == [r.outputs[0].token_ids for r in single]
 
 
 def test_experts_that_do_not_split_over_the_ranks_fail_the_group_with_each_ranks_reason(tmp_path):

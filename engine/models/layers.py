@@ -186,9 +186,6 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.dispatcher = LocalDispatcher(num_experts)
-        # (gate_up [E, 2I/N, D], down [E, D, I/N]): an expert-parallel rank's 1/N of every expert's columns, held
-        # beside its own experts where a PARTITION splits each routed expert's columns over the ranks
-        self.columns: tuple[torch.Tensor, torch.Tensor] | None = None
         # memory-constrained mode: computes the experts from weights streamed into device slots (engine/offload)
         self.streamed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 

@@ -42,9 +42,11 @@ class TensorSlice:
         return [slice(p * block + self.rank * share, p * block + (self.rank + 1) * share) for p in range(self.parts)]
 
 
-def keep_tensor_shard(model: nn.Module, rank: int, ranks: int, experts: bool = True) -> dict[str, TensorSlice]:
+def keep_tensor_shard(model: nn.Module, rank: int, ranks: int, experts: bool = True,
+                      dense: bool = True) -> dict[str, TensorSlice]:
     """Cut `model` (on the meta device, or loaded) to rank `rank` of `ranks`; {parameter name: TensorSlice}
-    for the loader. `experts` False leaves the routed experts as they are (an expert-parallel rank's own)."""
+    for the loader. `experts` False leaves the routed experts as they are (an expert-parallel rank's own);
+    `dense` False leaves everything but the routed experts (a rank's columns of every expert alone)."""
     from batchgen.engine.models.deepseek_v3 import MLAAttention  # its module imports the registry: not at top
 
     cuts: dict[str, TensorSlice] = {}
@@ -76,6 +78,8 @@ def keep_tensor_shard(model: nn.Module, rank: int, ranks: int, experts: bool = T
 
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
+        if not dense and not isinstance(module, FusedExperts):
+            continue
         if isinstance(module, GQAAttention):
             _check_heads(name, "attention heads", module.num_heads, ranks)
             _check_heads(name, "KV heads", module.num_kv_heads, ranks)
@@ -99,7 +103,7 @@ def keep_tensor_shard(model: nn.Module, rank: int, ranks: int, experts: bool = T
             cut(module, prefix, "gate_up_proj", 1, parts=2)  # [E, 2I, D]: the gate rows' share, the up rows'
             cut(module, prefix, "down_proj", 2)  # [E, D, I]
     spec = model.kv_spec()
-    if any(isinstance(m, GQAAttention) for m in model.modules()):  # MLA's latent cache stays whole
+    if dense and any(isinstance(m, GQAAttention) for m in model.modules()):  # MLA's latent cache stays whole
         model._kv_spec = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads // ranks)
     return cuts
 

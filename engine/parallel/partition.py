@@ -4,13 +4,13 @@ Expert parallel, a rank attends only over its own sequences, so when one request
 only serve their experts while one rank reads every attention weight and the LM head alone. A partition
 lends that request every rank: each builds (once) a tensor-parallel view of its own model, its 1/N of the
 attention heads, dense MLP columns and LM head rows (slices of the weights it already holds, views where they
-are contiguous) and, of the experts, its 1/N of every expert's columns where the rank holds them beside its own
-experts (CPU groups: `FusedExperts.columns`), else its own experts whole; every feed-forward block sums the
-ranks' shares (one all-reduce; nothing is dispatched, every rank holds the same token; the head's logits are
-gathered). Split by columns, every rank reads 1/N of each token's expert bytes; whole, the rank holding more of
-a token's experts sets the pace (with top-2 of 16 over 2 ranks, 1.47 of the 2 on average). The
-request moves in with its KV split by heads (GQA: each rank keeps its KV heads; MLA: the latent is
-replicated) into a small engine of its own on every rank, sized for that request; it moves back with the
+are contiguous) and, of the experts, its 1/N of every expert's columns where the rank loads them beside its own
+experts (CPU groups: host memory is what every rank draws on), else its own experts whole; every feed-forward
+block sums the ranks' shares (one all-reduce; nothing is dispatched, every rank holds the same token; the
+head's logits are gathered). Split by columns, every rank reads 1/N of each token's expert bytes; whole, the
+rank holding more of a token's experts sets the pace (with top-2 of 16 over 2 ranks, 1.47 of the 2 on
+average). The request moves in with its KV split by heads (GQA: each rank keeps its KV heads; MLA: the latent
+is replicated) into a small engine of its own on every rank, sized for that request; it moves back with the
 heads joined when other work arrives (or ends there when it finishes).
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -42,20 +43,24 @@ def module_view(module: nn.Module) -> nn.Module:
     return view
 
 
-def partition_model(model: nn.Module, group: RankGroup) -> nn.Module:
-    """This rank's tensor-parallel share of its expert-parallel `model` (heads, columns: sliced; experts: its
-    own, each token's routes to them only; the LM head: its rows of the vocabulary when they split evenly,
-    the ranks' logits gathered). Raises ValueError when the heads do not split over the ranks."""
+def partition_model(model: nn.Module, group: RankGroup,
+                    expert_columns: Callable[[], nn.Module] | None = None) -> nn.Module:
+    """This rank's tensor-parallel share of its expert-parallel `model` (heads, columns: sliced; the LM head: its
+    rows of the vocabulary when they split evenly, the ranks' logits gathered). Experts: its columns of every
+    expert, from the model `expert_columns()` loads (only its FusedExperts hold weights), else its own experts,
+    each token's routes to them only. Raises ValueError when the heads or expert columns do not split over the
+    ranks."""
     rank, ranks = group.rank, group.size
     view = module_view(model)
     keep_tensor_shard(view, rank, ranks, experts=False)
-    for module in view.modules():
-        if not isinstance(module, FusedExperts):
-            continue
-        if module.columns is None:  # experts stay on their ranks: each computes the routes to its own
+    experts = [m for m in view.modules() if isinstance(m, FusedExperts)]
+    if expert_columns is None:  # experts stay on their ranks: each computes the routes to its own
+        for module in experts:
             module.dispatcher = ExpertShareDispatcher(module.num_experts, rank, ranks)
-        else:  # each rank computes its columns of every routed expert
-            module.gate_up_proj, module.down_proj = (nn.Parameter(w, requires_grad=False) for w in module.columns)
+    else:  # each rank computes its columns of every routed expert
+        columns = [m for m in expert_columns().modules() if isinstance(m, FusedExperts)]
+        for module, share in zip(experts, columns, strict=True):
+            module.gate_up_proj, module.down_proj = share.gate_up_proj, share.down_proj
             module.first_expert, module.dispatcher = 0, LocalDispatcher(module.num_experts)
     head = view.lm_head.weight
     if head.shape[0] % ranks == 0:
@@ -102,7 +107,8 @@ class RankEngines:
     """A rank's engines: its own (expert parallel) and, while a straggler is partitioned, its share of the
     straggler's tensor-parallel one."""
 
-    def __init__(self, engine: Engine, group: RankGroup):
+    def __init__(self, engine: Engine, group: RankGroup, expert_columns: Callable[[], nn.Module] | None = None):
+        """`expert_columns`: loads this rank's columns of every expert (see partition_model), or None."""
         self.engine = engine
         self.group = group
         self.partition: Engine | None = None
@@ -111,7 +117,7 @@ class RankEngines:
         config = engine.config
         if config.ep_size > 1 and config.partition_stragglers:
             try:
-                self.model = partition_model(engine.model, group)
+                self.model = partition_model(engine.model, group, expert_columns)
             except ValueError as exc:
                 self._unable = str(exc)
         else:

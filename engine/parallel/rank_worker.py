@@ -5,6 +5,7 @@ when its parent (the leader's process) is gone, so a killed engine actor leaves 
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import sys
@@ -19,7 +20,6 @@ import torch.distributed as dist
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.engine import Engine
-from batchgen.engine.models.layers import FusedExperts
 from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.parallel.partition import RankEngines
 from batchgen.engine.parallel.rank_group import (
@@ -61,8 +61,11 @@ def build_rank_engine(spec: RankSpec, rank: int) -> tuple[RankEngines, RankGroup
     group = join_rank_group(spec.address, rank, spec.size, device)
     engine, error = None, None
     try:
-        loaded = load_rank_share(spec, rank, device)
-        engine = RankEngines(Engine(loaded, spec.config, group=group), group)
+        share = "expert_shard" if spec.config.ep_size > 1 else "tensor_shard"
+        loaded = spec.load(device=device, **{share: (rank, spec.size)})
+        # the columns load when the partition's build knows the heads split
+        columns = functools.partial(expert_columns, spec, rank, device) if spec.expert_columns else None
+        engine = RankEngines(Engine(loaded, spec.config, group=group), group, columns)
     except Exception as exc:  # noqa: BLE001 - gathered below, raised on every rank
         error = f"{type(exc).__name__}: {exc}"
     errors = [None] * spec.size
@@ -74,18 +77,9 @@ def build_rank_engine(spec: RankSpec, rank: int) -> tuple[RankEngines, RankGroup
     return engine, group
 
 
-def load_rank_share(spec: RankSpec, rank: int, device: torch.device) -> LoadedModel:
-    """This rank's model, read alone from the checkpoint: its heads and columns (tensor parallel), or its experts
-    and, with `expert_columns`, its 1/N of every expert's columns beside them."""
-    if spec.config.tp_size > 1:
-        return spec.load(device=device, tensor_shard=(rank, spec.size))
-    loaded = spec.load(device=device, expert_shard=(rank, spec.size))
-    if spec.expert_columns:
-        columns = spec.load(device=device, tensor_shard=(rank, spec.size), experts_only=True).model.modules()
-        own = (m for m in loaded.model.modules() if isinstance(m, FusedExperts))
-        for mine, share in zip(own, (m for m in columns if isinstance(m, FusedExperts)), strict=True):
-            mine.columns = (share.gate_up_proj, share.down_proj)
-    return loaded
+def expert_columns(spec: RankSpec, rank: int, device: torch.device) -> torch.nn.Module:
+    """The model with only this rank's 1/N of every expert's columns loaded."""
+    return spec.load(device=device, tensor_shard=(rank, spec.size), experts_only=True).model
 
 
 def serve(engines: RankEngines, group: RankGroup) -> None:
