@@ -20,7 +20,7 @@ import ctypes
 
 import torch
 
-from batchgen.kernels.c_library import CFunction
+from batchgen.kernels.c_library import EXP_NEG_SOURCE, CFunction
 
 _SOURCE = r"""
 #include <math.h>
@@ -35,18 +35,7 @@ typedef struct {
     int first, last;  /* sequences [first, last) */
 } Job;
 
-/* e^x for x <= 0 without a libm call, so the loops over it vectorise: 2^(x log2 e) split into the nearest
-   integer power (exponent bits) and a degree-6 Taylor polynomial of the rest in [-1/2, 1/2], relative error
-   about 1.2e-7; x is clamped at -87 (e^-87 ~ 1.6e-38, nothing next to the row maximum's 1). */
-static inline float exp_neg(float x) {
-    x = x < -87.f ? -87.f : x;
-    float t = x * 1.44269504f, n = rintf(t), f = t - n;
-    float p = 1.540353e-4f;
-    p = p * f + 1.3333558e-3f; p = p * f + 9.6181291e-3f; p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f; p = p * f + 6.9314718e-1f; p = p * f + 1.f;
-    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
-    return p * scale.f;
-}
+EXP_NEG
 
 /* Scores of `c` (4 or 1) query heads sharing one KV head against n cached K rows: each K row is read once
    for all c heads. */
@@ -167,7 +156,7 @@ void paged_decode_f32(const float *q, const float *k, const float *v, const int3
     run(&jobs[0]);
     for (int t = 1; t < threads; t++) pthread_join(ids[t], NULL);
 }
-"""
+""".replace("EXP_NEG", EXP_NEG_SOURCE)
 
 _KERNEL = CFunction("paged_decode", _SOURCE, "paged_decode_f32",
                     (*[ctypes.c_void_p] * 6, *[ctypes.c_int] * 7, ctypes.c_float, ctypes.c_int,

@@ -89,6 +89,34 @@ def test_cpu_c_matches_naive(tokens, top_k, threads, monkeypatch):
         assert by_blas  # and BLAS some
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_c_takes_any_row_count_up_to_its_limit_and_sizes_off_the_vector_width(threads, monkeypatch):
+    """Rows go eight at a time: expert 0 gets SMALL_ROWS rows (whole blocks), expert 3 all but nine of them (a
+    partial block after whole ones), expert 1 eight, expert 2 one; D = 21 (odd: the last output column alone; a
+    tail past 16 lanes) and I = 40 (a tail)."""
+    from batchgen.kernels import moe_cpu
+
+    if moe_cpu.unavailable():
+        pytest.skip(moe_cpu.unavailable())
+    x, w13, w2, _, _ = make_moe(moe_cpu.SMALL_ROWS, 21, 40, 4, 1)
+    ids = torch.full((moe_cpu.SMALL_ROWS, 2), 3)
+    ids[:, 0] = 0
+    ids[:8, 1], ids[8, 1] = 1, 2
+    weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(1))
+    by_blas = []
+    accumulate = moe_cpu.accumulate_experts
+    monkeypatch.setattr(moe_cpu, "accumulate_experts",
+                        lambda out, rows, experts, *w: by_blas.extend(experts) or accumulate(out, rows, experts, *w))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = moe_cpu.fused_moe_cpu(x, w13, w2, weights, ids)
+    finally:
+        torch.set_num_threads(before)
+    assert (moe_cpu.SMALL_ROWS - 9) % 8 and not by_blas  # a partial block; every expert in the C kernel
+    torch.testing.assert_close(out.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
 def test_cpu_c_reads_strided_expert_views():
     """An expert-parallel rank's experts are a slice of the layer's tensors; weights may be column views."""
     from batchgen.kernels import moe_cpu
