@@ -160,6 +160,33 @@ def test_decode_cpu_c_matches_naive(heads, kv_heads, page_size):
     assert out[-1].eq(0).all()
 
 
+def test_decode_cpu_c_splits_only_calls_that_read_enough_over_threads():
+    """A small call runs on one thread (starting another costs more than it saves); one reading more than three
+    threads' worth of K/V runs on three, with the same result as the torch path."""
+    from batchgen.kernels import attention_cpu
+
+    if attention_cpu.unavailable():
+        pytest.skip(attention_cpu.unavailable())
+    assert attention_cpu.threads_for(attention_cpu.THREAD_BYTES - 1, 8) == 1
+    assert attention_cpu.threads_for(2 * attention_cpu.THREAD_BYTES, 8) == 2
+    assert attention_cpu.threads_for(100 * attention_cpu.THREAD_BYTES, 3) == 3
+    kv_heads, dim = 2, 64
+    per_token = kv_heads * 2 * dim * 4
+    tokens = 3 * attention_cpu.THREAD_BYTES // per_token + 1
+    lens = [tokens // 7] * 6 + [tokens - 6 * (tokens // 7)]
+    k_cache, v_cache, table, seq_lens = make_paged(lens, 64, kv_heads, dim, dim)
+    q = torch.randn(len(lens), 8, dim)
+    assert attention_cpu.threads_for(int(seq_lens.sum()) * per_token, 3) == 3
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        out = attention_cpu.paged_decode_attention_cpu(q, k_cache, v_cache, table, seq_lens, dim**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    expected = paged_decode_attention_torch(q, k_cache, v_cache, table, seq_lens, dim**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpu_c", pytest.param("triton", marks=pytest.mark.triton_cpu)])
 def test_mla_latent_decode(backend):
     """DeepSeek-V3 absorbed MLA: one KV head, K = [latent | rope] (576), V = the latent part of K (512)."""
