@@ -53,6 +53,23 @@ def test_grouped_torch_skips_remote_experts():
     )
 
 
+def cpu_c_moe(monkeypatch, threads: int, *args):
+    """fused_moe_cpu(*args) on `threads` threads, and the experts its torch (BLAS) path computed: the others can
+    only have come from the C kernel."""
+    from batchgen.kernels import moe_cpu
+
+    by_blas = []
+    accumulate = moe_cpu.accumulate_experts
+    monkeypatch.setattr(moe_cpu, "accumulate_experts",
+                        lambda out, rows, experts, *w: by_blas.extend(experts) or accumulate(out, rows, experts, *w))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return moe_cpu.fused_moe_cpu(*args), by_blas
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("tokens,top_k", [(1, 1), (7, 2), (33, 4), (90, 2)])
 def test_cpu_c_matches_naive(tokens, top_k, threads, monkeypatch):
@@ -70,16 +87,7 @@ def test_cpu_c_matches_naive(tokens, top_k, threads, monkeypatch):
     weights, ids = scores.topk(top_k, dim=1)
     weights = weights / weights.sum(1, keepdim=True)
     ids[1::5, -1] = -1
-    by_blas = []  # the experts the torch path computed: the others can only have come from the C kernel
-    accumulate = moe_cpu.accumulate_experts
-    monkeypatch.setattr(moe_cpu, "accumulate_experts",
-                        lambda out, rows, experts, *w: by_blas.extend(experts) or accumulate(out, rows, experts, *w))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = moe_cpu.fused_moe_cpu(x, w13, w2, weights, ids)
-    finally:
-        torch.set_num_threads(before)
+    out, by_blas = cpu_c_moe(monkeypatch, threads, x, w13, w2, weights, ids)
     torch.testing.assert_close(out.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
     counts = torch.bincount(ids[ids >= 0], minlength=7)
     used = {e for e in range(7) if counts[e]}
@@ -103,16 +111,7 @@ def test_cpu_c_takes_any_row_count_up_to_its_limit_and_sizes_off_the_vector_widt
     ids[:, 0] = 0
     ids[:8, 1], ids[8, 1] = 1, 2
     weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(1))
-    by_blas = []
-    accumulate = moe_cpu.accumulate_experts
-    monkeypatch.setattr(moe_cpu, "accumulate_experts",
-                        lambda out, rows, experts, *w: by_blas.extend(experts) or accumulate(out, rows, experts, *w))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = moe_cpu.fused_moe_cpu(x, w13, w2, weights, ids)
-    finally:
-        torch.set_num_threads(before)
+    out, by_blas = cpu_c_moe(monkeypatch, threads, x, w13, w2, weights, ids)
     assert (moe_cpu.SMALL_ROWS - 9) % 8 and not by_blas  # a partial block; every expert in the C kernel
     torch.testing.assert_close(out.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
 
