@@ -8,8 +8,9 @@ from cache, so every cached K/V byte is read from memory once. What bounds it is
 next page (of the sequence, or the next sequence's first) is prefetched row by row while the current
 one is computed (the pages lie scattered through the pool), query heads sharing a KV head go four at
 a time over each K/V row, and the softmax's exponentials are a polynomial the compiler vectorises
-instead of a libm call each. Sequences are split over up to `torch.get_num_threads()` POSIX threads, one
-per THREAD_BYTES of K/V read.
+instead of a libm call each. Sequences are split over up to `torch.get_num_threads()` threads of the
+OpenMP pool torch itself runs on (no threads started per call, none spinning against torch's), one per
+THREAD_BYTES of K/V read.
 
 float32 only (the CPU engine's dtype); caches may be strided views with a dense last dim. Without a C
 compiler the backend reports itself unavailable and the registry keeps the torch path.
@@ -25,7 +26,7 @@ from batchgen.kernels.c_library import EXP_NEG_SOURCE, CFunction
 
 _SOURCE = r"""
 #include <math.h>
-#include <pthread.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -128,14 +129,12 @@ static void attend(const Job *j, int b, float *scores, float *acc, float *m, flo
         for (int d = 0; d < j->dv; d++) o[x * j->dv + d] = l[x] > 0.f ? acc[x * j->dv + d] / l[x] : 0.f;
 }
 
-static void *run(void *arg) {
-    const Job *j = (const Job *)arg;
+static void run(const Job *j) {
     float *scores = malloc(sizeof(float) * j->heads * j->page);
     float *acc = malloc(sizeof(float) * j->heads * j->dv);
     float *m = malloc(sizeof(float) * j->heads), *l = malloc(sizeof(float) * j->heads);
     for (int b = j->first; b < j->last; b++) attend(j, b, scores, acc, m, l);
     free(scores); free(acc); free(m); free(l);
-    return NULL;
 }
 
 void paged_decode_f32(const float *q, const float *k, const float *v, const int32_t *table,
@@ -144,18 +143,14 @@ void paged_decode_f32(const float *q, const float *k, const float *v, const int3
     int items = batch;
     if (threads > items) threads = items;
     if (threads < 1) threads = 1;
-    Job jobs[64];
-    pthread_t ids[64];
-    if (threads > 64) threads = 64;
-    for (int t = 0; t < threads; t++) {
+#pragma omp parallel num_threads(threads)  /* the OpenMP pool torch runs its own ops on */
+    {
+        int t = omp_get_thread_num(), n = omp_get_num_threads();
         Job j = {q, k, v, table, lens, out, batch, heads, kv_heads, dk, dv, page, max_pages, scale,
                  {ks[0], ks[1], ks[2]}, {vs[0], vs[1], vs[2]},
-                 (int)((int64_t)items * t / threads), (int)((int64_t)items * (t + 1) / threads)};
-        jobs[t] = j;
+                 (int)((int64_t)items * t / n), (int)((int64_t)items * (t + 1) / n)};
+        run(&j);
     }
-    for (int t = 1; t < threads; t++) pthread_create(&ids[t], NULL, run, &jobs[t]);
-    run(&jobs[0]);
-    for (int t = 1; t < threads; t++) pthread_join(ids[t], NULL);
 }
 """.replace("EXP_NEG", EXP_NEG_SOURCE)
 

@@ -1,6 +1,11 @@
 """Small C kernels for CPU tensors: compiled on first use with the system C compiler, cached on disk, loaded
 through ctypes. No build step at install time and no Python extension ABI to match: a machine without a C
-compiler simply reports the backend unavailable and the registry keeps the torch path."""
+compiler (or one without OpenMP) simply reports the backend unavailable and the registry keeps the torch path.
+
+The kernels run their threads as an OpenMP team (-fopenmp): the library they need, libgomp.so.1, is the one
+torch has already loaded, so their threads are torch's own pool. Threads of their own would find torch's
+OpenMP threads still spinning on the cores after each torch op (libgomp's default wait policy), and on a
+2-core machine took twice as long per MoE call (bench/RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from pathlib import Path
 # -fassociative-math and friends let the compiler vectorise float reductions (dot products); the kernels
 # do not rely on IEEE summation order
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-         "-fPIC", "-shared", "-pthread")
+         "-fPIC", "-shared", "-fopenmp")
 
 
 EXP_NEG_SOURCE = r"""

@@ -3,8 +3,9 @@
 An expert that gets a handful of rows is a GEMV: its time is the read of its weights. One BLAS call per
 projection per expert reads them on one core and pays a call's overhead each (in decode tail steps, at 1-8
 rows per expert, 3.5-8x the read of the weights). This kernel reads the weights of all such experts in one
-call, split evenly over `torch.get_num_threads()` POSIX threads: first every (expert, intermediate column)
-pair computes silu(gate) * up for the expert's rows, then every pair of output columns sums the down
+call, split evenly over `torch.get_num_threads()` threads of the OpenMP pool torch runs its own ops on (no
+threads started per call, none left spinning against torch's): first every (expert, intermediate column) pair
+computes silu(gate) * up for the expert's rows, then every pair of output columns sums the down
 projection and adds it, weighted, into the token's output row (threads own disjoint output columns, so no two
 write the same element and the order of the sum is fixed). The dot products run eight token rows at a time
 against two weight rows (gate and up; two output columns), the sixteen sums in vector registers, so each
@@ -25,7 +26,7 @@ SMALL_ROWS = 24  # rows per expert up to which this kernel beats BLAS (dev box: 
 
 _SOURCE = r"""
 #include <math.h>
-#include <pthread.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -117,8 +118,7 @@ static inline float silu_mul(float g, float u) {
 }
 
 /* items: (expert a, intermediate column i) pairs; the expert's rows BLOCK at a time */
-static void *gate_up(void *arg) {
-    const Job *j = (const Job *)arg;
+static void gate_up(const Job *j) {
     float g[BLOCK], u[BLOCK];
     for (int64_t item = j->first; item < j->last; item++) {
         int a = (int)(item / j->I), i = (int)(item % j->I);
@@ -135,12 +135,10 @@ static void *gate_up(void *arg) {
             for (int r = 0; r < count; r++) h[(n + r) * j->I] = silu_mul(g[r], u[r]);
         }
     }
-    return 0;
 }
 
 /* items: pairs of output columns (the last one alone when D is odd), every expert in order */
-static void *down(void *arg) {
-    const Job *j = (const Job *)arg;
+static void down(const Job *j) {
     float y0[BLOCK], y1[BLOCK];
     for (int64_t item = j->first; item < j->last; item++) {
         int64_t d = 2 * item;
@@ -163,23 +161,20 @@ static void *down(void *arg) {
             }
         }
     }
-    return 0;
 }
 
-static void parallel(void *(*fn)(void *), Job base, int64_t items, int threads) {
-    Job jobs[64];
-    pthread_t ids[64];
+/* fn over items [0, items) split evenly over `threads` threads of the OpenMP pool torch runs its own ops on */
+static void parallel(void (*fn)(const Job *), Job base, int64_t items, int threads) {
     if (threads > items) threads = (int)items;
-    if (threads > 64) threads = 64;
     if (threads < 1) threads = 1;
-    for (int t = 0; t < threads; t++) {
-        jobs[t] = base;
-        jobs[t].first = items * t / threads;
-        jobs[t].last = items * (t + 1) / threads;
+#pragma omp parallel num_threads(threads)
+    {
+        Job job = base;
+        int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+        job.first = items * t / n;
+        job.last = items * (t + 1) / n;
+        fn(&job);
     }
-    for (int t = 1; t < threads; t++) pthread_create(&ids[t], 0, fn, &jobs[t]);
-    fn(&jobs[0]);
-    for (int t = 1; t < threads; t++) pthread_join(ids[t], 0);
 }
 
 void small_experts_f32(const float *x, const int64_t *spans, const int64_t *experts, int A, const float *wgu,

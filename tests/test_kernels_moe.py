@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -129,6 +130,31 @@ def test_cpu_c_reads_strided_expert_views():
     torch.testing.assert_close(moe_cpu.fused_moe_cpu(x, view, w2, weights, ids).double(),
                                naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
 
+
+
+def _openmp_libraries() -> set[str]:
+    with open("/proc/self/maps") as maps:
+        return {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+
+
+def test_cpu_c_kernels_run_on_the_openmp_runtime_torch_loaded(monkeypatch):
+    """The kernels' threads are torch's OpenMP pool: their library binds to the OpenMP runtime already in the
+    process, never a second one (whose threads would run against torch's spinning ones)."""
+    from batchgen.kernels import attention_cpu, moe_cpu
+
+    if moe_cpu.unavailable() or attention_cpu.unavailable():
+        pytest.skip(moe_cpu.unavailable() or attention_cpu.unavailable())
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("reads the process's mappings (Linux)")
+    torch.ones(4096, 4096).sum()  # torch's own OpenMP runtime is loaded and running
+    before = _openmp_libraries()
+    if not before:
+        pytest.skip("this torch runs no OpenMP runtime the kernels could share")
+    x, w13, w2, weights, ids = make_moe(5, 16, 24, 8, 2)
+    out, by_blas = cpu_c_moe(monkeypatch, 2, x, w13, w2, weights, ids)
+    assert not by_blas  # the C kernel ran, on two threads
+    torch.testing.assert_close(out.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+    assert _openmp_libraries() == before
 
 def test_align_groups_pairs_by_expert_in_blocks():
     ids = torch.tensor([[2, 0], [2, -1], [0, 2], [2, 2]])
