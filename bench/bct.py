@@ -223,9 +223,11 @@ def run_transformers(hf_model, workload: Workload, device_bytes: int, host_bytes
 
     generation = GenerationConfig(do_sample=False, max_new_tokens=max(workload.max_tokens), eos_token_id=-1)
     offload_gib = host_bytes / 2**30 if torch.cuda.is_available() else 0.0  # its swap pool must be pinned
+    # num_blocks sizes the cache; max_memory_percent only bounds transformers' own check of its footprint against
+    # the memory it reads: on CPU its NUMA node's, which a VM may report as a fraction of the machine (8 of 24 GiB)
     cb_config = ContinuousBatchingConfig(
         page_size=PAGE_SIZE, num_blocks=max(1, device_bytes // (PAGE_SIZE * kv_bytes_per_token)),
-        allow_block_sharing=False, cpu_offload_space=offload_gib, seed=0)
+        allow_block_sharing=False, cpu_offload_space=offload_gib, seed=0, max_memory_percent=1.0)
     counter = ExpertBatchCounter(hf_model)
     manager = hf_model.init_continuous_batching(generation_config=generation,
                                                 continuous_batching_config=cb_config)
