@@ -40,7 +40,82 @@ static inline float exp_neg(float x) {
     union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
     return p * scale.f;
 }
-"""  # C source both kernels include
+"""  # C source every kernel includes
+
+
+DOT_PAIRS_SOURCE = r"""
+typedef float v16 __attribute__((vector_size(64)));  /* one AVX-512 register; the compiler lowers it elsewhere */
+#define LANES 16
+#define BLOCK 8  /* token rows per register block: 2 x 8 accumulators + 3 operands fit 32 vector registers */
+
+static inline v16 load(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+/* the sum of the lanes by halves (a tree of vector adds; lane by lane it is a chain of 16 dependent adds) */
+static inline float hsum(v16 v) {
+    v8 a, b;
+    memcpy(&a, &v, sizeof a);
+    memcpy(&b, (const char *)&v + sizeof a, sizeof b);
+    a += b;
+    v4 c, d;
+    memcpy(&c, &a, sizeof c);
+    memcpy(&d, (const char *)&a + sizeof c, sizeof d);
+    c += d;
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* a[r] = wa . x_r and b[r] = wb . x_r for the n (a constant after inlining, <= BLOCK) rows x_r = x + r * stride:
+   each weight element is loaded once for the n rows, and the 2n sums stay in registers. The next two weight
+   rows (na, nb: the next item's) are fetched meanwhile, a cache line per step: the hardware's stream prefetch
+   stops at every 4 KiB page, and weight rows are 2-4 KiB. */
+static inline __attribute__((always_inline)) void dot_pairs(int n, const float *restrict wa,
+                                                            const float *restrict wb, const float *restrict x,
+                                                            int64_t stride, int len, float *a, float *b,
+                                                            const float *na, const float *nb) {
+    v16 va[BLOCK], vb[BLOCK];
+    for (int r = 0; r < n; r++) { va[r] = (v16){0}; vb[r] = (v16){0}; }
+    int e = 0;
+    for (; e + LANES <= len; e += LANES) {
+        __builtin_prefetch(na + e, 0, 3);
+        __builtin_prefetch(nb + e, 0, 3);
+        v16 ka = load(wa + e), kb = load(wb + e);
+        for (int r = 0; r < n; r++) {
+            v16 xr = load(x + r * stride + e);
+            va[r] += ka * xr;
+            vb[r] += kb * xr;
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        float sa = hsum(va[r]), sb = hsum(vb[r]);
+        for (int t = e; t < len; t++) { sa += wa[t] * x[r * stride + t]; sb += wb[t] * x[r * stride + t]; }
+        a[r] = sa; b[r] = sb;
+    }
+}
+
+/* dot_pairs with n a compile-time constant in every case, so each one keeps its sums in registers */
+static void dot_pairs_n(int n, const float *wa, const float *wb, const float *x, int64_t stride, int len,
+                        float *a, float *b, const float *na, const float *nb) {
+    switch (n) {
+        case 1: dot_pairs(1, wa, wb, x, stride, len, a, b, na, nb); break;
+        case 2: dot_pairs(2, wa, wb, x, stride, len, a, b, na, nb); break;
+        case 3: dot_pairs(3, wa, wb, x, stride, len, a, b, na, nb); break;
+        case 4: dot_pairs(4, wa, wb, x, stride, len, a, b, na, nb); break;
+        case 5: dot_pairs(5, wa, wb, x, stride, len, a, b, na, nb); break;
+        case 6: dot_pairs(6, wa, wb, x, stride, len, a, b, na, nb); break;
+        case 7: dot_pairs(7, wa, wb, x, stride, len, a, b, na, nb); break;
+        default: dot_pairs(8, wa, wb, x, stride, len, a, b, na, nb); break;
+    }
+}
+
+/* [first, last) of `items` for this thread of the OpenMP team running the call */
+static inline void team_share(int64_t items, int64_t *first, int64_t *last) {
+    int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    *first = items * t / n;
+    *last = items * (t + 1) / n;
+}
+"""  # C source of the kernels that stream weight rows against a few token rows (needs string.h, omp.h, stdint.h)
 
 
 def cache_dir() -> Path:

@@ -123,3 +123,12 @@ def check_write_kv_inputs(k, v, k_cache, v_cache, slot_mapping) -> None:
     _require(
         _pages_flat(v_cache), op, "v_cache pages are not laid out contiguously (slot = page * page_size + i)"
     )
+
+
+def check_linear_inputs(x, weight, bias) -> None:
+    op = "linear"
+    _require(weight.dim() == 2, op, lambda: f"weight must be [O, D], got {_shape(weight)}")
+    _require(x.dim() >= 1 and x.shape[-1] == weight.shape[1], op,
+             lambda: f"x {_shape(x)} does not match weight {_shape(weight)} in D")
+    _require(bias is None or tuple(bias.shape) == (weight.shape[0],), op,
+             lambda: f"bias must be [{weight.shape[0]}], got {_shape(bias)}")

@@ -19,7 +19,7 @@ import ctypes
 
 import torch
 
-from batchgen.kernels.c_library import EXP_NEG_SOURCE, CFunction
+from batchgen.kernels.c_library import DOT_PAIRS_SOURCE, EXP_NEG_SOURCE, CFunction
 from batchgen.kernels.moe_torch import accumulate_experts, route_rows
 
 SMALL_ROWS = 24  # rows per expert up to which this kernel beats BLAS (dev box: 2.1x at 16 rows, level at 32)
@@ -29,10 +29,6 @@ _SOURCE = r"""
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
-
-typedef float v16 __attribute__((vector_size(64)));  /* one AVX-512 register; the compiler lowers it elsewhere */
-#define LANES 16
-#define BLOCK 8  /* token rows per register block: 2 x 8 accumulators + 3 operands fit 32 vector registers */
 
 typedef struct {
     const float *x;            /* [R, D] rows sorted by expert */
@@ -50,66 +46,7 @@ typedef struct {
 
 EXP_NEG
 
-static inline v16 load(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-/* the sum of the lanes by halves (a tree of vector adds; lane by lane it is a chain of 16 dependent adds) */
-static inline float hsum(v16 v) {
-    v8 a, b;
-    memcpy(&a, &v, sizeof a);
-    memcpy(&b, (const char *)&v + sizeof a, sizeof b);
-    a += b;
-    v4 c, d;
-    memcpy(&c, &a, sizeof c);
-    memcpy(&d, (const char *)&a + sizeof c, sizeof d);
-    c += d;
-    return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
-/* a[r] = wa . x_r and b[r] = wb . x_r for the n (a constant after inlining, <= BLOCK) rows x_r = x + r * stride:
-   each weight element is loaded once for the n rows, and the 2n sums stay in registers. The next two weight
-   rows (na, nb: the next item's) are fetched meanwhile, a cache line per step: the hardware's stream prefetch
-   stops at every 4 KiB page, and weight rows are 2-4 KiB. */
-static inline __attribute__((always_inline)) void dot_pairs(int n, const float *restrict wa,
-                                                            const float *restrict wb, const float *restrict x,
-                                                            int64_t stride, int len, float *a, float *b,
-                                                            const float *na, const float *nb) {
-    v16 va[BLOCK], vb[BLOCK];
-    for (int r = 0; r < n; r++) { va[r] = (v16){0}; vb[r] = (v16){0}; }
-    int e = 0;
-    for (; e + LANES <= len; e += LANES) {
-        __builtin_prefetch(na + e, 0, 3);
-        __builtin_prefetch(nb + e, 0, 3);
-        v16 ka = load(wa + e), kb = load(wb + e);
-        for (int r = 0; r < n; r++) {
-            v16 xr = load(x + r * stride + e);
-            va[r] += ka * xr;
-            vb[r] += kb * xr;
-        }
-    }
-    for (int r = 0; r < n; r++) {
-        float sa = hsum(va[r]), sb = hsum(vb[r]);
-        for (int t = e; t < len; t++) { sa += wa[t] * x[r * stride + t]; sb += wb[t] * x[r * stride + t]; }
-        a[r] = sa; b[r] = sb;
-    }
-}
-
-/* dot_pairs with n a compile-time constant in every case, so each one keeps its sums in registers */
-static void dot_pairs_n(int n, const float *wa, const float *wb, const float *x, int64_t stride, int len,
-                        float *a, float *b, const float *na, const float *nb) {
-    switch (n) {
-        case 1: dot_pairs(1, wa, wb, x, stride, len, a, b, na, nb); break;
-        case 2: dot_pairs(2, wa, wb, x, stride, len, a, b, na, nb); break;
-        case 3: dot_pairs(3, wa, wb, x, stride, len, a, b, na, nb); break;
-        case 4: dot_pairs(4, wa, wb, x, stride, len, a, b, na, nb); break;
-        case 5: dot_pairs(5, wa, wb, x, stride, len, a, b, na, nb); break;
-        case 6: dot_pairs(6, wa, wb, x, stride, len, a, b, na, nb); break;
-        case 7: dot_pairs(7, wa, wb, x, stride, len, a, b, na, nb); break;
-        default: dot_pairs(8, wa, wb, x, stride, len, a, b, na, nb); break;
-    }
-}
+DOT_PAIRS
 
 /* silu(g) * u = g * sigmoid(g) * u, sigmoid from e^-|g| (no overflow either side) */
 static inline float silu_mul(float g, float u) {
@@ -170,9 +107,7 @@ static void parallel(void (*fn)(const Job *), Job base, int64_t items, int threa
 #pragma omp parallel num_threads(threads)
     {
         Job job = base;
-        int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-        job.first = items * t / n;
-        job.last = items * (t + 1) / n;
+        team_share(items, &job.first, &job.last);
         fn(&job);
     }
 }
@@ -185,7 +120,7 @@ void small_experts_f32(const float *x, const int64_t *spans, const int64_t *expe
     parallel(gate_up, base, (int64_t)A * I, threads);
     parallel(down, base, (D + 1) / 2, threads);
 }
-""".replace("EXP_NEG", EXP_NEG_SOURCE)
+""".replace("EXP_NEG", EXP_NEG_SOURCE).replace("DOT_PAIRS", DOT_PAIRS_SOURCE)
 
 
 _KERNEL = CFunction("small_experts", _SOURCE, "small_experts_f32",

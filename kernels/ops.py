@@ -6,6 +6,7 @@ import torch
 from batchgen.kernels import registry
 from batchgen.kernels.checks import (
     check_decode_inputs,
+    check_linear_inputs,
     check_moe_inputs,
     check_prefill_inputs,
     check_write_kv_inputs,
@@ -76,3 +77,10 @@ def write_kv(
     """
     check_write_kv_inputs(k, v, k_cache, v_cache, slot_mapping)
     registry.dispatch("write_kv", k_cache)(k, v, k_cache, v_cache, slot_mapping)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias, as torch.nn.functional.linear: x [..., D]; weight [O, D]; bias [O] or None.
+    Returns [..., O] in x.dtype."""
+    check_linear_inputs(x, weight, bias)
+    return registry.dispatch("linear", x)(x, weight, bias)

@@ -21,7 +21,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "BATCHGEN_KERNELS"
-OPS = ("fused_moe", "prefill_attention", "paged_decode_attention", "write_kv")
+OPS = ("fused_moe", "prefill_attention", "paged_decode_attention", "write_kv", "linear")
 HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
 # Distribution names to tell the user, keyed by the module that must import.
 PACKAGE_NAMES = {"triton": "triton", "flash_attn": "flash-attn"}
@@ -117,6 +117,15 @@ BACKENDS = (
         interpretable=True,
     ),
     Backend("write_kv", "torch", f"{_PKG}.attention_torch:write_kv_torch", _ANY),
+    Backend(
+        "linear",
+        "cpu_c",
+        f"{_PKG}.linear_cpu:linear_cpu",
+        frozenset({"cpu"}),
+        dtypes=frozenset({torch.float32}),
+        probe=f"{_PKG}.linear_cpu:unavailable",
+    ),
+    Backend("linear", "torch", "torch.nn.functional:linear", _ANY),
 )
 
 

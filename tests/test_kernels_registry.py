@@ -35,11 +35,12 @@ def test_parse_overrides():
 
 def test_auto_picks_cpu_backends_even_under_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from batchgen.kernels import attention_cpu, moe_cpu
+    from batchgen.kernels import attention_cpu, linear_cpu, moe_cpu
 
     # the C kernels where a compiler built them
     expected = {"paged_decode_attention": "torch" if attention_cpu.unavailable() else "cpu_c",
-                "fused_moe": "torch" if moe_cpu.unavailable() else "cpu_c"}
+                "fused_moe": "torch" if moe_cpu.unavailable() else "cpu_c",
+                "linear": "torch" if linear_cpu.unavailable() else "cpu_c"}
     for op in registry.OPS:
         assert registry.resolve(op, "cpu", torch.float32)[0] == expected.get(op, "torch")
     for op in expected:  # C kernels: fp32 only

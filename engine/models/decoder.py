@@ -20,6 +20,7 @@ from batchgen.engine.models.layers import (
     FusedExperts,
     GatedMLP,
     GQAAttention,
+    Linear,
     RMSNorm,
     RotaryEmbedding,
     SoftmaxTopKRouter,
@@ -102,7 +103,7 @@ class DecoderLM(nn.Module):
 
 def embedding_and_head(vocab_size: int, hidden_size: int, tied: bool) -> tuple[nn.Embedding, nn.Linear]:
     embed_tokens = nn.Embedding(vocab_size, hidden_size)
-    lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+    lm_head = Linear(hidden_size, vocab_size, bias=False)
     if tied:
         lm_head.weight = embed_tokens.weight
     return embed_tokens, lm_head

@@ -23,6 +23,7 @@ from batchgen.engine.models.layers import (
     FeedForwardBlock,
     FusedExperts,
     GatedMLP,
+    Linear,
     RMSNorm,
     RotaryEmbedding,
     SparseMoE,
@@ -64,15 +65,15 @@ class MLAAttention(nn.Module):
         self.scale = scale
         qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         if q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden_size, num_heads * qk_head_dim, bias=False)
+            self.q_proj = Linear(hidden_size, num_heads * qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(hidden_size, q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(q_lora_rank, LORA_NORM_EPS)
-            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
+            self.q_b_proj = Linear(q_lora_rank, num_heads * qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, LORA_NORM_EPS)
-        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
-        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         tokens = x.shape[0]

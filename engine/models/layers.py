@@ -38,6 +38,14 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear computed by kernels.ops.linear: on CPU a decode step's few rows go through a C kernel that reads the
+    weight at memory speed (BLAS runs such GEMVs far slower)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
 class RotaryEmbedding:
     """cos/sin tables per position, from the config's rope parameters (transformers' own init functions,
     so linear / llama3 / yarn scaling match exactly). `dim` is the rotated head dimension.
@@ -110,10 +118,10 @@ class GQAAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.rotary = rotary
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.q_proj = Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=o_bias)
         # Qwen3: per-head RMSNorm on q and k before rotary.
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
@@ -136,9 +144,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

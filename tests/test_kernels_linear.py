@@ -1,0 +1,95 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchgen.kernels import linear_cpu, ops, registry
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Calls that reached the C kernel (the rest went to BLAS)."""
+    if linear_cpu.unavailable():
+        pytest.skip(linear_cpu.unavailable())
+    calls = []
+    kernel = linear_cpu._KERNEL
+    monkeypatch.setattr(linear_cpu, "_KERNEL", lambda *args: calls.append(args[1]) or kernel(*args))
+    return calls
+
+
+def on_threads(threads: int, fn, *args):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(before)
+
+
+def reference(x, weight, bias):
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, linear_cpu.SMALL_ROWS])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_c_kernel_matches_torch_in_whole_and_partial_row_blocks(rows, threads, with_bias, kernel_calls):
+    """O = 301 (odd: the last output column alone) and D = 133 (a tail past the 16-lane vectors); the weight is large
+    enough for the kernel (not left to BLAS as a cache-resident one)."""
+    g = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 133, generator=g), torch.randn(301, 133, generator=g)
+    bias = torch.randn(301, generator=g) if with_bias else None
+    out = on_threads(threads, linear_cpu.linear_cpu, x, weight, bias)
+    torch.testing.assert_close(out.double(), reference(x, weight, bias), rtol=1e-5, atol=1e-4)
+    assert kernel_calls == [rows]
+
+
+def test_c_kernel_reads_a_column_slice_of_a_weight_in_place(kernel_calls):
+    """A tensor-parallel rank's o_proj is a view of columns: rows `stride(0)` apart, each dense."""
+    g = torch.Generator().manual_seed(0)
+    whole = torch.randn(256, 512, generator=g)
+    weight, x = whole[:, 256:], torch.randn(3, 2, 256, generator=g)
+    out = linear_cpu.linear_cpu(x, weight)
+    assert out.shape == (3, 2, 256)
+    torch.testing.assert_close(out.double(), reference(x, weight, None), rtol=1e-5, atol=1e-4)
+    assert kernel_calls == [6]
+
+
+def test_many_rows_and_small_weights_stay_with_blas(kernel_calls):
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(256, 256, generator=g)
+    many = torch.randn(linear_cpu.SMALL_ROWS + 1, 256, generator=g)
+    torch.testing.assert_close(linear_cpu.linear_cpu(many, weight), F.linear(many, weight))
+    router = torch.randn(16, 512, generator=g)  # 32 KiB: cache-resident, BLAS's call is shorter
+    x = torch.randn(2, 512, generator=g)
+    torch.testing.assert_close(linear_cpu.linear_cpu(x, router), F.linear(x, router))
+    assert linear_cpu.linear_cpu(torch.empty(0, 256), weight).shape == (0, 256)
+    assert kernel_calls == []
+
+
+def test_ops_linear_checks_shapes_and_picks_the_c_kernel_on_cpu():
+    with pytest.raises(ValueError, match=r"linear: x \[2, 5\] does not match weight \[3, 4\] in D"):
+        ops.linear(torch.randn(2, 5), torch.randn(3, 4))
+    with pytest.raises(ValueError, match=r"linear: bias must be \[3\], got \[4\]"):
+        ops.linear(torch.randn(2, 4), torch.randn(3, 4), torch.randn(4))
+    expected = "torch" if linear_cpu.unavailable() else "cpu_c"
+    assert registry.resolve("linear", "cpu", torch.float32)[0] == expected
+    assert registry.resolve("linear", "cpu", torch.float16)[0] == "torch"  # C kernel: fp32 only
+
+
+def test_engine_projections_run_on_the_kernel_with_transformers_greedy_tokens(tmp_path, kernel_calls):
+    """A Mixtral wide enough that its projections take the C kernel (hidden 256: 256 KiB q_proj) decodes transformers'
+    own greedy tokens, and its decode steps really called the kernel."""
+    from tiny_models import hf_greedy_batch, prompts, save_tiny_checkpoint
+
+    from batchgen.connectors.checkpoint import load_model
+    from batchgen.engine import Engine, Request, SamplingParams
+
+    hf_model = save_tiny_checkpoint("mixtral", tmp_path, hidden_size=256, intermediate_size=128)
+    loaded = load_model(str(tmp_path))
+    batch = prompts(lengths=(3, 9, 17))
+    expected = hf_greedy_batch(hf_model, batch, 12)
+    requests = [Request(f"r{i}", p, sampling=SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+                for i, p in enumerate(batch)]
+    results = Engine(loaded, kv_budget_bytes=8 << 20).generate(requests)
+    assert [r.outputs[0].token_ids for r in results] == expected
+    assert 3 in kernel_calls  # decode steps of the three sequences
