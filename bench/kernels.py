@@ -10,7 +10,10 @@
    of the weights.
 2. Paged decode attention (`kernels.ops.paged_decode_attention`, the backend the registry picks) at the
    bench-moe attention shape, against its KV-read bound (every cached K/V byte read once at the measured
-   read bandwidth). With --json the last line is one JSON object.
+   read bandwidth).
+3. Projections (`kernels.ops.linear`, the backend the registry picks: the C kernel on CPU) at a decode step's row
+   counts and bench-moe's shapes (q/o_proj 512 x 512, k/v_proj 128 x 512, the LM head 4096 x 512), against torch's
+   own F.linear (BLAS) on the same weight and the weight-read bound. With --json the last line is one JSON object.
 
 Repeated calls on the same weights find them in the cache after the first (8 experts of 512 x 1024 are 50 MB; a
 server CPU's last-level cache can hold hundreds of MB), so the bounds above, at memory's bandwidth, can read below
@@ -165,6 +168,31 @@ def decode_attention(device: torch.device, dtype: torch.dtype, bandwidth: float,
     return rows
 
 
+# bench-moe projections (out, in): q_proj / o_proj, k_proj / v_proj, lm_head; row counts of decode steps
+LINEAR_SHAPES = ((512, 512), (128, 512), (4096, 512))
+LINEAR_ROWS = (1, 4, 8, 16, 24)
+
+
+def projections(device: torch.device, dtype: torch.dtype, bandwidth: float, min_time: float,
+                before=None) -> list[dict]:
+    """ops.linear (the registry's backend) and torch's F.linear per call, against reading the weight once."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for out_features, dim in LINEAR_SHAPES:
+        weight = (torch.randn(out_features, dim, generator=g) / dim**0.5).to(device, dtype)
+        bound = weight.numel() * weight.element_size() / bandwidth
+        for count in LINEAR_ROWS:
+            x = torch.randn(count, dim, generator=g).to(device, dtype)
+            ours = seconds_per_call(lambda a, w: ops.linear(a, w), (x, weight), device, min_time, before=before)
+            backend = registry.last_used("linear")
+            blas = seconds_per_call(torch.nn.functional.linear, (x, weight), device, min_time, before=before)
+            rows.append(dict(backend=backend, out_features=out_features, in_features=dim, rows=count,
+                             ms=round(ours * 1e3, 4), torch_ms=round(blas * 1e3, 4),
+                             weight_read_bound_ms=round(bound * 1e3, 4), over_bound=round(ours / bound, 2),
+                             torch_over_bound=round(blas / bound, 2)))
+    return rows
+
+
 def run(args) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype)
@@ -233,6 +261,7 @@ def run(args) -> dict:
         results=rows,
         skipped=skipped,
         decode_attention=decode_attention(device, dtype, bandwidth, args.min_time, before),
+        projections=projections(device, dtype, bandwidth, args.min_time, before),
     )
 
 
@@ -258,6 +287,11 @@ def print_table(report: dict) -> None:
     for r in report["decode_attention"]:
         print(f"  {r['backend']}: {r['sequences']} seqs x ~{r['mean_context']} tokens ({r['kv_mib']} MiB KV): "
               f"{r['ms']:.3f} ms, bound {r['kv_read_bound_ms']:.3f} ms, {r['over_bound']}x")
+    print("projections (ops.linear vs torch F.linear) vs weight-read bound:")
+    for r in report["projections"]:
+        print(f"  {r['backend']}: {r['out_features']} x {r['in_features']}, {r['rows']} rows: {r['ms']:.4f} ms "
+              f"({r['over_bound']}x), torch {r['torch_ms']:.4f} ms ({r['torch_over_bound']}x), "
+              f"bound {r['weight_read_bound_ms']:.4f} ms")
 
 
 def main() -> None:

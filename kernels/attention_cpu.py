@@ -154,7 +154,7 @@ void paged_decode_f32(const float *q, const float *k, const float *v, const int3
 }
 """.replace("EXP_NEG", EXP_NEG_SOURCE)
 
-THREAD_BYTES = 3 << 19  # 1.5 MiB of K/V: ~75 us of reads on the dev box (4 x 256 tokens: 1 thread 0.09 ms, 2 0.15)
+THREAD_BYTES = 256 << 10  # of K/V: a team thread wakes in microseconds (2 x 256 tokens: 1 thread 26 us, 2 16 us)
 
 _KERNEL = CFunction("paged_decode", _SOURCE, "paged_decode_f32",
                     (*[ctypes.c_void_p] * 6, *[ctypes.c_int] * 7, ctypes.c_float, ctypes.c_int,
@@ -195,8 +195,8 @@ def paged_decode_attention_cpu(
 
 
 def threads_for(kv_bytes: int, available: int) -> int:
-    """Threads worth starting for a call reading `kv_bytes`: each must have THREAD_BYTES to read, or starting and
-    joining it (~40 us on the dev box) costs more than it saves."""
+    """Threads worth waking for a call reading `kv_bytes`: each must have THREAD_BYTES to read, or waking and joining
+    it costs more than it saves."""
     return max(1, min(available, kv_bytes // THREAD_BYTES))
 
 
