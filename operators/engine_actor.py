@@ -3,7 +3,8 @@
 Ray starts a worker for a fractional-CPU actor with OMP_NUM_THREADS=1 and at niceness 15, below the
 driver and Ray's own processes: an engine there computes on one thread and loses its core to every
 bookkeeping process. `prepare_engine_process` gives it the threads of the CPUs it was granted and
-normal priority. `engine_actor_pool` keeps several tasks (blocks) in flight per actor, so an engine
+normal priority, and freezes the heap its imports left (engine/process_heap.py), so the collector's full passes
+stop walking it mid-step. `engine_actor_pool` keeps several tasks (blocks) in flight per actor, so an engine
 refills from the next block while the last one's long tail drains; the engine loop's admission
 bound (engine/engine_loop.py) keeps that from becoming an unbounded queue.
 """
@@ -16,6 +17,8 @@ import os
 
 import ray
 import torch
+
+from batchgen.engine.process_heap import freeze_heap
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,8 @@ def engine_threads(granted_cpus: float) -> int:
 
 def prepare_engine_process() -> int:
     """In a Ray actor: torch threads for the CPUs Ray granted it (engine_threads), niceness 0 where the
-    OS allows. Outside Ray nothing changes. Returns the thread count in use."""
+    OS allows, the heap frozen (the actor holds its engine for its life). Outside Ray nothing changes. Returns the
+    thread count in use."""
     if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
         threads = engine_threads(ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0))
         torch.set_num_threads(threads)
@@ -47,5 +51,6 @@ def prepare_engine_process() -> int:
                 os.setpriority(os.PRIO_PROCESS, 0, 0)
         except OSError as exc:  # unprivileged: stay at Ray's niceness
             log.warning("engine actor keeps niceness %d: %s", os.getpriority(os.PRIO_PROCESS, 0), exc)
+        freeze_heap()
     return torch.get_num_threads()
 

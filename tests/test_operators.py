@@ -267,6 +267,7 @@ def test_engine_loop_admission_applies_back_pressure(tiny_moe_dir, prompts, expe
 
 @pytest.mark.parametrize("cpus,threads", [(1.5, 2), (0.5, 1), (4.0, 4)])
 def test_engine_actors_compute_with_the_cpus_they_were_granted_at_normal_priority(ray_cluster, cpus, threads):
+    import gc
     import os
 
     import ray
@@ -276,14 +277,17 @@ def test_engine_actors_compute_with_the_cpus_they_were_granted_at_normal_priorit
     @ray.remote
     class Probe:
         def before(self):
-            return torch.get_num_threads(), os.getpriority(os.PRIO_PROCESS, 0)
+            return torch.get_num_threads(), os.getpriority(os.PRIO_PROCESS, 0), gc.get_freeze_count()
 
         def prepare(self):
-            return prepare_engine_process(), torch.get_num_threads(), os.getpriority(os.PRIO_PROCESS, 0)
+            return (prepare_engine_process(), torch.get_num_threads(), os.getpriority(os.PRIO_PROCESS, 0),
+                    gc.get_freeze_count())
 
     probe = Probe.options(num_cpus=cpus).remote()
-    ray_threads, ray_niceness = ray.get(probe.before.remote())
-    assert ray_niceness > 0  # Ray starts workers below normal priority
+    ray_threads, ray_niceness, frozen = ray.get(probe.before.remote())
+    assert ray_niceness > 0 and frozen == 0  # Ray starts workers below normal priority, the heap unfrozen
     threads = min(threads, os.cpu_count())  # never more threads than the machine has cores
-    assert ray.get(probe.prepare.remote()) == (threads, threads, 0)
+    *settings, frozen = ray.get(probe.prepare.remote())
+    assert settings == [threads, threads, 0]
+    assert frozen > 10_000  # the imports' objects (torch alone leaves tens of thousands)
     ray.kill(probe)
