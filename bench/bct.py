@@ -4,7 +4,7 @@ in one process and one run.
 
     python bench/bct.py [--quick] [--json] [--seed 0] [--num-prompts 128] [--experts 16] [--top-k 2]
                         [--sigma 0.8] [--kv-budget-mb MB | --budget-seqs 16] [--dtype float32] [--repeats 3]
-                        [--profile]
+                        [--plan workload|generic] [--profile]
 
 Workload "bench-moe": the bench-moe preset (Mixtral-style, random weights), prompts of random token ids
 with lengths uniform in [32, 256), output lengths lognormal(mu=3.5, sigma) + 1 capped at 512, fixed per
@@ -17,8 +17,11 @@ on a CPU-only torch it soft-resets (re-prefills) the requests it evicts.
 Each system first runs a few short warm-up requests (kept out of the timings); BCT runs from the first
 request submitted to the last result returned. The two engine modes run --repeats times each, interleaved, and
 report their median run (`bct_runs_s` lists every run): this machine's speed drifts by more than the gap
-between modes that run one schedule. The roofline bound (bench/roofline.py) is measured in the
-same run. With --json the last line printed is one JSON object.
+between modes that run one schedule. Each engine mode's unset settings (max_num_seqs, b_attn, b_moe, refill) are
+planned for this workload's prompt and output lengths, as `batchgen run` plans a job's engines for its input
+(`engine_settings` in the JSON); `--plan generic` leaves them to the engine's own plan for a generic workload.
+The roofline bound (bench/roofline.py) is measured in the same run. With --json the last line printed is one
+JSON object.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from roofline import MoEShape, measure_peaks, workload_bound
 from batchgen.connectors.checkpoint import load_model
 from batchgen.connectors.presets import build_preset
 from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
+from batchgen.engine.planner import PLANNED_FIELDS, WorkloadShape, plan_engine
 
 SYSTEMS = ("batchgen", "lockstep", "transformers")
 ENGINE_MODES = {"batchgen": "coroutine", "lockstep": "lockstep"}
@@ -130,8 +134,14 @@ def engine_config(mode: str, device_bytes: int, host_bytes: int) -> EngineConfig
                         host_kv_budget_bytes=host_bytes)
 
 
-def run_engine(loaded, mode: str, workload: Workload, device_bytes: int, host_bytes: int) -> SystemRun:
-    config = engine_config(mode, device_bytes, host_bytes)
+def planned_for(loaded, config: EngineConfig, workload: Workload) -> EngineConfig:
+    """`config` with its unset fields planned for this workload's prompt and output lengths, as a job plans its
+    engines for its input (pipelines/job_planning.py); unplanned, an engine plans for a generic workload."""
+    shape = WorkloadShape(tuple(map(len, workload.prompts)), tuple(workload.max_tokens))
+    return plan_engine(loaded, config, workload=shape, progress=False).config
+
+
+def run_engine(loaded, config: EngineConfig, workload: Workload) -> SystemRun:
     Engine(loaded, config).generate(requests_for(warmup_workload(workload)))
     gc.collect()
     engine = Engine(loaded, config)
@@ -140,7 +150,7 @@ def run_engine(loaded, mode: str, workload: Workload, device_bytes: int, host_by
     bct = time.perf_counter() - start
     errors = [(r.request_id, r.error) for r in results if r.error]
     if errors:
-        raise RuntimeError(f"{mode} engine failed requests: {errors[:3]}")
+        raise RuntimeError(f"{config.mode} engine failed requests: {errors[:3]}")
     metrics = engine.metrics()
     del engine
     gc.collect()
@@ -158,11 +168,10 @@ def median_run(name: str, runs: list[SystemRun]) -> SystemRun:
     return sorted(runs, key=lambda r: r.bct_s)[(len(runs) - 1) // 2]
 
 
-def profile_engine(loaded, mode: str, workload: Workload, device_bytes: int, host_bytes: int,
-                   top: int = 40) -> str:
+def profile_engine(loaded, config: EngineConfig, workload: Workload, top: int = 40) -> str:
     """cProfile of one more run on a fresh engine (the timed run stays unprofiled): functions by
     cumulative time, so the scheduler, KV copies, attention and MoE modules each show their share."""
-    engine = Engine(loaded, engine_config(mode, device_bytes, host_bytes))
+    engine = Engine(loaded, config)
     profiler = cProfile.Profile()
     profiler.runcall(engine.generate, requests_for(workload))
     out = io.StringIO()
@@ -401,6 +410,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of each engine mode per scenario, interleaved; BCT is their median (default 3; "
                              "transformers runs once)")
+    parser.add_argument("--plan", choices=("workload", "generic"), default="workload",
+                        help="plan both engine modes' unset settings for this workload (as a job plans for its input), "
+                             "or leave them to the engine's plan for a generic workload")
     parser.add_argument("--profile", action="store_true",
                         help="after the timed runs, print a cProfile of one more BatchGen run per scenario")
     parser.add_argument("--kv-budget-mb", type=float, default=None,
@@ -475,10 +487,13 @@ def run(args: argparse.Namespace, log) -> dict:
     budgets = {"unconstrained": 2 * host_bytes, "kv_budget": constrained}
     scenarios = {}
     for scenario, device_bytes in budgets.items():
+        configs = {name: engine_config(mode, device_bytes, host_bytes) for name, mode in ENGINE_MODES.items()}
+        if args.plan == "workload":
+            configs = {name: planned_for(loaded, config, workload) for name, config in configs.items()}
         repeated: dict[str, list[SystemRun]] = {name: [] for name in ENGINE_MODES}
         for _ in range(args.repeats):  # interleaved: a drift of the machine's speed hits both engine modes alike
-            for name, mode in ENGINE_MODES.items():
-                repeated[name].append(run_engine(loaded, mode, workload, device_bytes, host_bytes))
+            for name in ENGINE_MODES:
+                repeated[name].append(run_engine(loaded, configs[name], workload))
         runs = {name: median_run(name, repeated[name]) for name in ENGINE_MODES}
         runs["transformers"] = run_transformers(hf_model, workload, device_bytes, host_bytes,
                                                 shape.kv_bytes_per_token)
@@ -489,11 +504,16 @@ def run(args: argparse.Namespace, log) -> dict:
                 f"{output_tokens / runs[name].bct_s:7.1f} tok/s, "
                 f"mean expert batch {runs[name].mean_expert_batch:.2f}")
         if args.profile:
-            log(f"[{scenario}] BatchGen profile:\n"
-                + profile_engine(loaded, "coroutine", workload, device_bytes, host_bytes))
+            log(f"[{scenario}] BatchGen profile:\n" + profile_engine(loaded, configs["batchgen"], workload))
         summary = scenario_summary(runs, output_tokens, bound.seconds, probe, TIE_GAP[args.dtype],
                                    ROUTING_TIE_GAP[args.dtype])
-        scenarios[scenario] = {"kv_budget_bytes": device_bytes, **summary,
+        settings = {name: {field: getattr(config, field) for field in PLANNED_FIELDS}
+                    for name, config in configs.items()}
+        if args.plan == "workload":
+            log(f"[{scenario}] planned for the workload: " + "; ".join(
+                f"{name} " + ", ".join(f"{k} {v}" for k, v in fields.items() if "bytes" not in k)
+                for name, fields in settings.items()))
+        scenarios[scenario] = {"kv_budget_bytes": device_bytes, "engine_settings": settings, **summary,
                                "bct_runs_s": {name: [r.bct_s for r in rs] for name, rs in repeated.items()}}
         log(describe(scenario, summary))
 

@@ -240,7 +240,7 @@ def run(args: argparse.Namespace, workdir: Path, log) -> dict:
     loaded = load_model(model_dir, dtype=config.dtype, device="cpu")
     engine_load_s = time.perf_counter() - load_start
     with ProcessAccount(()) as engine_cpu:
-        engine = run_engine(loaded, config.mode, workload, device_bytes, host_bytes)
+        engine = run_engine(loaded, config, workload)
     log(f"engine: BCT {engine.bct_s:.2f} s, {output_tokens / engine.bct_s:.1f} tok/s (model load "
         f"{engine_load_s:.2f} s, not counted); {cpu_text(engine_cpu.seconds)}")
 

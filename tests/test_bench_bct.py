@@ -29,6 +29,9 @@ def test_quick_json_report(monkeypatch, capsys):
         for key in ("bct_s", "tokens_per_s", "mean_expert_batch", "completion_time_s"):
             assert set(scenario[key]) == SYSTEMS, (name, key)
         assert set(scenario["scheduler_share"]) == {"batchgen", "lockstep"}
+        # both engine modes planned for the bench's 8 prompts: every prompt admitted at once
+        assert min(s["max_num_seqs"] for s in scenario["engine_settings"].values()) >= PROMPTS, scenario
+
         runs = scenario["bct_runs_s"]  # each engine mode twice, interleaved; the lower one reported
         assert set(runs) == {"batchgen", "lockstep"} and all(len(r) == 2 for r in runs.values()), runs
         assert all(scenario["bct_s"][name] == min(r) for name, r in runs.items()), (scenario["bct_s"], runs)
