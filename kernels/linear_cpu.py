@@ -88,8 +88,8 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     rows = x if x.dim() == 2 else x.reshape(-1, dim)
     count = rows.shape[0]
     weight_bytes = out_features * dim * 4
-    if count > SMALL_ROWS or count == 0 or weight_bytes < MIN_WEIGHT_BYTES:
-        return F.linear(x, weight, bias)
+    if count > SMALL_ROWS or count == 0 or weight_bytes < MIN_WEIGHT_BYTES or not _float32_cpu(weight, bias):
+        return F.linear(x, weight, bias)  # (a weight of another dtype or device: F.linear names the mismatch)
     if not rows.is_contiguous():
         rows = rows.contiguous()
     if weight.stride(1) != 1:
@@ -99,3 +99,7 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     _KERNEL(rows.data_ptr(), count, weight.data_ptr(), weight.stride(0),
             None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), dim, out_features, threads)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
+
+
+def _float32_cpu(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in tensors)

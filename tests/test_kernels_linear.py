@@ -66,6 +66,15 @@ def test_many_rows_and_small_weights_stay_with_blas(kernel_calls):
     assert kernel_calls == []
 
 
+def test_a_weight_of_another_dtype_is_refused_by_torch_not_read_by_the_kernel(kernel_calls):
+    x, weight = torch.randn(2, 256), torch.randn(256, 256, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="dtype"):
+        linear_cpu.linear_cpu(x, weight)
+    with pytest.raises(RuntimeError, match="dtype"):
+        linear_cpu.linear_cpu(x, weight.float(), torch.zeros(256, dtype=torch.float64))
+    assert kernel_calls == []
+
+
 def test_ops_linear_checks_shapes_and_picks_the_c_kernel_on_cpu():
     with pytest.raises(ValueError, match=r"linear: x \[2, 5\] does not match weight \[3, 4\] in D"):
         ops.linear(torch.randn(2, 5), torch.randn(3, 4))
