@@ -10,7 +10,8 @@ projection and adds it, weighted, into the token's output row (threads own disjo
 write the same element and the order of the sum is fixed). The dot products run eight token rows at a time
 against two weight rows (gate and up; two output columns), the sixteen sums in vector registers, so each
 weight element is loaded once for the eight; the next weight rows are prefetched meanwhile. Experts with more
-rows than SMALL_ROWS are compute-bound GEMMs and go through the torch path's BLAS calls (moe_torch.py).
+rows than SMALL_ROWS are compute-bound GEMMs and go through the torch path's BLAS calls (moe_torch.py). A call of
+at most SMALL_ROWS tokens (a decode step's tail) leaves the grouping of its rows by expert to the kernel as well.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _SOURCE = r"""
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef struct {
@@ -120,11 +122,49 @@ void small_experts_f32(const float *x, const int64_t *spans, const int64_t *expe
     parallel(gate_up, base, (int64_t)A * I, threads);
     parallel(down, base, (D + 1) / 2, threads);
 }
+
+/* A few tokens (every expert then has at most T rows: all within this kernel): their (token, k) pairs grouped by
+   expert here, by a stable counting sort (the order of the torch path's stable argsort, so the same sums in the
+   same order), instead of by a handful of torch calls per layer. ids < 0 (experts on another rank) are skipped. */
+void few_tokens_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E,
+                    const float *wgu, const float *wd, int64_t gu0, int64_t gu1, int64_t d0, int64_t d1, float *h,
+                    float *out, int D, int I, int threads) {
+    int64_t pairs = T * K, *first = calloc(E + 1, sizeof(int64_t)), *next = malloc(E * sizeof(int64_t));
+    int A = 0;
+    for (int64_t p = 0; p < pairs; p++)
+        if (ids[p] >= 0) first[ids[p] + 1]++;
+    for (int e = 0; e < E; e++) { A += first[e + 1] > 0; first[e + 1] += first[e]; next[e] = first[e]; }
+    int64_t rows = first[E], *token = malloc((rows + 1) * sizeof(int64_t));
+    int64_t *spans = malloc((3 * A + 1) * sizeof(int64_t)), *experts = malloc((A + 1) * sizeof(int64_t));
+    float *xs = malloc((rows * D + 1) * sizeof(float)), *weight = malloc((rows + 1) * sizeof(float));
+    for (int64_t p = 0; p < pairs; p++) {
+        if (ids[p] < 0) continue;
+        int64_t r = next[ids[p]]++;
+        token[r] = p / K;
+        weight[r] = topk_weight[p];
+        memcpy(xs + r * D, x + token[r] * D, D * sizeof(float));
+    }
+    for (int e = 0, a = 0; e < E; e++)
+        if (first[e + 1] > first[e]) {
+            spans[3 * a] = spans[3 * a + 2] = first[e];
+            spans[3 * a + 1] = first[e + 1];
+            experts[a++] = e;
+        }
+    if (A) {
+        Job base = {xs, spans, experts, wgu, wd, gu0, gu1, d0, d1, h, token, weight, out, A, D, I, 0, 0};
+        parallel(gate_up, base, (int64_t)A * I, threads);
+        parallel(down, base, (D + 1) / 2, threads);
+    }
+    free(first); free(next); free(token); free(spans); free(experts); free(xs); free(weight);
+}
 """.replace("EXP_NEG", EXP_NEG_SOURCE).replace("DOT_PAIRS", DOT_PAIRS_SOURCE)
 
 
 _KERNEL = CFunction("small_experts", _SOURCE, "small_experts_f32",
                     (*[ctypes.c_void_p] * 3, ctypes.c_int, *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 3))
+_FEW_TOKENS = CFunction("small_experts", _SOURCE, "few_tokens_f32",
+                        (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, *[ctypes.c_void_p] * 2, ctypes.c_int,
+                         *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 4, *[ctypes.c_void_p] * 2, *[ctypes.c_int] * 3))
 
 
 def unavailable() -> str | None:
@@ -143,6 +183,8 @@ def fused_moe_cpu(
     num_experts, two_i, dim = w_gate_up.shape
     inter = two_i // 2
     w_gate_up, w_down = (w if w.stride(-1) == 1 else w.contiguous() for w in (w_gate_up, w_down))
+    if x.shape[0] <= SMALL_ROWS:  # no expert can get more rows than there are tokens: all of them the kernel's
+        return _few_tokens(x, w_gate_up, w_down, topk_weights, topk_ids)
     rows = route_rows(x, topk_weights, topk_ids, num_experts)
     out = torch.zeros(x.shape, dtype=torch.float32)
     small = [e for e, count in enumerate(rows.counts) if 0 < count <= SMALL_ROWS]
@@ -161,4 +203,19 @@ def fused_moe_cpu(
                 weights.data_ptr(), out.data_ptr(), dim, inter, torch.get_num_threads())
     accumulate_experts(out, rows, [e for e, count in enumerate(rows.counts) if count > SMALL_ROWS], w_gate_up,
                        w_down)
+    return out.to(x.dtype)
+
+
+def _few_tokens(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+    """fused_moe_cpu for at most SMALL_ROWS tokens: the routing's grouping by expert done by the kernel too."""
+    tokens, top_k = topk_ids.shape
+    x = x.contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    h = torch.empty(tokens * top_k, w_down.shape[2], dtype=torch.float32)
+    _FEW_TOKENS(x.data_ptr(), tokens, top_k, ids.data_ptr(), weights.data_ptr(), w_gate_up.shape[0],
+                w_gate_up.data_ptr(), w_down.data_ptr(), *w_gate_up.stride()[:2], *w_down.stride()[:2], h.data_ptr(),
+                out.data_ptr(), x.shape[1], w_down.shape[2], torch.get_num_threads())
     return out.to(x.dtype)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from batchgen.kernels import ops, registry
 from batchgen.kernels.moe_align import align_to_blocks
 from batchgen.kernels.moe_config import config_file_name, moe_config
+from batchgen.kernels.moe_cpu import SMALL_ROWS
 from batchgen.kernels.moe_torch import fused_moe_torch
 
 
@@ -96,6 +97,25 @@ def test_cpu_c_matches_naive(tokens, top_k, threads, monkeypatch):
     assert set(by_blas) == {e for e in used if counts[e] > moe_cpu.SMALL_ROWS}
     if tokens > 4 * moe_cpu.SMALL_ROWS:
         assert by_blas  # and BLAS some
+
+
+@pytest.mark.parametrize("tokens,path", [(1, "few"), (SMALL_ROWS, "few"), (SMALL_ROWS + 1, "grouped")])
+def test_cpu_c_groups_a_few_tokens_rows_in_the_kernel(tokens, path, monkeypatch):
+    """Up to SMALL_ROWS tokens no expert can get more rows than the kernel takes: the kernel groups the (token, k)
+    pairs by expert itself (one call); more tokens go through torch's grouping. Same sums either way."""
+    from batchgen.kernels import moe_cpu
+
+    if moe_cpu.unavailable():
+        pytest.skip(moe_cpu.unavailable())
+    calls = []
+    for name in ("_FEW_TOKENS", "_KERNEL"):
+        kernel = getattr(moe_cpu, name)
+        monkeypatch.setattr(moe_cpu, name, lambda *a, k=kernel, n=name: calls.append(n) or k(*a))
+    x, w13, w2, weights, ids = make_moe(tokens, 40, 24, 6, 2, seed=tokens)
+    ids[::3, 0] = -1  # an expert of another rank
+    out = moe_cpu.fused_moe_cpu(x, w13, w2, weights, ids.to(torch.int32))
+    torch.testing.assert_close(out.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+    assert calls == (["_FEW_TOKENS"] if path == "few" else ["_KERNEL"])
 
 
 @pytest.mark.parametrize("threads", [1, 2])
