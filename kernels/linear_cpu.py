@@ -94,7 +94,7 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         rows = rows.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    out = torch.empty(count, out_features)
+    out = torch.empty(count, out_features, dtype=torch.float32)
     threads = min(torch.get_num_threads(), weight_bytes // THREAD_BYTES) or 1
     _KERNEL(rows.data_ptr(), count, weight.data_ptr(), weight.stride(0),
             None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), dim, out_features, threads)
