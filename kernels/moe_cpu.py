@@ -125,20 +125,21 @@ void small_experts_f32(const float *x, const int64_t *spans, const int64_t *expe
 
 /* A few tokens (every expert then has at most T rows: all within this kernel): their (token, k) pairs grouped by
    expert here, by a stable counting sort (the order of the torch path's stable argsort, so the same sums in the
-   same order), instead of by a handful of torch calls per layer. ids < 0 (experts on another rank) are skipped. */
+   same order), instead of by a handful of torch calls per layer. ids < 0 (experts on another rank) are skipped,
+   and so is any id past the last expert, so no input writes outside this function's arrays. */
 void few_tokens_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E,
                     const float *wgu, const float *wd, int64_t gu0, int64_t gu1, int64_t d0, int64_t d1, float *h,
                     float *out, int D, int I, int threads) {
     int64_t pairs = T * K, *first = calloc(E + 1, sizeof(int64_t)), *next = malloc(E * sizeof(int64_t));
     int A = 0;
     for (int64_t p = 0; p < pairs; p++)
-        if (ids[p] >= 0) first[ids[p] + 1]++;
+        if (ids[p] >= 0 && ids[p] < E) first[ids[p] + 1]++;
     for (int e = 0; e < E; e++) { A += first[e + 1] > 0; first[e + 1] += first[e]; next[e] = first[e]; }
     int64_t rows = first[E], *token = malloc((rows + 1) * sizeof(int64_t));
     int64_t *spans = malloc((3 * A + 1) * sizeof(int64_t)), *experts = malloc((A + 1) * sizeof(int64_t));
     float *xs = malloc((rows * D + 1) * sizeof(float)), *weight = malloc((rows + 1) * sizeof(float));
     for (int64_t p = 0; p < pairs; p++) {
-        if (ids[p] < 0) continue;
+        if (ids[p] < 0 || ids[p] >= E) continue;
         int64_t r = next[ids[p]]++;
         token[r] = p / K;
         weight[r] = topk_weight[p];
