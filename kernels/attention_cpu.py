@@ -10,7 +10,7 @@ one is computed (the pages lie scattered through the pool), query heads sharing 
 a time over each K/V row, and the softmax's exponentials are a polynomial the compiler vectorises
 instead of a libm call each. Sequences are split over up to `torch.get_num_threads()` threads of the
 OpenMP pool torch itself runs on (no threads started per call, none spinning against torch's), one per
-THREAD_BYTES of K/V read.
+THREAD_BYTES of K/V read, each taking an equal share of the tokens (not of the sequences).
 
 float32 only (the CPU engine's dtype); caches may be strided views with a dense last dim. Without a C
 compiler the backend reports itself unavailable and the registry keeps the torch path.
@@ -137,20 +137,36 @@ static void run(const Job *j) {
     free(scores); free(acc); free(m); free(l);
 }
 
-void paged_decode_f32(const float *q, const float *k, const float *v, const int32_t *table,
-                      const int32_t *lens, float *out, int batch, int heads, int kv_heads, int dk, int dv,
-                      int page, int max_pages, float scale, int threads, const int64_t *ks, const int64_t *vs) {
-    int items = batch;
-    if (threads > items) threads = items;
+/* The first sequence whose tokens start at or after `share` of all `total` tokens: a thread's boundary, so
+   threads read about the same K/V bytes whatever the lengths. */
+static int split_at(const int32_t *lens, int batch, int64_t total, int t, int n) {
+    if (t == n) return batch;  /* the last thread's share ends with the batch, empty sequences after it included */
+    int64_t share = total * t / n, seen = 0;
+    int b = 0;
+    while (b < batch && seen < share) seen += lens[b++];
+    return b;
+}
+
+/* Returns -1, or the first sequence whose length exceeds its page-table row (nothing computed then). */
+int paged_decode_f32(const float *q, const float *k, const float *v, const int32_t *table,
+                     const int32_t *lens, float *out, int batch, int heads, int kv_heads, int dk, int dv,
+                     int page, int max_pages, float scale, int threads, const int64_t *ks, const int64_t *vs) {
+    int64_t total = 0;
+    for (int b = 0; b < batch; b++) {
+        if (lens[b] > (int64_t)max_pages * page) return b;
+        total += lens[b];
+    }
+    if (threads > batch) threads = batch;
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)  /* the OpenMP pool torch runs its own ops on */
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
         Job j = {q, k, v, table, lens, out, batch, heads, kv_heads, dk, dv, page, max_pages, scale,
                  {ks[0], ks[1], ks[2]}, {vs[0], vs[1], vs[2]},
-                 (int)((int64_t)items * t / n), (int)((int64_t)items * (t + 1) / n)};
+                 split_at(lens, batch, total, t, n), split_at(lens, batch, total, t + 1, n)};
         run(&j);
     }
+    return -1;
 }
 """.replace("EXP_NEG", EXP_NEG_SOURCE)
 
@@ -158,7 +174,7 @@ THREAD_BYTES = 256 << 10  # of K/V: a team thread wakes in microseconds (2 x 256
 
 _KERNEL = CFunction("paged_decode", _SOURCE, "paged_decode_f32",
                     (*[ctypes.c_void_p] * 6, *[ctypes.c_int] * 7, ctypes.c_float, ctypes.c_int,
-                     *[ctypes.POINTER(ctypes.c_int64)] * 2))
+                     *[ctypes.POINTER(ctypes.c_int64)] * 2), restype=ctypes.c_int)
 
 
 def unavailable() -> str | None:
@@ -174,7 +190,9 @@ def paged_decode_attention_cpu(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Same contract as kernels.ops.paged_decode_attention, for float32 CPU tensors."""
+    """Same contract as kernels.ops.paged_decode_attention, for float32 CPU tensors. The kernel itself checks the
+    lengths against the page table (a decode step calls this once per layer: each torch op here costs a few
+    microseconds against tens of the kernel)."""
     batch, heads, dim_k = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
     dim_v = v_cache.shape[-1]
@@ -182,15 +200,14 @@ def paged_decode_attention_cpu(
     k_cache, v_cache = (c if c.stride(-1) == 1 else c.contiguous() for c in (k_cache, v_cache))  # views stay views
     table = page_table.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
-    if batch and int(lens.max()) > table.shape[1] * page_size:
-        row = int(lens.argmax())
-        raise ValueError(f"paged_decode_attention: seq_lens[{row}] = {int(lens[row])} exceeds page_table capacity "
-                         f"{table.shape[1]} pages x {page_size}")
     out = torch.empty(batch, heads, dim_v, dtype=q.dtype)
     kv_bytes = int(lens.sum()) * kv_heads * (dim_k + dim_v) * k_cache.element_size() if batch else 0
-    _KERNEL(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), lens.data_ptr(), out.data_ptr(),
-            batch, heads, kv_heads, dim_k, dim_v, page_size, table.shape[1], float(scale),
-            threads_for(kv_bytes, torch.get_num_threads()), _strides(k_cache), _strides(v_cache))
+    bad = _KERNEL(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), lens.data_ptr(),
+                  out.data_ptr(), batch, heads, kv_heads, dim_k, dim_v, page_size, table.shape[1], float(scale),
+                  threads_for(kv_bytes, torch.get_num_threads()), _strides(k_cache), _strides(v_cache))
+    if bad >= 0:
+        raise ValueError(f"paged_decode_attention: seq_lens[{bad}] = {int(lens[bad])} exceeds page_table capacity "
+                         f"{table.shape[1]} pages x {page_size}")
     return out
 
 

@@ -151,6 +151,7 @@ class CFunction:
     source: str
     name: str
     argtypes: tuple
+    restype: type | None = None  # a ctypes type, for a kernel that reports something (an error's index)
 
     @functools.cache  # noqa: B019 (a few module-level instances, alive for the process anyway)
     def _loaded(self) -> Callable | str:
@@ -158,7 +159,7 @@ class CFunction:
         if isinstance(library, str):
             return library
         function = getattr(library, self.name)
-        function.restype, function.argtypes = None, list(self.argtypes)
+        function.restype, function.argtypes = self.restype, list(self.argtypes)
         return function
 
     def unavailable(self) -> str | None:
@@ -166,8 +167,8 @@ class CFunction:
         loaded = self._loaded()
         return loaded if isinstance(loaded, str) else None
 
-    def __call__(self, *args) -> None:
+    def __call__(self, *args):
         loaded = self._loaded()
         if isinstance(loaded, str):
             raise RuntimeError(loaded)
-        loaded(*args)
+        return loaded(*args)
