@@ -10,8 +10,8 @@ projection and adds it, weighted, into the token's output row (threads own disjo
 write the same element and the order of the sum is fixed). The dot products run eight token rows at a time
 against two weight rows (gate and up; two output columns), the sixteen sums in vector registers, so each
 weight element is loaded once for the eight; the next weight rows are prefetched meanwhile. Experts with more
-rows than SMALL_ROWS are compute-bound GEMMs and go through the torch path's BLAS calls (moe_torch.py). A call of
-at most SMALL_ROWS tokens (a decode step's tail) leaves the grouping of its rows by expert to the kernel as well.
+rows than SMALL_ROWS are GEMMs BLAS runs faster and go through the torch path's calls (moe_torch.py). A call of
+at most FEW_TOKENS tokens (a decode step's tail) leaves the grouping of its rows by expert to the kernel as well.
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ import torch
 from batchgen.kernels.c_library import DOT_PAIRS_SOURCE, EXP_NEG_SOURCE, CFunction
 from batchgen.kernels.moe_torch import accumulate_experts, route_rows
 
-SMALL_ROWS = 24  # rows per expert up to which this kernel beats BLAS (dev box: 2.1x at 16 rows, level at 32)
+# rows per expert up to which this kernel beats BLAS (a 512 x 1024 expert on 2 threads of the dev box, balanced
+# routing: 154 against 114 GFLOP/s at 32 rows, 160 against 145 at 64, level at 96)
+SMALL_ROWS = 64
+FEW_TOKENS = 24  # tokens of a call up to which the kernel groups them by expert too (torch's sort wins above)
 
 _SOURCE = r"""
 #include <math.h>
@@ -184,7 +187,7 @@ def fused_moe_cpu(
     num_experts, two_i, dim = w_gate_up.shape
     inter = two_i // 2
     w_gate_up, w_down = (w if w.stride(-1) == 1 else w.contiguous() for w in (w_gate_up, w_down))
-    if x.shape[0] <= SMALL_ROWS:  # no expert can get more rows than there are tokens: all of them the kernel's
+    if x.shape[0] <= FEW_TOKENS:  # no expert can get more rows than there are tokens: all of them the kernel's
         return _few_tokens(x, w_gate_up, w_down, topk_weights, topk_ids)
     rows = route_rows(x, topk_weights, topk_ids, num_experts)
     out = torch.zeros(x.shape, dtype=torch.float32)
@@ -209,7 +212,7 @@ def fused_moe_cpu(
 
 def _few_tokens(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
-    """fused_moe_cpu for at most SMALL_ROWS tokens: the routing's grouping by expert done by the kernel too."""
+    """fused_moe_cpu for at most FEW_TOKENS tokens: the routing's grouping by expert done by the kernel too."""
     tokens, top_k = topk_ids.shape
     x = x.contiguous()
     ids = topk_ids.to(torch.int64).contiguous()
