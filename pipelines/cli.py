@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from batchgen.operators.work_balancer import BalancerStats
 from batchgen.pipelines.cli_args import json_object, parse_json_object
@@ -27,6 +27,7 @@ from batchgen.pipelines.pipeline import JobConfig, JobError, JobSummary, execute
 from batchgen.pipelines.plan_cli import add_plan_parser, run_plan
 from batchgen.pipelines.progress import Progress
 from batchgen.pipelines.ray_runtime import init_ray
+from batchgen.pipelines.stderr_filter import filtered_stderr
 
 # command-line shortcuts for the most used sampling parameters (full set: --sampling-params JSON)
 _SAMPLING_FLAGS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "n": int, "seed": int}
@@ -182,6 +183,13 @@ def demo_command(args: argparse.Namespace) -> int:
 
 
 def _run(config: JobConfig, args: argparse.Namespace) -> JobSummary:
+    if args.verbose:
+        return _execute(config, args, sys.stderr)
+    with filtered_stderr() as terminal:  # Ray's harmless error-level lines stay out of the terminal
+        return _execute(config, args, terminal)
+
+
+def _execute(config: JobConfig, args: argparse.Namespace, terminal: TextIO) -> JobSummary:
     import ray
 
     plan = plan_job(config)  # fails fast, before Ray starts
@@ -192,7 +200,7 @@ def _run(config: JobConfig, args: argparse.Namespace) -> JobSummary:
                  logging_level=logging.INFO if args.verbose else logging.ERROR)
     ray.data.DataContext.get_current().enable_progress_bars = False
     logging.getLogger("ray.data").setLevel(logging.INFO if args.verbose else logging.ERROR)
-    bar = None if args.no_progress else _ProgressBar()
+    bar = None if args.no_progress else _ProgressBar(terminal)
     try:
         return execute_job(plan, on_progress=bar)
     finally:
@@ -204,14 +212,15 @@ class _ProgressBar:
     """Rows out of the engines / rows to do (and how many are written), generated tokens/s and the ETA
     since the start, on stderr."""
 
-    def __init__(self) -> None:
+    def __init__(self, terminal: TextIO) -> None:
+        self._terminal = terminal
         self._bar = None
 
     def __call__(self, p: Progress) -> None:
         from tqdm import tqdm
 
         if self._bar is None:
-            self._bar = tqdm(total=p.total_rows - p.skipped_rows, unit="row", file=sys.stderr,
+            self._bar = tqdm(total=p.total_rows - p.skipped_rows, unit="row", file=self._terminal,
                              desc="batchgen", dynamic_ncols=True)
         self._bar.n = p.done_rows
         eta = "?" if p.eta_s is None else f"{p.eta_s:.0f}s"

@@ -84,7 +84,7 @@ def test_console_script_exit_status(tmp_path, tiny_moe_dir):
     assert "job failed" in done.stderr and "no prompt column" in done.stderr
 
 
-def test_run_with_bad_rows_exits_zero_and_reports_them(ray_cluster, tiny_moe_dir, tmp_path, capsys):
+def test_run_with_bad_rows_exits_zero_and_reports_them(ray_cluster, tiny_moe_dir, tmp_path, capfd):
     """Also in memory-constrained mode (--device-memory-mb, 40 % of tiny-moe's weights): same tokens."""
     input_dir = tmp_path / "in"
     write_input(str(input_dir), workload(4), files=1)
@@ -94,7 +94,7 @@ def test_run_with_bad_rows_exits_zero_and_reports_them(ray_cluster, tiny_moe_dir
                  "--mode", "single", "--batch-size", "2", "--sampling-params", json.dumps(SAMPLING),
                  "--engine", json.dumps({"host_kv_budget_bytes": 32 << 20, "max_model_len": 512}),
                  "--device-memory-mb", "6"])
-    captured = capsys.readouterr()
+    captured = capfd.readouterr()  # the progress bar writes to the terminal's descriptor, past the stderr filter
     assert code == 0
     assert "rows         5 total: 5 written by this run, 0 already there" in captured.out
     assert "errors       1 rows with an error" in captured.out
@@ -122,3 +122,30 @@ def test_engine_actors_and_explicit_stage_concurrency_conflict(tmp_path, capsys)
     code = main(["run", "--model", "tiny-moe", "--input", str(tmp_path), "--output", str(tmp_path / "out"),
                  "--engine-actors", "3", "--decode-concurrency", "2"])
     assert code == 2 and "--engine-actors lets the planner split" in capsys.readouterr().err
+
+
+FILTER_SCRIPT = r'''
+import os, sys
+from batchgen.pipelines.stderr_filter import filtered_stderr
+with filtered_stderr() as terminal:
+    os.write(2, b"[2026-12-03 13:31:03,611 E 10113 10321] core_worker.cc:2465: Actor with class name: "
+                b"'MapWorker(MapBatches(BatchGen))' and ID: '9c4c' has constructor arguments in the object store and "
+                b"max_restarts > 0. If the arguments in the object store go out of scope or are lost, ...\n")
+    os.write(2, b"[2026-12-03 13:31:04,000 E 10113 10321] core_worker.cc:99: Failed to connect to the GCS\n")
+    print("a Python traceback line", file=sys.stderr)
+    terminal.write("progress 50%\r")
+    os.write(2, b"no newline at the end")
+print("after the job", file=sys.stderr)
+'''
+
+
+def test_cli_stderr_filter_drops_rays_harmless_line_and_passes_everything_else():
+    """C++ writes to file descriptor 2 and Python's alike; a line without its end still arrives; the progress
+    bar's stream bypasses the line buffering; descriptor 2 is the terminal again afterwards."""
+    done = subprocess.run([sys.executable, "-c", FILTER_SCRIPT], capture_output=True, timeout=60)
+    err = done.stderr.decode()
+    assert done.returncode == 0, err
+    assert "constructor arguments in the object store" not in err
+    assert "core_worker.cc:99: Failed to connect to the GCS\n" in err
+    assert "a Python traceback line\n" in err and "progress 50%\r" in err
+    assert err.endswith("no newline at the endafter the job\n")
