@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from batchgen.kernels import ops, registry
 from batchgen.kernels.moe_align import align_to_blocks
 from batchgen.kernels.moe_config import config_file_name, moe_config
-from batchgen.kernels.moe_cpu import FEW_TOKENS, SMALL_ROWS
+from batchgen.kernels.moe_cpu import FEW_TOKENS
 from batchgen.kernels.moe_torch import fused_moe_torch
 
 
