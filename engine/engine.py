@@ -8,6 +8,7 @@ sampler. Prefill-only use for a separate decode stage is `PrefillExporter` (engi
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 from collections.abc import Container
@@ -158,6 +159,7 @@ class Engine(Generates):
     def metrics(self) -> dict:
         summary = self.stats.summary(self.kv)
         summary["prefill_offload"] = self.runner.prefill_offload.summary()
+        summary["frozen_objects"] = gc.get_freeze_count()  # the process's heap left to the collector (process_heap)
         if self.streamer is not None:
             summary["device_memory"] = self.streamer.memory(self.kv, self.stats.max_ffn_tokens, self.runner.phases)
         return summary

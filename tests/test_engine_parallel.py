@@ -81,6 +81,7 @@ def test_two_rank_expert_parallel_engine_gives_the_single_engines_tokens(arch, p
     assert sorted(str(r.error) for r in repeated) == ["None", "duplicate request_id 'r1'"]
     ranks = metrics["ranks"]
     assert all(rank["finished_requests"] > 0 for rank in ranks)  # both ranks attended to sequences of their own
+    assert ranks[1]["frozen_objects"] > 10_000  # the rank process froze its imports' heap (a test process does not)
     assert metrics["finished_requests"] == len(batch) and metrics["yields"] > 0
     if partition:  # the long first request was left alone at the end: every rank decoded it
         assert metrics["partitions"] >= 1 and metrics["partitioned_steps"] > 0, metrics

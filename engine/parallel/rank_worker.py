@@ -30,6 +30,7 @@ from batchgen.engine.parallel.rank_group import (
     leave_rank_group,
 )
 from batchgen.engine.parallel.rank_round import broadcast_round, gather_replies, run_round
+from batchgen.engine.process_heap import freeze_heap
 
 PARENT_POLL_S = 1.0
 
@@ -106,6 +107,7 @@ def main() -> None:
         engines, group = build_rank_engine(spec, rank)
     except GroupStartError:
         sys.exit(1)
+    freeze_heap()  # this process holds its engine for life: the collector's full passes would stall the group
     try:
         serve(engines, group)
     except BaseException:  # the group is broken: exit now, so the other ranks' collectives fail at once
