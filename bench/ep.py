@@ -19,7 +19,11 @@ rank of one thread (`straggler_s.single`), PARTITIONed over `--straggler-ranks` 
 attends, the others serve their experts); `outputs_match` also requires the three to give the same tokens.
 A partition's ranks repeat the step's host work (module calls, norms, routing, ~2.4 ms a step for bench-moe's six
 layers on the dev box) and split only its weight reads, so the speed-up grows with the model:
-`--straggler-model large-moe` times the case on a larger one.
+`--straggler-model large-moe` times the case on a larger one. Those reads share the machine's memory: the report
+gives the read bandwidth of one thread and of `--straggler-ranks` threads, measured just before the timed runs
+(`straggler.read_bandwidth_gbs.<threads>`), and their ratio (`straggler.bandwidth_scaling`): about the most a
+read-bound partition can gain on this host (on GPUs every rank reads its own memory). On a VM that shares its host's
+memory the ratio moves from minute to minute.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import random
 import time
 
 import torch
+from roofline import read_bandwidth
 
 from batchgen.engine import Request, SamplingParams
 from batchgen.operators.engine_factory import load_engine
@@ -101,12 +106,15 @@ def straggler_case(args: argparse.Namespace) -> tuple[dict, dict]:
     """straggler_s.{single, partition, unpartitioned}, and the details (divergences from the single rank's
     tokens recorded under `divergences.straggler_<case>`)."""
     model = args.straggler_model or args.model
+    bandwidth = {threads: read_bandwidth(torch.device("cpu"), threads) for threads in (1, args.straggler_ranks)}
     runs = {"single": straggler(model, 1, args.straggler_tokens, partition=False),
             "partition": straggler(model, args.straggler_ranks, args.straggler_tokens, partition=True),
             "unpartitioned": straggler(model, args.straggler_ranks, args.straggler_tokens, partition=False)}
     base = runs["single"]["tokens"]
     details = {"model": model, "ranks": args.straggler_ranks, "max_tokens": args.straggler_tokens,
-               "speedup": runs["single"]["wall_s"] / runs["partition"]["wall_s"]}
+               "speedup": runs["single"]["wall_s"] / runs["partition"]["wall_s"],
+               "read_bandwidth_gbs": {str(t): b / 1e9 for t, b in bandwidth.items()},
+               "bandwidth_scaling": bandwidth[args.straggler_ranks] / bandwidth[1]}
     for name, run in runs.items():
         tokens = run.pop("tokens")
         details[name] = {**run, "first_divergence": first_divergence(base, tokens)}

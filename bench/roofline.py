@@ -100,11 +100,24 @@ def measure_peaks(device: torch.device | None = None, gemm_size: int = 2048, str
     gemm = _best_seconds(lambda: torch.mm(a, b), repeats, device)
     x = torch.ones(stream_mib * 2**20 // 4, device=device)
     y = torch.empty_like(x)
-    read = _best_seconds(lambda: x.sum(), repeats, device)
     copy = _best_seconds(lambda: y.copy_(x), repeats, device)
     nbytes = x.numel() * x.element_size()
-    return MachinePeaks(matmul_flops=2 * gemm_size**3 / gemm, read_bandwidth=nbytes / read,
+    return MachinePeaks(matmul_flops=2 * gemm_size**3 / gemm, read_bandwidth=_read_rate(x, repeats, device),
                         copy_bandwidth=2 * nbytes / copy)
+
+
+def read_bandwidth(device: torch.device, threads: int | None = None, stream_mib: int = 512, repeats: int = 5) -> float:
+    """Best-of-`repeats` bytes/s of summing a `stream_mib` buffer on `threads` torch threads (default: as set)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        return _read_rate(torch.ones(stream_mib * 2**20 // 4, device=device), repeats, device)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _read_rate(x: torch.Tensor, repeats: int, device: torch.device) -> float:
+    return x.numel() * x.element_size() / _best_seconds(lambda: x.sum(), repeats, device)
 
 
 def _experts_touched(shape: MoEShape, tokens: int) -> float:

@@ -17,4 +17,5 @@ def test_json_report(monkeypatch, capsys, tiny_moe_dir):
     straggler = report["straggler"]
     assert straggler["model"] == "preset://tiny-moe" and straggler["outputs_match"] is True
     assert straggler["partition"]["partitioned_steps"] > 0 and straggler["unpartitioned"]["partitioned_steps"] == 0
+    assert set(straggler["read_bandwidth_gbs"]) == {"1", "2"} and straggler["bandwidth_scaling"] > 0
     assert report["outputs_match"] is True
