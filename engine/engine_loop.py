@@ -36,11 +36,13 @@ from batchgen.engine.errors import InvalidRequestError
 from batchgen.engine.migration import MigratedRequest
 from batchgen.engine.parallel.group_engine import GroupEngine
 from batchgen.engine.request import Request, Result
+from batchgen.engine.request_future import RequestFuture
 
 LOAD_REFRESH_S = 0.05  # `load` is recounted after a step at most this often (it walks every request), and
 # always after the step that leaves the engine idle
 
-_Command = tuple[Callable[[], None], list[Future]]  # what to run on the engine thread, whose futures it owns
+# what to run on the engine thread, and the futures it owns (failed with the engine)
+_Command = tuple[Callable[[], None], list[Future | RequestFuture]]
 
 
 class EngineLoop:
@@ -53,7 +55,7 @@ class EngineLoop:
         actor lends its threads meanwhile: operators/thread_lending.py)."""
         self._on_work = on_work
         self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
-        self._pending: dict[str, Future] = {}
+        self._pending: dict[str, RequestFuture] = {}
         self._adopted: dict[str, Callable[[Result], None]] = {}  # foreign request id -> who gets its Result
         self._exported: dict[str, Request] = {}  # this loop's requests running elsewhere, to rerun if lost
         self.load = EngineLoad(0, 0, 0.0)
@@ -70,9 +72,9 @@ class EngineLoop:
         self._outstanding = 0  # requests handed over by `run` whose futures are not done
         self._room = threading.Condition()
 
-    def submit(self, request_ids: list[str], admit: Callable[[Engine], None]) -> list[Future]:
+    def submit(self, request_ids: list[str], admit: Callable[[Engine], None]) -> list[RequestFuture]:
         """Call `admit(engine)` on the engine thread (it adds these requests); one future per request id."""
-        futures = {rid: Future() for rid in request_ids}
+        futures = {rid: RequestFuture() for rid in request_ids}
         if len(futures) != len(request_ids):
             raise ValueError("duplicate request ids in one submission")
 
@@ -95,7 +97,7 @@ class EngineLoop:
         remaining = [len(futures)]
         counting = threading.Lock()  # done callbacks run on the engine thread, or here if already done
 
-        def one_done(future: Future) -> None:
+        def one_done(future: RequestFuture) -> None:
             self._release(future)
             with counting:
                 remaining[0] -= 1
@@ -116,7 +118,7 @@ class EngineLoop:
                 self._room.wait()
             self._outstanding += count
 
-    def _release(self, _future: Future) -> None:
+    def _release(self, _future: RequestFuture) -> None:
         with self._room:
             self._outstanding -= 1
             self._room.notify_all()

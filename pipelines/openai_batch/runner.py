@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 import queue
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from batchgen.engine import Engine, EngineLoop, Request
+from batchgen.engine.request_future import RequestFuture
 from batchgen.pipelines.openai_batch.backend import BackendConfig, BatchBackendBase, QueuedBatch
 from batchgen.pipelines.openai_batch.store import BatchRecord, BatchStore, ResultRow
 from batchgen.pipelines.openai_batch.wire_format import BatchLine
@@ -36,7 +36,7 @@ class BatchRunner(BatchBackendBase):
         """Raises InvalidRequestError when `config.default_sampling` is not valid sampling values."""
         super().__init__(store, config, loop.engine.normalizer)
         self.loop = loop
-        self._settled: queue.SimpleQueue[tuple[str, Future]] = queue.SimpleQueue()  # futures done, to record
+        self._settled: queue.SimpleQueue[tuple[str, RequestFuture]] = queue.SimpleQueue()  # futures done, to record
         self._active: list[RunningBatch] = []
         self._owner: dict[str, tuple[RunningBatch, int]] = {}  # request id in flight -> (batch, line index)
 
@@ -109,7 +109,7 @@ class BatchRunner(BatchBackendBase):
             batch.in_flight.add(index)
             future.add_done_callback(lambda f, rid=request.request_id: self._settle(rid, f))
 
-    def _settle(self, request_id: str, future: Future) -> None:
+    def _settle(self, request_id: str, future: RequestFuture) -> None:
         """A future resolved (on the engine thread): hand it to the runner thread."""
         self._settled.put((request_id, future))
         self._wake.set()
