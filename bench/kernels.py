@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from roofline import read_bandwidth
 
 from batchgen.engine.host_arena import host_arena
 from batchgen.kernels import moe_cpu, ops, registry
@@ -126,12 +127,6 @@ def seconds_per_call(fn, args, device: torch.device, min_time: float, best: bool
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     return min(times) if best else statistics.median(times)
-
-
-def read_bandwidth(device: torch.device, mib: int = 512) -> float:
-    """Best-of-5 bytes/s of summing a large buffer: the rate any kernel can read memory at."""
-    x = torch.ones(mib * 2**20 // 4, device=device)
-    return x.numel() * 4 / seconds_per_call(lambda: x.sum(), (), device, 0.5, best=True)
 
 
 # bench-moe attention: 8 query heads, 2 KV heads, head dim 64, 64-token pages
