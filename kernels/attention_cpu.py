@@ -29,6 +29,7 @@ _SOURCE = r"""
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef struct {
     const float *q, *k, *v; const int32_t *table, *lens; float *out;
@@ -62,17 +63,43 @@ static void scores_of(int c, const float *restrict q, int dk, const float *restr
     }
 }
 
-/* acc[x] += sum_t w[x][t] V[t] for the same c heads: each V row read once for all of them. */
+typedef float v16 __attribute__((vector_size(64)));  /* one AVX-512 register; the compiler lowers it elsewhere */
+static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+/* acc[x] += sum_t w[x][t] V[t] for the same c heads: each V row read once for all of them. Four heads take the
+   output dims 64 at a time, their 4 x 4 vector sums held in registers over the page's tokens (kept in memory, each
+   FMA cost a load and a store of its sum: the kernel's hottest loop). */
 static void accumulate(int c, const float *restrict w, int page, const float *restrict vh, int64_t vstride, int n,
                        int dv, float *restrict acc, const char *next, int next_n) {
-    for (int t = 0; t < n; t++) {
+    int d0 = 0;
+    if (c == 4) {
+        for (; d0 + 64 <= dv; d0 += 64) {
+            v16 a[4][4];
+            for (int x = 0; x < 4; x++)
+                for (int j = 0; j < 4; j++) a[x][j] = load16(acc + x * dv + d0 + 16 * j);
+            for (int t = 0; t < n; t++) {
+                const float *restrict vt = vh + t * vstride + d0;
+                if (d0 == 0 && t < next_n)  /* the next page's rows, fetched while this one is summed */
+                    for (int o = 0; o < dv * 4; o += 64) __builtin_prefetch(next + t * vstride * 4 + o, 0, 3);
+                v16 v0 = load16(vt), v1 = load16(vt + 16), v2 = load16(vt + 32), v3 = load16(vt + 48);
+                for (int x = 0; x < 4; x++) {
+                    float wx = w[x * page + t];
+                    a[x][0] += wx * v0; a[x][1] += wx * v1; a[x][2] += wx * v2; a[x][3] += wx * v3;
+                }
+            }
+            for (int x = 0; x < 4; x++)
+                for (int j = 0; j < 4; j++) store16(acc + x * dv + d0 + 16 * j, a[x][j]);
+        }
+    }
+    for (int t = 0; t < n && d0 < dv; t++) {  /* what the blocks left: other head counts, dims past the last 64 */
         const float *restrict vt = vh + t * vstride;
-        if (t < next_n)
+        if (d0 == 0 && t < next_n)
             for (int o = 0; o < dv * 4; o += 64) __builtin_prefetch(next + t * vstride * 4 + o, 0, 3);
         if (c == 4) {
             float w0 = w[t], w1 = w[page + t], w2 = w[2 * page + t], w3 = w[3 * page + t];
             float *restrict a0 = acc, *restrict a1 = acc + dv, *restrict a2 = acc + 2 * dv, *restrict a3 = acc + 3 * dv;
-            for (int d = 0; d < dv; d++) {
+            for (int d = d0; d < dv; d++) {
                 float vd = vt[d];
                 a0[d] += w0 * vd; a1[d] += w1 * vd; a2[d] += w2 * vd; a3[d] += w3 * vd;
             }

@@ -160,6 +160,23 @@ def test_decode_cpu_c_matches_naive(heads, kv_heads, page_size):
     assert out[-1].eq(0).all()
 
 
+@pytest.mark.parametrize("dim_v", [64, 80, 200])
+def test_decode_cpu_c_sums_values_in_register_blocks_and_a_tail(dim_v):
+    """Four query heads per KV head sum V 64 dims at a time in registers, then the dims past the last 64 one by
+    one (80: a block and a tail; 200: three blocks and a tail)."""
+    from batchgen.kernels.attention_cpu import paged_decode_attention_cpu, unavailable
+
+    if unavailable():
+        pytest.skip(unavailable())
+    lens = [*SEQ_LENS, 40, 0]
+    k_cache, v_cache, table, seq_lens = make_paged(lens, 16, 2, 64, dim_v, seed=dim_v)
+    q = torch.randn(len(lens), 8, 64)
+    out = paged_decode_attention_cpu(q, k_cache, v_cache, table, seq_lens, 0.125)
+    expected = naive_decode(q[:-1], k_cache, v_cache, table[:-1], seq_lens[:-1], 0.125)
+    torch.testing.assert_close(out[:-1].double(), expected, rtol=1e-5, atol=1e-5)
+    assert out[-1].eq(0).all()
+
+
 def test_decode_cpu_c_splits_only_calls_that_read_enough_over_threads():
     """A small call runs on one thread (starting another costs more than it saves); one reading more than three
     threads' worth of K/V runs on three, with the same result as the torch path."""
