@@ -23,7 +23,7 @@ import ctypes
 
 import torch
 
-from batchgen.kernels.c_library import EXP_NEG_SOURCE, CFunction
+from batchgen.kernels.c_library import EXP_NEG_SOURCE, VECTOR_SOURCE, CFunction
 
 _SOURCE = r"""
 #include <math.h>
@@ -64,9 +64,7 @@ static void scores_of(int c, const float *restrict q, int dk, const float *restr
     }
 }
 
-typedef float v16 __attribute__((vector_size(64)));  /* one AVX-512 register; the compiler lowers it elsewhere */
-static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+VECTORS
 
 /* acc[x] += sum_t w[x][t] V[t] for the same c heads: each V row read once for all of them. Four heads take the
    output dims 64 at a time, their 4 x 4 vector sums held in registers over the page's tokens (kept in memory, each
@@ -78,19 +76,19 @@ static void accumulate(int c, const float *restrict w, int page, const float *re
         for (; d0 + 64 <= dv; d0 += 64) {
             v16 a[4][4];
             for (int x = 0; x < 4; x++)
-                for (int j = 0; j < 4; j++) a[x][j] = load16(acc + x * dv + d0 + 16 * j);
+                for (int j = 0; j < 4; j++) a[x][j] = load(acc + x * dv + d0 + 16 * j);
             for (int t = 0; t < n; t++) {
                 const float *restrict vt = vh + t * vstride + d0;
                 if (d0 == 0 && t < next_n)  /* the next page's rows, fetched while this one is summed */
                     for (int o = 0; o < dv * 4; o += 64) __builtin_prefetch(next + t * vstride * 4 + o, 0, 3);
-                v16 v0 = load16(vt), v1 = load16(vt + 16), v2 = load16(vt + 32), v3 = load16(vt + 48);
+                v16 v0 = load(vt), v1 = load(vt + 16), v2 = load(vt + 32), v3 = load(vt + 48);
                 for (int x = 0; x < 4; x++) {
                     float wx = w[x * page + t];
                     a[x][0] += wx * v0; a[x][1] += wx * v1; a[x][2] += wx * v2; a[x][3] += wx * v3;
                 }
             }
             for (int x = 0; x < 4; x++)
-                for (int j = 0; j < 4; j++) store16(acc + x * dv + d0 + 16 * j, a[x][j]);
+                for (int j = 0; j < 4; j++) store(acc + x * dv + d0 + 16 * j, a[x][j]);
         }
     }
     for (int t = 0; t < n && d0 < dv; t++) {  /* what the blocks left: other head counts, dims past the last 64 */
@@ -196,7 +194,7 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int32
     }
     return -1;
 }
-""".replace("EXP_NEG", EXP_NEG_SOURCE)
+""".replace("EXP_NEG", EXP_NEG_SOURCE).replace("VECTORS", VECTOR_SOURCE)
 
 THREAD_BYTES = 256 << 10  # of K/V: a team thread wakes in microseconds (2 x 256 tokens: 1 thread 26 us, 2 16 us)
 

@@ -43,12 +43,17 @@ static inline float exp_neg(float x) {
 """  # C source every kernel includes
 
 
-DOT_PAIRS_SOURCE = r"""
+VECTOR_SOURCE = r"""
 typedef float v16 __attribute__((vector_size(64)));  /* one AVX-512 register; the compiler lowers it elsewhere */
 #define LANES 16
-#define BLOCK 8  /* token rows per register block: 2 x 8 accumulators + 3 operands fit 32 vector registers */
 
 static inline v16 load(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+"""  # C source of 16-float vectors and their unaligned loads and stores (needs string.h)
+
+
+DOT_PAIRS_SOURCE = VECTOR_SOURCE + r"""
+#define BLOCK 8  /* token rows per register block: 2 x 8 accumulators + 3 operands fit 32 vector registers */
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
