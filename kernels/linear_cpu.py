@@ -6,7 +6,7 @@ at a fraction of the read bandwidth, worst on CPUs it has no tuned path for (AMD
 the LM head. This kernel streams W's rows once for all the token rows, two output columns at a time against
 eight token rows (the dot products the MoE kernel uses, moe_cpu.py), split over threads of the OpenMP pool torch
 runs on; with tens of rows the same blocks keep each weight row in registers for eight token rows, still ahead of
-BLAS's skinny GEMMs. Calls with more than SMALL_ROWS rows stay with torch (BLAS).
+BLAS's skinny GEMMs. Calls with more than SMALL_ROWS rows are GEMMs oneDNN runs faster (gemm_onednn.py).
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
+from batchgen.kernels import gemm_onednn
 from batchgen.kernels.c_library import DOT_PAIRS_SOURCE, CFunction
 
-# rows up to which this kernel beats BLAS (2 threads of the dev box: 512 x 512 1.6x at 32 rows, 1.13x at 96, 1.07x at
-# 128; the LM head 4096 x 512 1.43x / 1.16x / 1.09x)
-SMALL_ROWS = 96
+# rows up to which this kernel beats oneDNN's GEMM (2 threads of the dev box, weights warm in cache: 512 x 512 52
+# against 80 us at 16 rows, level at 32; 4096 x 512 330 / 465 us at 16, 555 / 428 at 24; cold weights favour oneDNN
+# earlier: bench-moe's BCT 7.7-7.9 s at 16 against 8.3-8.5 s at 8 rows in an in-process A/B)
+SMALL_ROWS = 16
 THREAD_BYTES = 128 << 10  # weight bytes worth a thread of their own: below, waking a second costs more than it saves
 MIN_WEIGHT_BYTES = 64 << 10  # below, the weight sits in cache and BLAS's shorter call wins (a router: 32 KiB)
 
@@ -91,8 +93,12 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     rows = x if x.dim() == 2 else x.reshape(-1, dim)
     count = rows.shape[0]
     weight_bytes = out_features * dim * 4
-    if count > SMALL_ROWS or count == 0 or weight_bytes < MIN_WEIGHT_BYTES or not _float32_cpu(weight, bias):
+    if count == 0 or not _float32_cpu(weight, bias):
         return F.linear(x, weight, bias)  # (a weight of another dtype or device: F.linear names the mismatch)
+    if count > SMALL_ROWS:
+        return gemm_onednn.linear(x, weight, bias)
+    if weight_bytes < MIN_WEIGHT_BYTES:
+        return F.linear(x, weight, bias)
     if not rows.is_contiguous():
         rows = rows.contiguous()
     if weight.stride(1) != 1:

@@ -10,8 +10,8 @@ projection and adds it, weighted, into the token's output row (threads own disjo
 write the same element and the order of the sum is fixed). The dot products run eight token rows at a time
 against two weight rows (gate and up; two output columns), the sixteen sums in vector registers, so each
 weight element is loaded once for the eight; the next weight rows are prefetched meanwhile. Experts with more
-rows than SMALL_ROWS are GEMMs BLAS runs faster and go through the torch path's calls (moe_torch.py). A call of
-at most FEW_TOKENS tokens (a decode step's tail) leaves the grouping of its rows by expert to the kernel as well.
+rows than SMALL_ROWS are GEMMs oneDNN runs faster (gemm_onednn.py), a pair of calls per expert (moe_torch.py). A call
+of at most FEW_TOKENS tokens (a decode step's tail) leaves the grouping of its rows by expert to the kernel as well.
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ import ctypes
 
 import torch
 
+from batchgen.kernels import gemm_onednn
 from batchgen.kernels.c_library import DOT_PAIRS_SOURCE, EXP_NEG_SOURCE, CFunction
 from batchgen.kernels.moe_torch import accumulate_experts, route_rows
 
-# rows per expert up to which this kernel beats BLAS (a 512 x 1024 expert on 2 threads of the dev box, balanced
-# routing: 154 against 114 GFLOP/s at 32 rows, 160 against 145 at 64, level at 96)
-SMALL_ROWS = 64
-FEW_TOKENS = 24  # tokens of a call up to which the kernel groups them by expert too (torch's sort wins above)
+# rows per expert up to which this kernel beats oneDNN's GEMMs (a layer of 16 512 x 1024 experts, cold, 2 threads of
+# the dev box, random top-2 routing: at 16 rows per expert on average 5.9 ms all in the kernel, 6.9 all in oneDNN; at
+# 24, 7.3 ms with the experts above 16 rows left to oneDNN, 10.0 all in the kernel, 9.2 all in oneDNN)
+SMALL_ROWS = 16
+FEW_TOKENS = 16  # tokens of a call up to which the kernel groups them by expert too (torch's sort wins above)
 
 _SOURCE = r"""
 #include <math.h>
@@ -206,7 +208,7 @@ def fused_moe_cpu(
                 w_gate_up.data_ptr(), w_down.data_ptr(), strides.data_ptr(), h.data_ptr(), token_rows.data_ptr(),
                 weights.data_ptr(), out.data_ptr(), dim, inter, torch.get_num_threads())
     accumulate_experts(out, rows, [e for e, count in enumerate(rows.counts) if count > SMALL_ROWS], w_gate_up,
-                       w_down)
+                       w_down, gemm_onednn.linear)
     return out.to(x.dtype)
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels import linear_cpu, ops, registry
+from batchgen.kernels import gemm_onednn, linear_cpu, ops, registry
 
 
 @pytest.fixture
@@ -54,16 +54,54 @@ def test_c_kernel_reads_a_column_slice_of_a_weight_in_place(kernel_calls):
     assert kernel_calls == [6]
 
 
-def test_many_rows_and_small_weights_stay_with_blas(kernel_calls):
+@pytest.fixture
+def onednn_calls(monkeypatch):
+    """Row counts of the calls that reached oneDNN's GEMM."""
+    if gemm_onednn.unavailable():
+        pytest.skip(gemm_onednn.unavailable())
+    calls = []
+    gemm = gemm_onednn._onednn_linear
+    monkeypatch.setattr(gemm_onednn, "_onednn_linear", lambda x, *args: calls.append(x.shape[0]) or gemm(x, *args))
+    return calls
+
+
+def test_many_rows_go_to_onednn_and_small_weights_stay_with_blas(kernel_calls, onednn_calls):
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(256, 256, generator=g)
     many = torch.randn(linear_cpu.SMALL_ROWS + 1, 256, generator=g)
-    torch.testing.assert_close(linear_cpu.linear_cpu(many, weight), F.linear(many, weight))
+    torch.testing.assert_close(linear_cpu.linear_cpu(many, weight).double(), reference(many, weight, None),
+                               rtol=1e-5, atol=1e-4)
     router = torch.randn(16, 512, generator=g)  # 32 KiB: cache-resident, BLAS's call is shorter
     x = torch.randn(2, 512, generator=g)
     torch.testing.assert_close(linear_cpu.linear_cpu(x, router), F.linear(x, router))
     assert linear_cpu.linear_cpu(torch.empty(0, 256), weight).shape == (0, 256)
-    assert kernel_calls == []
+    assert kernel_calls == [] and onednn_calls == [linear_cpu.SMALL_ROWS + 1]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_onednn_gemm_matches_float64_on_strided_operands_with_rows_independent_of_the_call(threads, onednn_calls):
+    """A column slice of a weight (a tensor-parallel o_proj), a strided x, a bias; every row of a part of the batch
+    equals the same row of the whole batch bit for bit (outputs may not depend on batch composition)."""
+    g = torch.Generator().manual_seed(threads)
+    whole, bias = torch.randn(301, 266, generator=g), torch.randn(301, generator=g)
+    weight, x = whole[:, 133:], torch.randn(97, 266, generator=g)[:, ::2]
+    out = on_threads(threads, gemm_onednn.linear, x, weight, bias)
+    torch.testing.assert_close(out.double(), reference(x, weight, bias), rtol=1e-5, atol=1e-4)
+    for rows in (17, 40, 96):
+        assert torch.equal(on_threads(threads, gemm_onednn.linear, x[:rows], weight, bias), out[:rows])
+    assert onednn_calls == [97, 17, 40, 96]
+
+
+def test_onednn_gemm_falls_back_to_torch_where_torch_has_no_onednn(monkeypatch):
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    gemm_onednn.unavailable.cache_clear()
+    try:
+        assert gemm_onednn.unavailable() == "this torch is built without oneDNN (mkldnn)"
+        monkeypatch.setattr(gemm_onednn, "_onednn_linear", lambda *args: pytest.fail("oneDNN called"))
+        x, weight = torch.randn(20, 8), torch.randn(4, 8)
+        assert torch.equal(gemm_onednn.linear(x, weight), F.linear(x, weight))
+    finally:
+        gemm_onednn.unavailable.cache_clear()  # the next caller checks this torch again
 
 
 def test_a_weight_of_another_dtype_is_refused_by_torch_not_read_by_the_kernel(kernel_calls):
@@ -85,9 +123,9 @@ def test_ops_linear_checks_shapes_and_picks_the_c_kernel_on_cpu():
     assert registry.resolve("linear", "cpu", torch.float16)[0] == "torch"  # C kernel: fp32 only
 
 
-def test_engine_projections_run_on_the_kernel_with_transformers_greedy_tokens(tmp_path, kernel_calls):
+def test_engine_projections_run_on_the_kernel_with_transformers_greedy_tokens(tmp_path, kernel_calls, onednn_calls):
     """A Mixtral wide enough that its projections take the C kernel (hidden 256: 256 KiB q_proj) decodes transformers'
-    own greedy tokens, and its decode steps really called the kernel."""
+    own greedy tokens; its decode steps really called the kernel and its prefill (29 rows) oneDNN."""
     from tiny_models import hf_greedy_batch, prompts, save_tiny_checkpoint
 
     from batchgen.connectors.checkpoint import load_model
@@ -102,3 +140,4 @@ def test_engine_projections_run_on_the_kernel_with_transformers_greedy_tokens(tm
     results = Engine(loaded, kv_budget_bytes=8 << 20).generate(requests)
     assert [r.outputs[0].token_ids for r in results] == expected
     assert 3 in kernel_calls  # decode steps of the three sequences
+    assert 29 in onednn_calls  # the prefill's projections

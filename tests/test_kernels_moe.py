@@ -56,14 +56,19 @@ def test_grouped_torch_skips_remote_experts():
 
 
 def cpu_c_moe(monkeypatch, threads: int, *args):
-    """fused_moe_cpu(*args) on `threads` threads, and the experts its torch (BLAS) path computed: the others can
-    only have come from the C kernel."""
-    from batchgen.kernels import moe_cpu
+    """fused_moe_cpu(*args) on `threads` threads, and the experts its GEMM path (oneDNN, one call pair per expert)
+    computed: the others can only have come from the C kernel."""
+    from batchgen.kernels import gemm_onednn, moe_cpu
 
     by_blas = []
     accumulate = moe_cpu.accumulate_experts
-    monkeypatch.setattr(moe_cpu, "accumulate_experts",
-                        lambda out, rows, experts, *w: by_blas.extend(experts) or accumulate(out, rows, experts, *w))
+
+    def recorded(out, rows, experts, w_gate_up, w_down, linear):
+        assert linear is gemm_onednn.linear
+        by_blas.extend(experts)
+        accumulate(out, rows, experts, w_gate_up, w_down, linear)
+
+    monkeypatch.setattr(moe_cpu, "accumulate_experts", recorded)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -75,7 +80,7 @@ def cpu_c_moe(monkeypatch, threads: int, *args):
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("tokens,top_k", [(1, 1), (7, 2), (33, 4), (90, 2)])
 def test_cpu_c_matches_naive(tokens, top_k, threads, monkeypatch):
-    """Expert 5 is picked by (nearly) every token, so by many rows in the larger cases (BLAS), expert 6 by
+    """Expert 5 is picked by (nearly) every token, so by many rows in the larger cases (oneDNN), expert 6 by
     three (the C kernel); some pairs belong to experts of another rank."""
     from batchgen.kernels import moe_cpu
 
