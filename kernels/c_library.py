@@ -127,23 +127,29 @@ def cache_dir() -> Path:
     return Path(os.environ.get("BATCHGEN_CACHE", Path.home() / ".cache" / "batchgen")) / "kernels"
 
 
+def compiler() -> str | None:
+    """The C compiler kernels are built with ($CC, else cc or gcc on PATH), or None."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def build(name: str, source: str) -> ctypes.CDLL | str:
     """The library compiled from `source`, or why it cannot be had (no compiler, a failed build). Keyed by
     source, compiler, flags and machine, so a changed kernel or another CPU builds anew."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    compiler_path = compiler()
+    if compiler_path is None:
         return "no C compiler (cc/gcc) on PATH"
-    key = hashlib.sha256("\n".join([source, compiler, *FLAGS, platform.node(), platform.machine()]).encode())
+    key = hashlib.sha256("\n".join([source, compiler_path, *FLAGS, platform.node(), platform.machine()]).encode())
     target = cache_dir() / f"{name}_{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             src, built = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
             src.write_text(source)
-            proc = subprocess.run([compiler, *FLAGS, str(src), "-o", str(built), "-lm"], capture_output=True,
+            proc = subprocess.run([compiler_path, *FLAGS, str(src), "-o", str(built), "-lm"], capture_output=True,
                                   text=True)
             if proc.returncode != 0:
-                return f"building the CPU kernel {name} failed: {proc.stderr.strip()[-500:]}"
+                errors = [line for line in proc.stderr.splitlines() if "error" in line]
+                return f"building the CPU kernel {name} failed: {' | '.join(errors[:3]) or proc.stderr[-500:]}"
             os.replace(built, target)  # atomic: concurrent builders (engine actors) never see half a file
     return ctypes.CDLL(str(target))
 

@@ -4,14 +4,19 @@ An expert that gets a handful of rows is a GEMV: its time is the read of its wei
 projection per expert reads them on one core and pays a call's overhead each (in decode tail steps, at 1-8
 rows per expert, 3.5-8x the read of the weights). This kernel reads the weights of all such experts in one
 call, split evenly over `torch.get_num_threads()` threads of the OpenMP pool torch runs its own ops on (no
-threads started per call, none left spinning against torch's): first every (expert, intermediate column) pair
-computes silu(gate) * up for the expert's rows, then every pair of output columns sums the down
+threads started per call, none left spinning against torch's): first every (expert, eight intermediate columns)
+item computes silu(gate) * up for the expert's rows, then every item of sixteen output columns sums the down
 projection and adds it, weighted, into the token's output row (threads own disjoint output columns, so no two
-write the same element and the order of the sum is fixed). The dot products run eight token rows at a time
-against two weight rows (gate and up; two output columns), the sixteen sums in vector registers, so each
-weight element is loaded once for the eight; the next weight rows are prefetched meanwhile. Experts with more
-rows than SMALL_ROWS are GEMMs oneDNN runs faster (gemm_onednn.py), a pair of calls per expert (moe_torch.py). A call
-of at most FEW_TOKENS tokens (a decode step's tail) leaves the grouping of its rows by expert to the kernel as well.
+write the same element and the order of the sum is fixed). An expert of at most DOT_ROWS rows takes the dot-product
+path: eight token rows at a time against two weight rows (gate and up; two output columns), the sixteen sums in
+vector registers, so each weight element is loaded once for the eight; the next weight rows are prefetched meanwhile.
+An expert of more rows takes the blocked path: its rows transposed, LANES to a vector (a lane per row), each weight
+element broadcast against the vector (eight gate and eight up rows at once, no horizontal sums), so each is loaded
+once per LANES rows at 2 FMAs a cycle; on the dev box's 2 threads a 16-expert 512 x 1024 layer at 8 / 16 / 24 rows
+per expert on average (random top-2 routing) took 3.5 / 5.8 / 7.3 ms this way against 4.0 / 7.1 / 8.9 ms with the
+dot path up to 16 rows and oneDNN above. Experts with more rows than SMALL_ROWS are GEMMs oneDNN runs faster
+(gemm_onednn.py), a pair of calls per expert (moe_torch.py). A call of at most FEW_TOKENS tokens (a decode step's
+tail) leaves the grouping of its rows by expert to the kernel as well (all of them on the dot-product path).
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ from batchgen.kernels.c_library import DOT_PAIRS_SOURCE, EXP_NEG_SOURCE, CFuncti
 from batchgen.kernels.moe_torch import accumulate_experts, route_rows
 
 # rows per expert up to which this kernel beats oneDNN's GEMMs (a layer of 16 512 x 1024 experts, cold, 2 threads of
-# the dev box, random top-2 routing: at 16 rows per expert on average 5.9 ms all in the kernel, 6.9 all in oneDNN; at
-# 24, 7.3 ms with the experts above 16 rows left to oneDNN, 10.0 all in the kernel, 9.2 all in oneDNN)
-SMALL_ROWS = 16
+# the dev box, random top-2 routing: at 48 rows per expert on average 11.0 ms with the blocked path up to 64 rows
+# against 14.6 ms with oneDNN above 16)
+SMALL_ROWS = 64
+DOT_ROWS = 8  # rows per expert up to which the dot-product path runs (above, the blocked path: 16 rows per vector)
+LANES = 16  # rows per vector of the blocked path
 FEW_TOKENS = 16  # tokens of a call up to which the kernel groups them by expert too (torch's sort wins above)
 
 _SOURCE = r"""
@@ -37,13 +44,18 @@ _SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
+#define COLUMN_BLOCK 8  /* intermediate columns of a gate/up item: 8 gate + 8 up sums in registers */
+#define OUTPUT_BLOCK 16 /* output columns of a down item: 16 sums in registers, one cache line of an output row */
+
 typedef struct {
     const float *x;            /* [R, D] rows sorted by expert */
-    const int64_t *spans;      /* [A, 3] each of the A experts' first row, end row, first row of h */
+    const int64_t *spans;      /* [A, 4] each of the A experts' first row, end row, offset of its h, offset of its
+                                  xt (-1: the expert takes the dot-product path) */
     const int64_t *experts;    /* [A] expert ids */
     const float *wgu, *wd;     /* [E, 2I, D], [E, D, I]; rows dense */
     int64_t gu0, gu1, d0, d1;  /* element strides: expert, row */
-    float *h;                  /* [rows of the A experts, I] silu(gate) * up */
+    float *h;                  /* silu(gate) * up: a dot expert's [rows, I]; a blocked expert's [blocks, I, LANES] */
+    float *xt;                 /* a blocked expert's rows, transposed: [blocks, D, LANES], zero past its last row */
     const int64_t *token;      /* [R] output row of each row */
     const float *weight;       /* [R] routing weight of each row */
     float *out;                /* [T, D] accumulated */
@@ -55,52 +67,193 @@ EXP_NEG
 
 DOT_PAIRS
 
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16 blend(v16i mask, v16 a, v16 b) {
+    v16i ai, bi, r;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    r = (ai & mask) | (bi & ~mask);
+    v16 out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+/* exp_neg lane by lane (the same polynomial; the nearest integer power as the truncation of t - 1/2, t <= 0) */
+static inline v16 exp_neg_v(v16 x) {
+    const v16 zero = {0};
+    x = blend(x < zero - 87.f, zero - 87.f, x);
+    v16 t = x * 1.44269504f;
+    v16i n = __builtin_convertvector(t - 0.5f, v16i);
+    v16 f = t - __builtin_convertvector(n, v16);
+    v16 p = zero + 1.540353e-4f;
+    p = p * f + 1.3333558e-3f; p = p * f + 9.6181291e-3f; p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f; p = p * f + 6.9314718e-1f; p = p * f + 1.f;
+    v16i bits = (n + 127) << 23;
+    v16 scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
 /* silu(g) * u = g * sigmoid(g) * u, sigmoid from e^-|g| (no overflow either side) */
 static inline float silu_mul(float g, float u) {
     float e = exp_neg(g < 0.f ? g : -g);
     return g * (g < 0.f ? e : 1.f) / (1.f + e) * u;
 }
 
-/* items: (expert a, intermediate column i) pairs; the expert's rows BLOCK at a time */
-static void gate_up(const Job *j) {
-    float g[BLOCK], u[BLOCK];
-    for (int64_t item = j->first; item < j->last; item++) {
-        int a = (int)(item / j->I), i = (int)(item % j->I);
-        const float *wg = j->wgu + j->experts[a] * j->gu0 + (int64_t)i * j->gu1;
-        const float *wu = wg + (int64_t)j->I * j->gu1;
-        const int64_t *span = j->spans + 3 * a;
-        float *h = j->h + span[2] * j->I + i;  /* the expert's n-th row's column i is h[n * I] */
-        for (int64_t n = 0, rows = span[1] - span[0]; n < rows; n += BLOCK) {
-            int count = rows - n < BLOCK ? (int)(rows - n) : BLOCK;
-            /* next: this column's rows again for the next block, else the next column's */
-            int last = n + BLOCK >= rows;
-            dot_pairs_n(count, wg, wu, j->x + (span[0] + n) * j->D, j->D, j->D, g, u, last ? wg + j->gu1 : wg,
-                        last ? wu + j->gu1 : wu);
-            for (int r = 0; r < count; r++) h[(n + r) * j->I] = silu_mul(g[r], u[r]);
+static inline v16 silu_mul_v(v16 g, v16 u) {
+    const v16 zero = {0};
+    v16i negative = g < zero;
+    v16 e = exp_neg_v(blend(negative, g, zero - g));
+    return g * blend(negative, e, zero + 1.f) / (1.f + e) * u;
+}
+
+/* The blocked path, for experts of more than a few rows: the rows sit transposed, sixteen to a vector (one lane per
+   row), and every weight element is broadcast against the vector: g[c] += wg[c][k] * xt[k], no horizontal sums, each
+   weight element loaded once per sixteen rows. n (a constant after inlining) weight rows `stride` apart go at once
+   (n gate and n up rows: 2n sums), each prefetched a few cache lines ahead: n streams at a time are more than the
+   hardware's stream prefetch follows. */
+static inline __attribute__((always_inline)) void outer_pairs(int n, const float *restrict wg,
+                                                              const float *restrict wu, int64_t stride,
+                                                              const float *restrict xt, int len, v16 *g, v16 *u) {
+    /* row c at wg + offset[c]: two moving bases and n fixed offsets keep the 2n streams in general registers */
+    int64_t offset[COLUMN_BLOCK];
+    for (int c = 0; c < n; c++) { g[c] = (v16){0}; u[c] = (v16){0}; offset[c] = c * stride; }
+    for (int k0 = 0; k0 < len; k0 += LANES) {
+        for (int c = 0; c < n; c++) {
+            __builtin_prefetch(wg + offset[c] + k0 + 4 * LANES, 0, 0);
+            __builtin_prefetch(wu + offset[c] + k0 + 4 * LANES, 0, 0);
+        }
+        int k1 = k0 + LANES < len ? k0 + LANES : len;
+        for (int k = k0; k < k1; k++) {
+            v16 x = load(xt + (int64_t)k * LANES);
+            const float *pg = wg + k, *pu = wu + k;
+            for (int c = 0; c < n; c++) { g[c] += pg[offset[c]] * x; u[c] += pu[offset[c]] * x; }
         }
     }
 }
 
-/* items: pairs of output columns (the last one alone when D is odd), every expert in order */
-static void down(const Job *j) {
-    float y0[BLOCK], y1[BLOCK];
+/* outer_pairs for n weight rows alone (the down projection): y[c] += w[c][k] * ht[k] */
+static inline __attribute__((always_inline)) void outer_rows(int n, const float *restrict w, int64_t stride,
+                                                             const float *restrict ht, int len, v16 *y) {
+    int64_t offset[8];
+    for (int c = 0; c < n; c++) { y[c] = (v16){0}; offset[c] = c * stride; }
+    for (int k0 = 0; k0 < len; k0 += LANES) {
+        for (int c = 0; c < n; c++) __builtin_prefetch(w + offset[c] + k0 + 4 * LANES, 0, 0);
+        int k1 = k0 + LANES < len ? k0 + LANES : len;
+        for (int k = k0; k < k1; k++) {
+            v16 x = load(ht + (int64_t)k * LANES);
+            const float *p = w + k;
+            for (int c = 0; c < n; c++) y[c] += p[offset[c]] * x;
+        }
+    }
+}
+
+static void outer_pairs_n(int n, const float *wg, const float *wu, int64_t stride, const float *xt, int len, v16 *g,
+                          v16 *u) {
+    if (n == COLUMN_BLOCK) outer_pairs(COLUMN_BLOCK, wg, wu, stride, xt, len, g, u);
+    else for (int c = 0; c < n; c++) outer_pairs(1, wg + c * stride, wu + c * stride, stride, xt, len, g + c, u + c);
+}
+
+/* eight rows at a time: sixteen streams' offsets would not fit the general registers */
+static void outer_rows_n(int n, const float *w, int64_t stride, const float *ht, int len, v16 *y) {
+    int c = 0;
+    for (; c + 8 <= n; c += 8) outer_rows(8, w + c * stride, stride, ht, len, y + c);
+    for (; c < n; c++) outer_rows(1, w + c * stride, stride, ht, len, y + c);
+}
+
+/* items: the experts; a blocked expert's rows transposed into xt, zero past its last row */
+static void transpose(const Job *j) {
+    for (int64_t a = j->first; a < j->last; a++) {
+        const int64_t *span = j->spans + 4 * a;
+        if (span[3] < 0) continue;
+        int64_t rows = span[1] - span[0];
+        for (int64_t b = 0; b * LANES < rows; b++) {
+            float *xt = j->xt + span[3] + b * j->D * LANES;
+            for (int r = 0; r < LANES; r++) {
+                const float *x = j->x + (span[0] + b * LANES + r) * j->D;
+                int valid = b * LANES + r < rows;
+                for (int k = 0; k < j->D; k++) xt[(int64_t)k * LANES + r] = valid ? x[k] : 0.f;
+            }
+        }
+    }
+}
+
+/* items: (expert a, block of COLUMN_BLOCK intermediate columns) pairs */
+static void gate_up(const Job *j) {
+    int64_t per_expert = (j->I + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
     for (int64_t item = j->first; item < j->last; item++) {
-        int64_t d = 2 * item;
-        int both = d + 1 < j->D;
-        for (int a = 0; a < j->A; a++) {
-            const float *w0 = j->wd + j->experts[a] * j->d0 + d * j->d1, *w1 = both ? w0 + j->d1 : w0;
-            const int64_t *span = j->spans + 3 * a;
-            const float *h = j->h + span[2] * j->I;  /* the expert's n-th row is h + n * I */
-            /* next: the next expert's rows of these columns (the first expert's of the next pair at the end) */
-            const float *n0 = a + 1 < j->A ? j->wd + j->experts[a + 1] * j->d0 + d * j->d1
-                                           : j->wd + j->experts[0] * j->d0 + (d + 2) * j->d1;
-            for (int64_t n = 0, rows = span[1] - span[0]; n < rows; n += BLOCK) {
+        int a = (int)(item / per_expert), c0 = (int)(item % per_expert) * COLUMN_BLOCK;
+        int c1 = c0 + COLUMN_BLOCK < j->I ? c0 + COLUMN_BLOCK : j->I;
+        const int64_t *span = j->spans + 4 * a;
+        const float *wg0 = j->wgu + j->experts[a] * j->gu0 + (int64_t)c0 * j->gu1;
+        const float *wu0 = wg0 + (int64_t)j->I * j->gu1;
+        int64_t rows = span[1] - span[0];
+        if (span[3] >= 0) {
+            for (int64_t b = 0; b * LANES < rows; b++) {
+                v16 g[COLUMN_BLOCK], u[COLUMN_BLOCK];
+                outer_pairs_n(c1 - c0, wg0, wu0, j->gu1, j->xt + span[3] + b * j->D * LANES, j->D, g, u);
+                float *ht = j->h + span[2] + (b * j->I + c0) * LANES;
+                for (int c = 0; c < c1 - c0; c++) store(ht + c * LANES, silu_mul_v(g[c], u[c]));
+            }
+            continue;
+        }
+        float g[BLOCK], u[BLOCK];
+        for (int i = c0; i < c1; i++) {
+            const float *wg = wg0 + (int64_t)(i - c0) * j->gu1, *wu = wu0 + (int64_t)(i - c0) * j->gu1;
+            float *h = j->h + span[2] + i;  /* the expert's n-th row's column i is h[n * I] */
+            for (int64_t n = 0; n < rows; n += BLOCK) {
                 int count = rows - n < BLOCK ? (int)(rows - n) : BLOCK;
-                dot_pairs_n(count, w0, w1, h + n * j->I, j->I, j->I, y0, y1, n0, n0 + j->d1);
-                for (int r = 0; r < count; r++) {
-                    float *o = j->out + j->token[span[0] + n + r] * j->D + d, w = j->weight[span[0] + n + r];
-                    o[0] += w * y0[r];
-                    if (both) o[1] += w * y1[r];
+                /* next: this column's rows again for the next block, else the next column's */
+                int last = n + BLOCK >= rows;
+                dot_pairs_n(count, wg, wu, j->x + (span[0] + n) * j->D, j->D, j->D, g, u,
+                            last ? wg + j->gu1 : wg, last ? wu + j->gu1 : wu);
+                for (int r = 0; r < count; r++) h[(n + r) * j->I] = silu_mul(g[r], u[r]);
+            }
+        }
+    }
+}
+
+/* items: blocks of OUTPUT_BLOCK output columns, every expert in order (a token's sum over its experts in a fixed
+   order; threads own disjoint columns, so no two write the same element) */
+static void down(const Job *j) {
+    for (int64_t item = j->first; item < j->last; item++) {
+        int o0 = (int)item * OUTPUT_BLOCK, o1 = o0 + OUTPUT_BLOCK < j->D ? o0 + OUTPUT_BLOCK : j->D;
+        for (int a = 0; a < j->A; a++) {
+            const int64_t *span = j->spans + 4 * a;
+            const float *w = j->wd + j->experts[a] * j->d0 + (int64_t)o0 * j->d1;
+            int64_t rows = span[1] - span[0];
+            if (span[3] >= 0) {
+                for (int64_t b = 0; b * LANES < rows; b++) {
+                    v16 y[OUTPUT_BLOCK];
+                    float lanes[LANES];
+                    outer_rows_n(o1 - o0, w, j->d1, j->h + span[2] + b * j->I * LANES, j->I, y);
+                    int count = rows - b * LANES < LANES ? (int)(rows - b * LANES) : LANES;
+                    for (int c = 0; c < o1 - o0; c++) {
+                        store(lanes, y[c]);
+                        for (int r = 0; r < count; r++) {
+                            int64_t row = span[0] + b * LANES + r;
+                            j->out[j->token[row] * j->D + o0 + c] += j->weight[row] * lanes[r];
+                        }
+                    }
+                }
+                continue;
+            }
+            const float *h = j->h + span[2];  /* the expert's n-th row is h + n * I */
+            float y0[BLOCK], y1[BLOCK];
+            for (int d = o0; d < o1; d += 2) {
+                int both = d + 1 < o1;
+                const float *w0 = w + (int64_t)(d - o0) * j->d1, *w1 = both ? w0 + j->d1 : w0;
+                /* next: these rows' next pair of columns */
+                const float *n0 = w1 + j->d1;
+                for (int64_t n = 0; n < rows; n += BLOCK) {
+                    int count = rows - n < BLOCK ? (int)(rows - n) : BLOCK;
+                    dot_pairs_n(count, w0, w1, h + n * j->I, j->I, j->I, y0, y1, n0, n0 + j->d1);
+                    for (int r = 0; r < count; r++) {
+                        float *o = j->out + j->token[span[0] + n + r] * j->D + d, wt = j->weight[span[0] + n + r];
+                        o[0] += wt * y0[r];
+                        if (both) o[1] += wt * y1[r];
+                    }
                 }
             }
         }
@@ -119,13 +272,18 @@ static void parallel(void (*fn)(const Job *), Job base, int64_t items, int threa
     }
 }
 
+static void run(Job base, int threads) {
+    parallel(transpose, base, base.A, threads);
+    parallel(gate_up, base, (int64_t)base.A * ((base.I + COLUMN_BLOCK - 1) / COLUMN_BLOCK), threads);
+    parallel(down, base, (base.D + OUTPUT_BLOCK - 1) / OUTPUT_BLOCK, threads);
+}
+
 void small_experts_f32(const float *x, const int64_t *spans, const int64_t *experts, int A, const float *wgu,
-                       const float *wd, const int64_t *strides, float *h, const int64_t *token,
+                       const float *wd, const int64_t *strides, float *h, float *xt, const int64_t *token,
                        const float *weight, float *out, int D, int I, int threads) {
-    Job base = {x, spans, experts, wgu, wd, strides[0], strides[1], strides[2], strides[3], h, token, weight,
+    Job base = {x, spans, experts, wgu, wd, strides[0], strides[1], strides[2], strides[3], h, xt, token, weight,
                 out, A, D, I, 0, 0};
-    parallel(gate_up, base, (int64_t)A * I, threads);
-    parallel(down, base, (D + 1) / 2, threads);
+    run(base, threads);
 }
 
 /* A few tokens (every expert then has at most T rows: all within this kernel): their (token, k) pairs grouped by
@@ -141,7 +299,7 @@ void few_tokens_f32(const float *x, int64_t T, int K, const int64_t *ids, const 
         if (ids[p] >= 0 && ids[p] < E) first[ids[p] + 1]++;
     for (int e = 0; e < E; e++) { A += first[e + 1] > 0; first[e + 1] += first[e]; next[e] = first[e]; }
     int64_t rows = first[E], *token = malloc((rows + 1) * sizeof(int64_t));
-    int64_t *spans = malloc((3 * A + 1) * sizeof(int64_t)), *experts = malloc((A + 1) * sizeof(int64_t));
+    int64_t *spans = malloc((4 * A + 1) * sizeof(int64_t)), *experts = malloc((A + 1) * sizeof(int64_t));
     float *xs = malloc((rows * D + 1) * sizeof(float)), *weight = malloc((rows + 1) * sizeof(float));
     for (int64_t p = 0; p < pairs; p++) {
         if (ids[p] < 0 || ids[p] >= E) continue;
@@ -152,14 +310,15 @@ void few_tokens_f32(const float *x, int64_t T, int K, const int64_t *ids, const 
     }
     for (int e = 0, a = 0; e < E; e++)
         if (first[e + 1] > first[e]) {
-            spans[3 * a] = spans[3 * a + 2] = first[e];
-            spans[3 * a + 1] = first[e + 1];
+            spans[4 * a] = first[e];
+            spans[4 * a + 1] = first[e + 1];
+            spans[4 * a + 2] = first[e] * I;
+            spans[4 * a + 3] = -1;  /* a few rows: the dot-product path */
             experts[a++] = e;
         }
     if (A) {
-        Job base = {xs, spans, experts, wgu, wd, gu0, gu1, d0, d1, h, token, weight, out, A, D, I, 0, 0};
-        parallel(gate_up, base, (int64_t)A * I, threads);
-        parallel(down, base, (D + 1) / 2, threads);
+        Job base = {xs, spans, experts, wgu, wd, gu0, gu1, d0, d1, h, NULL, token, weight, out, A, D, I, 0, 0};
+        run(base, threads);
     }
     free(first); free(next); free(token); free(spans); free(experts); free(xs); free(weight);
 }
@@ -167,7 +326,7 @@ void few_tokens_f32(const float *x, int64_t T, int K, const int64_t *ids, const 
 
 
 _KERNEL = CFunction("small_experts", _SOURCE, "small_experts_f32",
-                    (*[ctypes.c_void_p] * 3, ctypes.c_int, *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 3))
+                    (*[ctypes.c_void_p] * 3, ctypes.c_int, *[ctypes.c_void_p] * 8, *[ctypes.c_int] * 3))
 _FEW_TOKENS = CFunction("small_experts", _SOURCE, "few_tokens_f32",
                         (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, *[ctypes.c_void_p] * 2, ctypes.c_int,
                          *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 4, *[ctypes.c_void_p] * 2, *[ctypes.c_int] * 3))
@@ -176,6 +335,23 @@ _FEW_TOKENS = CFunction("small_experts", _SOURCE, "few_tokens_f32",
 def unavailable() -> str | None:
     """Why this backend cannot run here, or None (compiles the kernel on first call)."""
     return _KERNEL.unavailable()
+
+
+def expert_spans(starts: list[int], experts: list[int], inter: int, dim: int) -> tuple[list[tuple], int, int]:
+    """Per expert (rows `starts[e]` to `starts[e + 1]`): (first row, end row, offset of its h, offset of its
+    transposed rows or -1), and the floats of h and of the transposed rows. A dot-product expert's h is its rows'
+    [rows, inter]; a blocked one's is [blocks, inter, LANES] and its rows go transposed, LANES to a block."""
+    spans, h_size, xt_size = [], 0, 0
+    for e in experts:
+        count = starts[e + 1] - starts[e]
+        if count > DOT_ROWS:
+            padded = -(-count // LANES) * LANES
+            spans.append((starts[e], starts[e + 1], h_size, xt_size))
+            h_size, xt_size = h_size + padded * inter, xt_size + padded * dim
+        else:
+            spans.append((starts[e], starts[e + 1], h_size, -1))
+            h_size += count * inter
+    return spans, h_size, xt_size
 
 
 def fused_moe_cpu(
@@ -195,18 +371,15 @@ def fused_moe_cpu(
     out = torch.zeros(x.shape, dtype=torch.float32)
     small = [e for e, count in enumerate(rows.counts) if 0 < count <= SMALL_ROWS]
     if small:
-        spans, total = [], 0
-        for e in small:  # rows of h are the small experts' rows, packed
-            spans.append((rows.starts[e], rows.starts[e + 1], total))
-            total += rows.counts[e]
+        spans, h_size, xt_size = expert_spans(rows.starts, small, inter, dim)
         spans_t, experts = torch.tensor(spans, dtype=torch.int64), torch.tensor(small, dtype=torch.int64)
         strides = torch.tensor([w_gate_up.stride(0), w_gate_up.stride(1), w_down.stride(0), w_down.stride(1)],
                                dtype=torch.int64)
-        h = torch.empty(total, inter, dtype=torch.float32)
+        h, xt = torch.empty(h_size, dtype=torch.float32), torch.empty(max(xt_size, 1), dtype=torch.float32)
         xs, token_rows, weights = (t.contiguous() for t in (rows.xs, rows.token_rows, rows.weights))
         _KERNEL(xs.data_ptr(), spans_t.data_ptr(), experts.data_ptr(), len(small),
-                w_gate_up.data_ptr(), w_down.data_ptr(), strides.data_ptr(), h.data_ptr(), token_rows.data_ptr(),
-                weights.data_ptr(), out.data_ptr(), dim, inter, torch.get_num_threads())
+                w_gate_up.data_ptr(), w_down.data_ptr(), strides.data_ptr(), h.data_ptr(), xt.data_ptr(),
+                token_rows.data_ptr(), weights.data_ptr(), out.data_ptr(), dim, inter, torch.get_num_threads())
     accumulate_experts(out, rows, [e for e, count in enumerate(rows.counts) if count > SMALL_ROWS], w_gate_up,
                        w_down, gemm_onednn.linear)
     return out.to(x.dtype)

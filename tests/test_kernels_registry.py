@@ -108,3 +108,13 @@ def test_use_backend_restores_previous():
     with registry.use_backend("fused_moe", "triton"):
         assert registry._state.forced["fused_moe"] == "triton"
     assert registry._state.forced["fused_moe"] == "torch"
+
+
+def test_every_c_kernel_builds_where_a_compiler_is_present():
+    """At run time a kernel that fails to build leaves its op to torch, and its tests skip as on a machine without a
+    compiler: with a compiler present, that would hide a broken kernel."""
+    from batchgen.kernels import attention_cpu, c_library, linear_cpu, moe_cpu
+
+    if c_library.compiler() is None:
+        pytest.skip("no C compiler")
+    assert [module.unavailable() for module in (attention_cpu, linear_cpu, moe_cpu)] == [None, None, None]
