@@ -248,3 +248,28 @@ def test_batchgen_plan_prints_the_plan_and_the_split(loaded, tmp_path, capsys):
     assert out["stage_split"]["prefill_actors"] + out["stage_split"]["decode_actors"] == 3
     assert main(["plan", "--model", model_dir, "--curves", str(tmp_path / "missing.json")]) == 2
     assert "not a cost-curve file" in capsys.readouterr().err
+
+
+def test_a_changed_kernel_source_changes_the_profile_key(tmp_path, monkeypatch):
+    """Cost curves are cached by profile key: measured with other kernels they would price steps wrongly."""
+    import pathlib
+    import shutil
+    import types
+
+    from batchgen import kernels
+    from batchgen.engine.planner import profiler
+
+    save_tiny_checkpoint("mixtral", tmp_path / "model")
+    loaded = load_model(str(tmp_path / "model"))
+    copy = tmp_path / "kernels"
+    shutil.copytree(pathlib.Path(kernels.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(profiler, "kernels", types.SimpleNamespace(__file__=str(copy / "__init__.py")))
+    profiler.kernels_digest.cache_clear()
+    try:
+        before = profiler.profile_key(loaded)
+        source = copy / "moe_cpu.py"
+        source.write_text(source.read_text().replace("SMALL_ROWS = ", "SMALL_ROWS = 1 + "))
+        profiler.kernels_digest.cache_clear()
+        assert profiler.profile_key(loaded) != before
+    finally:
+        profiler.kernels_digest.cache_clear()  # the next caller digests the real package

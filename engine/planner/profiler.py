@@ -10,16 +10,19 @@ engine's host work per step (scheduling, batch building, sampling) is measured o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from batchgen import kernels
 from batchgen.engine.attention_context import DecodeContext, PrefillContext
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_budget import available_memory_bytes, plan_kv_budget
@@ -50,7 +53,7 @@ HOST_REPEATS = 2
 
 def profile_key(loaded: LoadedModel) -> str:
     """What the measurements depend on: device (and threads on a CPU), model shape, dtype, weight placement,
-    versions."""
+    versions, and the kernels' own sources (a changed kernel costs differently: its curves are measured anew)."""
     device = loaded.device
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
@@ -59,12 +62,21 @@ def profile_key(loaded: LoadedModel) -> str:
     config = loaded.config.to_dict() if hasattr(loaded.config, "to_dict") else dict(loaded.config)
     shape = {k: v for k, v in sorted(config.items()) if isinstance(v, (int, str, bool, list, tuple))
              and not k.endswith(IGNORED_SUFFIXES) and k not in ("_name_or_path", "transformers_version", "dtype")}
-    text = json.dumps([where, shape, str(loaded.dtype), loaded.weight_placement, torch.__version__, PROFILE_VERSION],
-                      sort_keys=True)
+    text = json.dumps([where, shape, str(loaded.dtype), loaded.weight_placement, torch.__version__, PROFILE_VERSION,
+                       kernels_digest()], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 PROFILE_VERSION = 9  # bump when what is measured changes
+
+
+@functools.cache
+def kernels_digest() -> str:
+    """A digest of the kernel package's sources (the C kernels' included)."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(kernels.__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 # config entries that do not change what a layer costs (token ids, names, init and rope details)
 IGNORED_SUFFIXES = ("token_id", "_token_ids", "_range", "_eps", "_theta", "architectures", "torch_dtype",
                     "rope_scaling", "rope_parameters", "id2label", "label2id")
