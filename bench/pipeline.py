@@ -9,7 +9,8 @@ per prompt by max_tokens with ignore_eos, greedy, seed 0. The prompts are writte
 (`prompt_token_ids` plus a per-row `sampling_params` struct) that both pipeline shapes read:
 
   engine          Engine.generate in this process (model loaded and warmed up before the clock starts);
-  single          pipelines.run_job(mode="single"): read -> map_batches(BatchGen) -> write;
+  single          pipelines.run_job(mode="single"): read -> map_batches(BatchGen) -> write, its driver's
+                  threads at `batchgen run`'s niceness (pipelines/driver_priority.py);
   disaggregated   pipelines.run_job(mode="disaggregated"): read -> tokenize -> prefill -> (KV in
                   the blocks, Ray object store) -> decode -> write.
 
@@ -67,6 +68,7 @@ from batchgen.connectors.checkpoint import load_model
 from batchgen.connectors.presets import build_preset
 from batchgen.engine.planner.planner import curves_for
 from batchgen.operators.engine_actor import engine_threads
+from batchgen.pipelines.driver_priority import driver_yields_cpu
 from batchgen.pipelines.pipeline import JobConfig, engine_actor_cpus, run_job
 from batchgen.pipelines.ray_runtime import init_ray
 
@@ -114,7 +116,8 @@ def run_pipeline(mode: str, model_dir: str, input_path: Path, output: Path, engi
                        engine=engine, batch_size=batch_size)
     with ProcessAccount(SHAPES[mode]) as cpu:
         started_at, start = time.time(), time.perf_counter()
-        summary = run_job(config)
+        with driver_yields_cpu():  # as `batchgen run` runs a job
+            summary = run_job(config)
         bct = time.perf_counter() - start
     table = pq.read_table(output, columns=["row_index", "generated_token_ids", "error"]).sort_by("row_index")
     if table.column("row_index").to_pylist() != list(range(table.num_rows)):

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 from batchgen.operators.work_balancer import BalancerStats
 from batchgen.pipelines.cli_args import json_object, parse_json_object
+from batchgen.pipelines.driver_priority import driver_yields_cpu
 from batchgen.pipelines.openai_batch.serve_cli import add_serve_parser, run_serve
 from batchgen.pipelines.pipeline import JobConfig, JobError, JobSummary, execute_job, plan_job
 from batchgen.pipelines.plan_cli import add_plan_parser, run_plan
@@ -202,7 +203,8 @@ def _execute(config: JobConfig, args: argparse.Namespace, terminal: TextIO) -> J
     logging.getLogger("ray.data").setLevel(logging.INFO if args.verbose else logging.ERROR)
     bar = None if args.no_progress else _ProgressBar(terminal)
     try:
-        return execute_job(plan, on_progress=bar)
+        with driver_yields_cpu():  # on the engines' cores, the driver's work would stall their thread teams
+            return execute_job(plan, on_progress=bar)
     finally:
         if bar is not None:
             bar.close()
