@@ -12,9 +12,12 @@ path: eight token rows at a time against two weight rows (gate and up; two outpu
 vector registers, so each weight element is loaded once for the eight; the next weight rows are prefetched meanwhile.
 An expert of more rows takes the blocked path: its rows transposed, LANES to a vector (a lane per row), each weight
 element broadcast against the vector (eight gate and eight up rows at once, no horizontal sums), so each is loaded
-once per LANES rows at 2 FMAs a cycle; on the dev box's 2 threads a 16-expert 512 x 1024 layer at 8 / 16 / 24 rows
-per expert on average (random top-2 routing) took 3.5 / 5.8 / 7.3 ms this way against 4.0 / 7.1 / 8.9 ms with the
-dot path up to 16 rows and oneDNN above. Experts with more rows than SMALL_ROWS are GEMMs oneDNN runs faster
+once per LANES rows at 2 FMAs a cycle; a last partial block of at most DOT_ROWS rows goes to the dot-product path
+instead of a padded block (in the same item, while its weight rows are in cache). On the dev box's 2 threads a
+16-expert 512 x 1024 layer at 8 / 16 / 20 / 24 rows per expert on average (random top-2 routing) took 3.2-3.6 /
+5.5-5.6 / 5.2-6.2 / 5.8-6.9 ms this way, 3.4-4.5 / 6.6-7.8 / 7.8-9.4 / 9.0-10.0 ms with every partial block padded,
+and 4.0 / 7.1 / - / 8.9 ms with the dot path up to 16 rows and oneDNN above.
+Experts with more rows than SMALL_ROWS are GEMMs oneDNN runs faster
 (gemm_onednn.py), a pair of calls per expert (moe_torch.py). A call of at most FEW_TOKENS tokens (a decode step's
 tail) leaves the grouping of its rows by expert to the kernel as well (all of them on the dot-product path).
 """
@@ -46,15 +49,17 @@ _SOURCE = r"""
 
 #define COLUMN_BLOCK 8  /* intermediate columns of a gate/up item: 8 gate + 8 up sums in registers */
 #define OUTPUT_BLOCK 16 /* output columns of a down item: 16 sums in registers, one cache line of an output row */
+#define SPAN 5          /* int64s per expert in spans */
 
 typedef struct {
     const float *x;            /* [R, D] rows sorted by expert */
-    const int64_t *spans;      /* [A, 4] each of the A experts' first row, end row, offset of its h, offset of its
-                                  xt (-1: the expert takes the dot-product path) */
+    const int64_t *spans;      /* [A, SPAN] each of the A experts' first row, end row, offset of its h, offset of
+                                  its xt (-1: none), rows on the blocked path (the first ones; 0: none) */
     const int64_t *experts;    /* [A] expert ids */
     const float *wgu, *wd;     /* [E, 2I, D], [E, D, I]; rows dense */
     int64_t gu0, gu1, d0, d1;  /* element strides: expert, row */
-    float *h;                  /* silu(gate) * up: a dot expert's [rows, I]; a blocked expert's [blocks, I, LANES] */
+    float *h;                  /* silu(gate) * up: [blocks, I, LANES] for the blocked rows, then [rows, I] for the
+                                  dot-product rows */
     float *xt;                 /* a blocked expert's rows, transposed: [blocks, D, LANES], zero past its last row */
     const int64_t *token;      /* [R] output row of each row */
     const float *weight;       /* [R] routing weight of each row */
@@ -162,17 +167,19 @@ static void outer_rows_n(int n, const float *w, int64_t stride, const float *ht,
     for (; c < n; c++) outer_rows(1, w + c * stride, stride, ht, len, y + c);
 }
 
-/* items: the experts; a blocked expert's rows transposed into xt, zero past its last row */
+/* An expert's rows: the first span[4] on the blocked path (in blocks of LANES, the last one zero-padded), the rest
+   (at most DOT_ROWS: a block's worth of padding saved) on the dot-product path; a dot expert has span[4] = 0. */
+static inline int64_t blocks_of(const int64_t *span) { return (span[4] + LANES - 1) / LANES; }
+
+/* items: the experts; a blocked expert's blocked rows transposed into xt, zero past the last of them */
 static void transpose(const Job *j) {
     for (int64_t a = j->first; a < j->last; a++) {
-        const int64_t *span = j->spans + 4 * a;
-        if (span[3] < 0) continue;
-        int64_t rows = span[1] - span[0];
-        for (int64_t b = 0; b * LANES < rows; b++) {
+        const int64_t *span = j->spans + SPAN * a;
+        for (int64_t b = 0; b < blocks_of(span); b++) {
             float *xt = j->xt + span[3] + b * j->D * LANES;
             for (int r = 0; r < LANES; r++) {
                 const float *x = j->x + (span[0] + b * LANES + r) * j->D;
-                int valid = b * LANES + r < rows;
+                int valid = b * LANES + r < span[4];
                 for (int k = 0; k < j->D; k++) xt[(int64_t)k * LANES + r] = valid ? x[k] : 0.f;
             }
         }
@@ -185,30 +192,29 @@ static void gate_up(const Job *j) {
     for (int64_t item = j->first; item < j->last; item++) {
         int a = (int)(item / per_expert), c0 = (int)(item % per_expert) * COLUMN_BLOCK;
         int c1 = c0 + COLUMN_BLOCK < j->I ? c0 + COLUMN_BLOCK : j->I;
-        const int64_t *span = j->spans + 4 * a;
+        const int64_t *span = j->spans + SPAN * a;
         const float *wg0 = j->wgu + j->experts[a] * j->gu0 + (int64_t)c0 * j->gu1;
         const float *wu0 = wg0 + (int64_t)j->I * j->gu1;
-        int64_t rows = span[1] - span[0];
-        if (span[3] >= 0) {
-            for (int64_t b = 0; b * LANES < rows; b++) {
-                v16 g[COLUMN_BLOCK], u[COLUMN_BLOCK];
-                outer_pairs_n(c1 - c0, wg0, wu0, j->gu1, j->xt + span[3] + b * j->D * LANES, j->D, g, u);
-                float *ht = j->h + span[2] + (b * j->I + c0) * LANES;
-                for (int c = 0; c < c1 - c0; c++) store(ht + c * LANES, silu_mul_v(g[c], u[c]));
-            }
-            continue;
+        int64_t blocks = blocks_of(span);
+        for (int64_t b = 0; b < blocks; b++) {
+            v16 g[COLUMN_BLOCK], u[COLUMN_BLOCK];
+            outer_pairs_n(c1 - c0, wg0, wu0, j->gu1, j->xt + span[3] + b * j->D * LANES, j->D, g, u);
+            float *ht = j->h + span[2] + (b * j->I + c0) * LANES;
+            for (int c = 0; c < c1 - c0; c++) store(ht + c * LANES, silu_mul_v(g[c], u[c]));
         }
+        /* the dot-product rows, while these columns' weight rows are still in cache */
+        int64_t first = span[0] + span[4], rows = span[1] - first;
+        float *h0 = j->h + span[2] + blocks * j->I * LANES;  /* their n-th row's column i is h0[n * I + i] */
         float g[BLOCK], u[BLOCK];
-        for (int i = c0; i < c1; i++) {
+        for (int i = c0; i < c1 && rows > 0; i++) {
             const float *wg = wg0 + (int64_t)(i - c0) * j->gu1, *wu = wu0 + (int64_t)(i - c0) * j->gu1;
-            float *h = j->h + span[2] + i;  /* the expert's n-th row's column i is h[n * I] */
             for (int64_t n = 0; n < rows; n += BLOCK) {
                 int count = rows - n < BLOCK ? (int)(rows - n) : BLOCK;
                 /* next: this column's rows again for the next block, else the next column's */
                 int last = n + BLOCK >= rows;
-                dot_pairs_n(count, wg, wu, j->x + (span[0] + n) * j->D, j->D, j->D, g, u,
+                dot_pairs_n(count, wg, wu, j->x + (first + n) * j->D, j->D, j->D, g, u,
                             last ? wg + j->gu1 : wg, last ? wu + j->gu1 : wu);
-                for (int r = 0; r < count; r++) h[(n + r) * j->I] = silu_mul(g[r], u[r]);
+                for (int r = 0; r < count; r++) h0[(n + r) * j->I + i] = silu_mul(g[r], u[r]);
             }
         }
     }
@@ -220,28 +226,26 @@ static void down(const Job *j) {
     for (int64_t item = j->first; item < j->last; item++) {
         int o0 = (int)item * OUTPUT_BLOCK, o1 = o0 + OUTPUT_BLOCK < j->D ? o0 + OUTPUT_BLOCK : j->D;
         for (int a = 0; a < j->A; a++) {
-            const int64_t *span = j->spans + 4 * a;
+            const int64_t *span = j->spans + SPAN * a;
             const float *w = j->wd + j->experts[a] * j->d0 + (int64_t)o0 * j->d1;
-            int64_t rows = span[1] - span[0];
-            if (span[3] >= 0) {
-                for (int64_t b = 0; b * LANES < rows; b++) {
-                    v16 y[OUTPUT_BLOCK];
-                    float lanes[LANES];
-                    outer_rows_n(o1 - o0, w, j->d1, j->h + span[2] + b * j->I * LANES, j->I, y);
-                    int count = rows - b * LANES < LANES ? (int)(rows - b * LANES) : LANES;
-                    for (int c = 0; c < o1 - o0; c++) {
-                        store(lanes, y[c]);
-                        for (int r = 0; r < count; r++) {
-                            int64_t row = span[0] + b * LANES + r;
-                            j->out[j->token[row] * j->D + o0 + c] += j->weight[row] * lanes[r];
-                        }
+            int64_t blocks = blocks_of(span);
+            for (int64_t b = 0; b < blocks; b++) {
+                v16 y[OUTPUT_BLOCK];
+                float lanes[LANES];
+                outer_rows_n(o1 - o0, w, j->d1, j->h + span[2] + b * j->I * LANES, j->I, y);
+                int count = span[4] - b * LANES < LANES ? (int)(span[4] - b * LANES) : LANES;
+                for (int c = 0; c < o1 - o0; c++) {
+                    store(lanes, y[c]);
+                    for (int r = 0; r < count; r++) {
+                        int64_t row = span[0] + b * LANES + r;
+                        j->out[j->token[row] * j->D + o0 + c] += j->weight[row] * lanes[r];
                     }
                 }
-                continue;
             }
-            const float *h = j->h + span[2];  /* the expert's n-th row is h + n * I */
+            int64_t first = span[0] + span[4], rows = span[1] - first;
+            const float *h = j->h + span[2] + blocks * j->I * LANES;  /* the n-th dot row is h + n * I */
             float y0[BLOCK], y1[BLOCK];
-            for (int d = o0; d < o1; d += 2) {
+            for (int d = o0; d < o1 && rows > 0; d += 2) {
                 int both = d + 1 < o1;
                 const float *w0 = w + (int64_t)(d - o0) * j->d1, *w1 = both ? w0 + j->d1 : w0;
                 /* next: these rows' next pair of columns */
@@ -250,7 +254,7 @@ static void down(const Job *j) {
                     int count = rows - n < BLOCK ? (int)(rows - n) : BLOCK;
                     dot_pairs_n(count, w0, w1, h + n * j->I, j->I, j->I, y0, y1, n0, n0 + j->d1);
                     for (int r = 0; r < count; r++) {
-                        float *o = j->out + j->token[span[0] + n + r] * j->D + d, wt = j->weight[span[0] + n + r];
+                        float *o = j->out + j->token[first + n + r] * j->D + d, wt = j->weight[first + n + r];
                         o[0] += wt * y0[r];
                         if (both) o[1] += wt * y1[r];
                     }
@@ -299,7 +303,7 @@ void few_tokens_f32(const float *x, int64_t T, int K, const int64_t *ids, const 
         if (ids[p] >= 0 && ids[p] < E) first[ids[p] + 1]++;
     for (int e = 0; e < E; e++) { A += first[e + 1] > 0; first[e + 1] += first[e]; next[e] = first[e]; }
     int64_t rows = first[E], *token = malloc((rows + 1) * sizeof(int64_t));
-    int64_t *spans = malloc((4 * A + 1) * sizeof(int64_t)), *experts = malloc((A + 1) * sizeof(int64_t));
+    int64_t *spans = malloc((SPAN * A + 1) * sizeof(int64_t)), *experts = malloc((A + 1) * sizeof(int64_t));
     float *xs = malloc((rows * D + 1) * sizeof(float)), *weight = malloc((rows + 1) * sizeof(float));
     for (int64_t p = 0; p < pairs; p++) {
         if (ids[p] < 0 || ids[p] >= E) continue;
@@ -310,10 +314,11 @@ void few_tokens_f32(const float *x, int64_t T, int K, const int64_t *ids, const 
     }
     for (int e = 0, a = 0; e < E; e++)
         if (first[e + 1] > first[e]) {
-            spans[4 * a] = first[e];
-            spans[4 * a + 1] = first[e + 1];
-            spans[4 * a + 2] = first[e] * I;
-            spans[4 * a + 3] = -1;  /* a few rows: the dot-product path */
+            spans[SPAN * a] = first[e];
+            spans[SPAN * a + 1] = first[e + 1];
+            spans[SPAN * a + 2] = first[e] * I;
+            spans[SPAN * a + 3] = -1;  /* a few rows: the dot-product path */
+            spans[SPAN * a + 4] = 0;
             experts[a++] = e;
         }
     if (A) {
@@ -339,18 +344,19 @@ def unavailable() -> str | None:
 
 def expert_spans(starts: list[int], experts: list[int], inter: int, dim: int) -> tuple[list[tuple], int, int]:
     """Per expert (rows `starts[e]` to `starts[e + 1]`): (first row, end row, offset of its h, offset of its
-    transposed rows or -1), and the floats of h and of the transposed rows. A dot-product expert's h is its rows'
-    [rows, inter]; a blocked one's is [blocks, inter, LANES] and its rows go transposed, LANES to a block."""
+    transposed rows or -1, rows on the blocked path), and the floats of h and of the transposed rows. An expert of
+    more than DOT_ROWS rows puts them in blocks of LANES, except a last partial block of at most DOT_ROWS rows, which
+    goes to the dot-product path (a padded block would cost a whole one); its h is [blocks, inter, LANES], then
+    [dot-product rows, inter]."""
     spans, h_size, xt_size = [], 0, 0
     for e in experts:
         count = starts[e + 1] - starts[e]
-        if count > DOT_ROWS:
-            padded = -(-count // LANES) * LANES
-            spans.append((starts[e], starts[e + 1], h_size, xt_size))
-            h_size, xt_size = h_size + padded * inter, xt_size + padded * dim
-        else:
-            spans.append((starts[e], starts[e + 1], h_size, -1))
-            h_size += count * inter
+        whole, rest = divmod(count, LANES)
+        blocked = 0 if count <= DOT_ROWS else count if rest > DOT_ROWS or whole == 0 else whole * LANES
+        padded = -(-blocked // LANES) * LANES
+        spans.append((starts[e], starts[e + 1], h_size, xt_size if blocked else -1, blocked))
+        h_size += (padded + count - blocked) * inter
+        xt_size += padded * dim
     return spans, h_size, xt_size
 
 

@@ -144,29 +144,29 @@ def test_cpu_c_takes_any_row_count_up_to_its_limit_and_sizes_off_the_vector_widt
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_cpu_c_blocked_path_takes_partial_blocks_and_tails_of_every_dimension(threads, monkeypatch):
-    """Experts of more than DOT_ROWS rows go transposed, LANES rows to a vector: expert 0 gets 37 rows (two whole
-    blocks and 5), expert 3 gets 20 (one whole and 4), expert 1 9 (one partial), expert 2 the dot path's 8. D = 21 (a
-    tail of 5 past one 16-column output block and past one 16-element vector of a row) and I = 42 (5 column
-    blocks of 8 and a tail of 2)."""
+    """Experts of more than DOT_ROWS rows go transposed, LANES rows to a vector, a last partial block of at most
+    DOT_ROWS rows to the dot-product path: expert 0 gets 45 rows (two whole blocks and a padded one of 13), expert 3
+    20 (a whole block, then 4 dot-product rows), expert 1 9 (one padded block), experts 2 and 4 the dot path's 8.
+    D = 21 (a tail of 5 past one 16-column output block and past one 16-element vector of a row) and I = 42 (5
+    column blocks of 8 and a tail of 2)."""
     from batchgen.kernels import moe_cpu
 
     if moe_cpu.unavailable():
         pytest.skip(moe_cpu.unavailable())
-    monkeypatch.setattr(moe_cpu, "SMALL_ROWS", 40)
     layouts = []
     spans = moe_cpu.expert_spans
     monkeypatch.setattr(moe_cpu, "expert_spans", lambda *args: layouts.append(spans(*args)) or layouts[-1])
-    x, w13, w2, _, _ = make_moe(37, 21, 42, 4, 1)
-    ids = torch.full((37, 2), 3)
-    ids[:, 0] = 0
-    ids[:9, 1], ids[9:17, 1] = 1, 2
+    x, w13, w2, _, _ = make_moe(45, 21, 42, 5, 1)
+    ids = torch.zeros((45, 2), dtype=torch.int64)
+    ids[:9, 1], ids[9:17, 1], ids[17:37, 1], ids[37:, 1] = 1, 2, 3, 4
     weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(2))
     out, by_blas = cpu_c_moe(monkeypatch, threads, x, w13, w2, weights, ids)
     torch.testing.assert_close(out.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
     (layout, h_size, xt_size), = layouts
-    assert not by_blas and [row[1] - row[0] for row in layout] == [37, 9, 8, 20]
-    assert [row[3] >= 0 for row in layout] == [True, True, False, True]  # expert 2: the dot-product path
-    assert h_size == (48 + 16 + 8 + 32) * 42 and xt_size == (48 + 16 + 32) * 21
+    assert not by_blas and [row[1] - row[0] for row in layout] == [45, 9, 8, 20, 8]
+    assert [row[4] for row in layout] == [45, 9, 0, 16, 0]  # rows on the blocked path
+    assert [row[3] >= 0 for row in layout] == [True, True, False, True, False]
+    assert h_size == (48 + 16 + 8 + 16 + 4 + 8) * 42 and xt_size == (48 + 16 + 16) * 21
 
 
 def test_engine_moe_on_both_c_paths_decodes_transformers_greedy_tokens(tmp_path, monkeypatch):
