@@ -31,14 +31,14 @@ EXP_NEG_SOURCE = r"""
 /* e^x for x <= 0 without a libm call, so the loops over it vectorise: 2^(x log2 e) split into the nearest
    integer power (exponent bits) and a degree-6 Taylor polynomial of the rest in [-1/2, 1/2], relative error
    about 1.2e-7; x is clamped at -87 (e^-87 ~ 1.6e-38: nothing next to 1). */
+/* 2^f for f in [-1/2, 1/2], a float or a vector of them */
+#define EXP2_TAYLOR(f) ((((((1.540353e-4f * (f) + 1.3333558e-3f) * (f) + 9.6181291e-3f) * (f) + 5.5504109e-2f) \
+                           * (f) + 2.4022651e-1f) * (f) + 6.9314718e-1f) * (f) + 1.f)
 static inline float exp_neg(float x) {
     x = x < -87.f ? -87.f : x;
     float t = x * 1.44269504f, n = rintf(t), f = t - n;
-    float p = 1.540353e-4f;
-    p = p * f + 1.3333558e-3f; p = p * f + 9.6181291e-3f; p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f; p = p * f + 6.9314718e-1f; p = p * f + 1.f;
     union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
-    return p * scale.f;
+    return EXP2_TAYLOR(f) * scale.f;
 }
 """  # C source every kernel includes
 

@@ -16,10 +16,10 @@ once per LANES rows at 2 FMAs a cycle; a last partial block of at most DOT_ROWS 
 instead of a padded block (in the same item, while its weight rows are in cache). On the dev box's 2 threads a
 16-expert 512 x 1024 layer at 8 / 16 / 20 / 24 rows per expert on average (random top-2 routing) took 3.2-3.6 /
 5.5-5.6 / 5.2-6.2 / 5.8-6.9 ms this way, 3.4-4.5 / 6.6-7.8 / 7.8-9.4 / 9.0-10.0 ms with every partial block padded,
-and 4.0 / 7.1 / - / 8.9 ms with the dot path up to 16 rows and oneDNN above.
-Experts with more rows than SMALL_ROWS are GEMMs oneDNN runs faster
-(gemm_onednn.py), a pair of calls per expert (moe_torch.py). A call of at most FEW_TOKENS tokens (a decode step's
-tail) leaves the grouping of its rows by expert to the kernel as well (all of them on the dot-product path).
+and 4.0 / 7.1 / - / 8.9 ms with the dot path up to 16 rows and oneDNN above. Experts with more rows than SMALL_ROWS
+are GEMMs oneDNN runs faster (gemm_onednn.py), a pair of calls per expert (moe_torch.py). A call of at most
+FEW_TOKENS tokens (a decode step's tail) leaves the grouping of its rows by expert to the kernel as well (all of them
+on the dot-product path).
 """
 
 from __future__ import annotations
@@ -91,13 +91,10 @@ static inline v16 exp_neg_v(v16 x) {
     v16 t = x * 1.44269504f;
     v16i n = __builtin_convertvector(t - 0.5f, v16i);
     v16 f = t - __builtin_convertvector(n, v16);
-    v16 p = zero + 1.540353e-4f;
-    p = p * f + 1.3333558e-3f; p = p * f + 9.6181291e-3f; p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f; p = p * f + 6.9314718e-1f; p = p * f + 1.f;
     v16i bits = (n + 127) << 23;
     v16 scale;
     memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    return EXP2_TAYLOR(f) * scale;
 }
 
 /* silu(g) * u = g * sigmoid(g) * u, sigmoid from e^-|g| (no overflow either side) */

@@ -4,7 +4,8 @@ Where engine actors compute on the cores the driver runs on (a CPU job on one ma
 own work (Ray Data's executor loop, progress, the write bookkeeping) preempts one of an engine's OpenMP threads, and
 the engine's whole thread team waits for it at the next barrier. On the 2-core dev box a co-running process taking a
 third of one core slowed bench-moe's 128-sequence decode steps by ~30 % at niceness 0 and not measurably at niceness
-10; `bench/pipeline.py`'s single shape ran at 13.9 % steady-state overhead with the driver at 0 and 6.9 % at 10.
+10. In `bench/pipeline.py` the effect is within its run-to-run spread (the single shape's steady-state overhead
+6.9 / 14.5 % with the driver at 10, 13.9 / 16.1 % at 0).
 Ray already starts its worker processes at niceness 15 (engine actors return to 0: operators/engine_actor.py);
 `driver_yields_cpu` lowers the driver's threads to DRIVER_NICENESS for a job and gives them their niceness back after
 it, where the OS lets a process raise its priority again (an unprivileged one stays at DRIVER_NICENESS).

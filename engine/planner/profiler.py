@@ -68,6 +68,9 @@ def profile_key(loaded: LoadedModel) -> str:
 
 
 PROFILE_VERSION = 9  # bump when what is measured changes
+# config entries that do not change what a layer costs (token ids, names, init and rope details)
+IGNORED_SUFFIXES = ("token_id", "_token_ids", "_range", "_eps", "_theta", "architectures", "torch_dtype",
+                    "rope_scaling", "rope_parameters", "id2label", "label2id")
 
 
 @functools.cache
@@ -77,9 +80,6 @@ def kernels_digest() -> str:
     for path in sorted(Path(kernels.__file__).parent.glob("*.py")):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
-# config entries that do not change what a layer costs (token ids, names, init and rope details)
-IGNORED_SUFFIXES = ("token_id", "_token_ids", "_range", "_eps", "_theta", "architectures", "torch_dtype",
-                    "rope_scaling", "rope_parameters", "id2label", "label2id")
 
 
 def profile_model(loaded: LoadedModel, progress: bool | None = None) -> CostCurves:
