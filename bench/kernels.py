@@ -200,7 +200,7 @@ def run(args) -> dict:
     w_down = (torch.randn(args.experts, args.dim, args.inter, generator=g) / args.inter**0.5).to(
         device, dtype
     )
-    if device.type == "cpu":  # in huge pages, as a CPU engine holds its weights (engine/host_arena.py)
+    if device.type == "cpu":  # in a host arena, as a CPU engine holds its weights (engine/host_arena.py)
         w_gate_up, w_down = (host_arena(w.numel() * w.element_size()).view(dtype).view(w.shape).copy_(w)
                              for w in (w_gate_up, w_down))
     impls = implementations(device, w_gate_up, w_down)

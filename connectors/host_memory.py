@@ -1,13 +1,11 @@
 """Host memory for a model's weights: one region for all of them, in either of two kinds.
 
-- A private anonymous mapping aligned to and advised for transparent huge pages (`host_arena`,
-  engine/host_arena.py): the weights of a CPU engine are read in long sequential sweeps every step, and on 2 MiB
-  pages a 4 GB model spans 2,000 TLB entries instead of a million 4 KiB ones.
+- A private anonymous mapping (`host_arena`, engine/host_arena.py): an engine's own copy, written once at load.
 - A file mapping shared by every process of the node (`SharedHostWeights`): the host store memory-constrained
   engines stream from (engine/offload). The first process to load a checkpoint writes its weights, in the
   engine's layout and dtype, to a file under $BATCHGEN_CACHE/host-weights and every process maps that file, so the
   engine actors of a node's devices read one copy in the page cache instead of holding one each, and a later
-  actor's load is a mapping, not a read. The OS gives such a mapping no huge pages.
+  actor's load is a mapping, not a read.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import torch
 from batchgen.engine.host_arena import host_arena
 
 STORE_FORMAT = 1  # bump when the layout of a shared host-weights file changes
-_SMAPS_RANGE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) ")
+_MAPS_RANGE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) ")
 
 
 def place_in_arena(module: torch.nn.Module, allocate: Callable[[int], torch.Tensor] = host_arena
@@ -54,41 +52,21 @@ def place_in_arena(module: torch.nn.Module, allocate: Callable[[int], torch.Tens
     return arena
 
 
-def huge_page_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of the mapping holding `tensor` that the OS backs with transparent huge pages now (Linux; 0
-    elsewhere)."""
-    _, fields = _mapping_of(tensor)
-    return int(fields.get("AnonHugePages", "0 kB").split()[0]) * 1024
-
-
 def mapped_file(tensor: torch.Tensor) -> str | None:
-    """The file the mapping holding `tensor` maps (Linux; None for anonymous memory or elsewhere)."""
-    path, _ = _mapping_of(tensor)
-    return path if path.startswith("/") else None
-
-
-def _mapping_of(tensor: torch.Tensor) -> tuple[str, dict[str, str]]:
-    """(pathname, smaps fields) of the mapping holding `tensor`'s first byte; ("", {}) where there is no
-    /proc/self/smaps."""
+    """The file the mapping holding `tensor` maps (Linux; None for anonymous memory or where there is no
+    /proc/self/maps)."""
     address = tensor.data_ptr()
-    path, fields, inside = "", {}, False
     try:
-        with open("/proc/self/smaps") as smaps:
-            for line in smaps:
-                bounds = _SMAPS_RANGE.match(line)
-                if bounds:
-                    if inside:
-                        break
-                    inside = int(bounds[1], 16) <= address < int(bounds[2], 16)
-                    if inside:
-                        parts = line.split(maxsplit=5)
-                        path = parts[5].strip() if len(parts) == 6 else ""
-                elif inside:
-                    key, _, value = line.partition(":")
-                    fields[key] = value.strip()
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                bounds = _MAPS_RANGE.match(line)
+                if bounds and int(bounds[1], 16) <= address < int(bounds[2], 16):
+                    parts = line.split(maxsplit=5)
+                    path = parts[5].strip() if len(parts) == 6 else ""
+                    return path if path.startswith("/") else None
     except OSError:
         pass
-    return path, fields
+    return None
 
 
 class SharedHostWeights:

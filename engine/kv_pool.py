@@ -57,13 +57,13 @@ class PoolGeometry:
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool = False) -> torch.Tensor:
-    """torch.zeros, except in plain host memory: a host arena (of ordinary pages: engine/host_arena.py), whose
+    """torch.zeros, except in plain host memory: a host arena (engine/host_arena.py), whose
     pages the OS zeroes as they are first written, so the engine's constructor writes none of a pool's
     gigabytes."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or pin or not nbytes:
         return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
-    return host_arena(nbytes, huge_pages=False).view(dtype).view(shape)
+    return host_arena(nbytes).view(dtype).view(shape)
 
 
 class KVPool:
