@@ -132,3 +132,18 @@ def check_linear_inputs(x, weight, bias) -> None:
              lambda: f"x {_shape(x)} does not match weight {_shape(weight)} in D")
     _require(bias is None or tuple(bias.shape) == (weight.shape[0],), op,
              lambda: f"bias must be [{weight.shape[0]}], got {_shape(bias)}")
+
+
+def check_rms_norm_inputs(x, weight) -> None:
+    op = "rms_norm"
+    _require(weight.dim() == 1, op, lambda: f"weight must be [D], got {_shape(weight)}")
+    _require(x.dim() >= 1 and x.shape[-1] == weight.shape[0], op,
+             lambda: f"x {_shape(x)} does not match weight {_shape(weight)} in D")
+
+
+def check_rotary_inputs(x, cos, sin) -> None:
+    op = "rotary"
+    _require(x.dim() == 3 and x.shape[-1] % 2 == 0, op, lambda: f"x must be [T, H, dim] with dim even, got {_shape(x)}")
+    expected = (x.shape[0], x.shape[2])
+    _require(tuple(cos.shape) == expected and tuple(sin.shape) == expected, op,
+             lambda: f"cos and sin must be [T, dim] = {list(expected)}, got {_shape(cos)} and {_shape(sin)}")

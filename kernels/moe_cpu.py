@@ -30,7 +30,7 @@ import torch
 
 from batchgen.kernels import gemm_onednn
 from batchgen.kernels.c_library import DOT_PAIRS_SOURCE, EXP_NEG_SOURCE, CFunction
-from batchgen.kernels.moe_torch import accumulate_experts, route_rows
+from batchgen.kernels.moe_torch import RoutedRows, route_rows
 
 # rows per expert up to which this kernel beats oneDNN's GEMMs (a layer of 16 512 x 1024 experts, cold, 2 threads of
 # the dev box, random top-2 routing: at 48 rows per expert on average 11.0 ms with the blocked path up to 64 rows
@@ -287,6 +287,31 @@ void small_experts_f32(const float *x, const int64_t *spans, const int64_t *expe
     run(base, threads);
 }
 
+/* The GEMM path's experts (more than SMALL_ROWS rows: oneDNN's GEMMs) leave two passes to this library instead of
+   seven torch ops: h = silu(gate) * up over the gate_up GEMM's rows, and the down GEMM's rows weighted into their
+   tokens' output rows. One expert's rows belong to distinct tokens, so rows split over the team without two
+   threads writing one row, and a token's sum over its experts runs in expert order, call by call. */
+void silu_mul_rows_f32(const float *gate_up, float *h, int64_t rows, int I, int threads) {
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * I, *u = g + I;
+        float *o = h + r * I;
+        int i = 0;
+        for (; i + LANES <= I; i += LANES) store(o + i, silu_mul_v(load(g + i), load(u + i)));
+        for (; i < I; i++) o[i] = silu_mul(g[i], u[i]);
+    }
+}
+
+void scatter_rows_f32(const float *y, const int64_t *token, const float *weight, float *out, int64_t rows, int D,
+                      int threads) {
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *restrict o = out + token[r] * D, w = weight[r];
+        const float *restrict yr = y + r * D;
+        for (int d = 0; d < D; d++) o[d] += w * yr[d];
+    }
+}
+
 /* A few tokens (every expert then has at most T rows: all within this kernel): their (token, k) pairs grouped by
    expert here, by a stable counting sort (the order of the torch path's stable argsort, so the same sums in the
    same order), instead of by a handful of torch calls per layer. ids < 0 (experts on another rank) are skipped,
@@ -332,6 +357,13 @@ _KERNEL = CFunction("small_experts", _SOURCE, "small_experts_f32",
 _FEW_TOKENS = CFunction("small_experts", _SOURCE, "few_tokens_f32",
                         (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, *[ctypes.c_void_p] * 2, ctypes.c_int,
                          *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 4, *[ctypes.c_void_p] * 2, *[ctypes.c_int] * 3))
+
+
+_SILU_MUL = CFunction("small_experts", _SOURCE, "silu_mul_rows_f32",
+                      (*[ctypes.c_void_p] * 2, ctypes.c_int64, *[ctypes.c_int] * 2))
+_SCATTER = CFunction("small_experts", _SOURCE, "scatter_rows_f32",
+                     (*[ctypes.c_void_p] * 4, ctypes.c_int64, *[ctypes.c_int] * 2))
+THREAD_BYTES = 256 << 10  # of rows a pass of the GEMM path's glue reads: below, a second thread is not worth it
 
 
 def unavailable() -> str | None:
@@ -383,9 +415,30 @@ def fused_moe_cpu(
         _KERNEL(xs.data_ptr(), spans_t.data_ptr(), experts.data_ptr(), len(small),
                 w_gate_up.data_ptr(), w_down.data_ptr(), strides.data_ptr(), h.data_ptr(), xt.data_ptr(),
                 token_rows.data_ptr(), weights.data_ptr(), out.data_ptr(), dim, inter, torch.get_num_threads())
-    accumulate_experts(out, rows, [e for e, count in enumerate(rows.counts) if count > SMALL_ROWS], w_gate_up,
-                       w_down, gemm_onednn.linear)
+    large_experts(out, rows, [e for e, count in enumerate(rows.counts) if count > SMALL_ROWS], w_gate_up, w_down)
     return out.to(x.dtype)
+
+
+def large_experts(out: torch.Tensor, rows: RoutedRows, experts: list[int], w_gate_up: torch.Tensor,
+                  w_down: torch.Tensor) -> None:
+    """out[token] += weight * expert(x) for the rows of each of `experts`: oneDNN's GEMM pair per expert, the silu
+    and the weighted scatter in C (moe_torch.accumulate_experts' sums, in one pass each)."""
+    inter, dim = w_down.shape[2], w_down.shape[1]
+    token_rows, weights = rows.token_rows.contiguous(), rows.weights.contiguous()
+    available = torch.get_num_threads()
+    for expert in experts:
+        start, end = rows.starts[expert], rows.starts[expert + 1]
+        count = end - start
+        gate_up = gemm_onednn.linear(rows.xs[start:end], w_gate_up[expert]).contiguous()
+        hidden = torch.empty(count, inter, dtype=torch.float32)
+        _SILU_MUL(gate_up.data_ptr(), hidden.data_ptr(), count, inter, _threads(count * 2 * inter * 4, available))
+        y = gemm_onednn.linear(hidden, w_down[expert]).contiguous()
+        _SCATTER(y.data_ptr(), token_rows[start:].data_ptr(), weights[start:].data_ptr(), out.data_ptr(), count, dim,
+                 _threads(count * dim * 8, available))
+
+
+def _threads(nbytes: int, available: int) -> int:
+    return max(1, min(available, nbytes // THREAD_BYTES))
 
 
 def _few_tokens(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,

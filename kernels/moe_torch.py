@@ -4,7 +4,6 @@ Tokens are sorted by expert so every active expert runs as one dense GEMM over a
 it (instead of one GEMV per token), then the weighted results are scattered back.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -57,15 +56,14 @@ def fused_moe_torch(
 
 
 def accumulate_experts(out: torch.Tensor, rows: RoutedRows, experts: list[int], w_gate_up: torch.Tensor,
-                       w_down: torch.Tensor, linear: Callable[..., torch.Tensor] = F.linear) -> None:
-    """out[token] += weight * expert(x) for the rows of each of `experts`: one dense GEMM pair per expert, each run by
-    `linear` (F.linear's contract)."""
+                       w_down: torch.Tensor) -> None:
+    """out[token] += weight * expert(x) for the rows of each of `experts`: one dense GEMM pair per expert."""
     inter = w_gate_up.shape[1] // 2
     for expert in experts:
         start, end = rows.starts[expert], rows.starts[expert + 1]
-        gate_up = linear(rows.xs[start:end], w_gate_up[expert])
+        gate_up = F.linear(rows.xs[start:end], w_gate_up[expert])
         hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = linear(hidden, w_down[expert])
+        y = F.linear(hidden, w_down[expert])
         # rows are unique within one expert (top-k never repeats an expert), so a plain indexed add
         # is exact; index_add_ is an order of magnitude slower on CPU for these small row counts
         out[rows.token_rows[start:end]] += y.to(torch.float32) * rows.weights[start:end].unsqueeze(1)

@@ -9,6 +9,8 @@ from batchgen.kernels.checks import (
     check_linear_inputs,
     check_moe_inputs,
     check_prefill_inputs,
+    check_rms_norm_inputs,
+    check_rotary_inputs,
     check_write_kv_inputs,
 )
 
@@ -84,3 +86,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Returns [..., O] in x.dtype."""
     check_linear_inputs(x, weight, bias)
     return registry.dispatch("linear", x)(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dim, normalised in float32 and scaled in x.dtype (the HF
+    Llama/Qwen/Mixtral norm): x [..., D]; weight [D]."""
+    check_rms_norm_inputs(x, weight)
+    return registry.dispatch("rms_norm", x)(x, weight, eps)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x rotated in the half-split (GPT-NeoX) layout: x * cos + cat(-x2, x1) * sin, x = [x1 | x2].
+    x [T, H, dim]; cos, sin [T, dim] in x.dtype. Returns a new [T, H, dim] tensor."""
+    check_rotary_inputs(x, cos, sin)
+    return registry.dispatch("rotary", x)(x, cos, sin)

@@ -21,7 +21,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "BATCHGEN_KERNELS"
-OPS = ("fused_moe", "prefill_attention", "paged_decode_attention", "write_kv", "linear")
+OPS = ("fused_moe", "prefill_attention", "paged_decode_attention", "write_kv", "linear", "rms_norm", "rotary")
 HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
 # Distribution names to tell the user, keyed by the module that must import.
 PACKAGE_NAMES = {"triton": "triton", "flash_attn": "flash-attn"}
@@ -116,6 +116,14 @@ BACKENDS = (
         ("triton",),
         interpretable=True,
     ),
+    Backend(
+        "write_kv",
+        "cpu_c",
+        f"{_PKG}.write_kv_cpu:write_kv_cpu",
+        frozenset({"cpu"}),
+        dtypes=frozenset({torch.float32}),
+        probe=f"{_PKG}.write_kv_cpu:unavailable",
+    ),
     Backend("write_kv", "torch", f"{_PKG}.attention_torch:write_kv_torch", _ANY),
     Backend(
         "linear",
@@ -126,6 +134,24 @@ BACKENDS = (
         probe=f"{_PKG}.linear_cpu:unavailable",
     ),
     Backend("linear", "torch", "torch.nn.functional:linear", _ANY),
+    Backend(
+        "rms_norm",
+        "cpu_c",
+        f"{_PKG}.norm_cpu:rms_norm_cpu",
+        frozenset({"cpu"}),
+        dtypes=frozenset({torch.float32}),
+        probe=f"{_PKG}.norm_cpu:unavailable",
+    ),
+    Backend("rms_norm", "torch", f"{_PKG}.norm_torch:rms_norm_torch", _ANY),
+    Backend(
+        "rotary",
+        "cpu_c",
+        f"{_PKG}.rotary_cpu:rotary_cpu",
+        frozenset({"cpu"}),
+        dtypes=frozenset({torch.float32}),
+        probe=f"{_PKG}.rotary_cpu:unavailable",
+    ),
+    Backend("rotary", "torch", f"{_PKG}.rotary_torch:rotary_torch", _ANY),
 )
 
 

@@ -221,8 +221,12 @@ def test_mla_latent_decode(backend):
     )
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton_cpu)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "backend,dtype",
+    [("torch", torch.float32), ("torch", torch.float16), ("cpu_c", torch.float32),
+     pytest.param("triton", torch.float32, marks=pytest.mark.triton_cpu),
+     pytest.param("triton", torch.float16, marks=pytest.mark.triton_cpu)],
+)
 def test_write_kv_then_decode(backend, dtype):
     page_size, kv_heads = 4, 2
     k_cache = torch.zeros(6, page_size, kv_heads, 8, dtype=dtype)

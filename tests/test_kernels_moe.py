@@ -58,17 +58,16 @@ def test_grouped_torch_skips_remote_experts():
 def cpu_c_moe(monkeypatch, threads: int, *args):
     """fused_moe_cpu(*args) on `threads` threads, and the experts its GEMM path (oneDNN, one call pair per expert)
     computed: the others can only have come from the C kernel."""
-    from batchgen.kernels import gemm_onednn, moe_cpu
+    from batchgen.kernels import moe_cpu
 
     by_blas = []
-    accumulate = moe_cpu.accumulate_experts
+    large = moe_cpu.large_experts
 
-    def recorded(out, rows, experts, w_gate_up, w_down, linear):
-        assert linear is gemm_onednn.linear
+    def recorded(out, rows, experts, w_gate_up, w_down):
         by_blas.extend(experts)
-        accumulate(out, rows, experts, w_gate_up, w_down, linear)
+        large(out, rows, experts, w_gate_up, w_down)
 
-    monkeypatch.setattr(moe_cpu, "accumulate_experts", recorded)
+    monkeypatch.setattr(moe_cpu, "large_experts", recorded)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

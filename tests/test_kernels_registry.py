@@ -35,12 +35,12 @@ def test_parse_overrides():
 
 def test_auto_picks_cpu_backends_even_under_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from batchgen.kernels import attention_cpu, linear_cpu, moe_cpu
+    from batchgen.kernels import attention_cpu, linear_cpu, moe_cpu, norm_cpu, rotary_cpu, write_kv_cpu
 
-    # the C kernels where a compiler built them
-    expected = {"paged_decode_attention": "torch" if attention_cpu.unavailable() else "cpu_c",
-                "fused_moe": "torch" if moe_cpu.unavailable() else "cpu_c",
-                "linear": "torch" if linear_cpu.unavailable() else "cpu_c"}
+    # the C kernels where a compiler built them (prefill attention has none on CPU)
+    modules = {"paged_decode_attention": attention_cpu, "fused_moe": moe_cpu, "linear": linear_cpu,
+               "rms_norm": norm_cpu, "rotary": rotary_cpu, "write_kv": write_kv_cpu}
+    expected = {op: "torch" if module.unavailable() else "cpu_c" for op, module in modules.items()}
     for op in registry.OPS:
         assert registry.resolve(op, "cpu", torch.float32)[0] == expected.get(op, "torch")
     for op in expected:  # C kernels: fp32 only
@@ -67,8 +67,11 @@ def test_env_override_forces_triton_and_counts_use(monkeypatch):
     assert k_cache[1, 1].eq(1).all()
     monkeypatch.setenv(registry.ENV_VAR, "")
     ops.write_kv(torch.ones(1, 1, 8), torch.ones(1, 1, 8), k_cache, k_cache.clone(), torch.tensor([0]))
-    assert registry.last_used("write_kv") == "torch"
-    assert registry.usage_counts() == {("write_kv", "triton"): 1, ("write_kv", "torch"): 1}
+    from batchgen.kernels import write_kv_cpu
+
+    automatic = "torch" if write_kv_cpu.unavailable() else "cpu_c"  # the override gone: the automatic choice
+    assert registry.last_used("write_kv") == automatic
+    assert registry.usage_counts() == {("write_kv", "triton"): 1, ("write_kv", automatic): 1}
 
 
 def test_set_backend_beats_env(monkeypatch):

@@ -27,9 +27,9 @@ from batchgen.engine.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     SparseMoE,
-    apply_rotary,
 )
 from batchgen.engine.models.registry import ModelFamily, UnsupportedModelError
+from batchgen.kernels import ops
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps.
 LORA_NORM_EPS = 1e-6
@@ -87,8 +87,8 @@ class MLAAttention(nn.Module):
         latent = self.kv_a_layernorm(latent).unsqueeze(1)  # [T, 1, rank]
 
         cos, sin = self.rotary.for_context(ctx, x.dtype)
-        q_pe = apply_rotary(self._half_split(q_pe), cos, sin)
-        k_pe = apply_rotary(self._half_split(k_pe.unsqueeze(1)), cos, sin)
+        q_pe = ops.rotary(self._half_split(q_pe), cos, sin)
+        k_pe = ops.rotary(self._half_split(k_pe.unsqueeze(1)), cos, sin)
 
         w_uk, w_uv = self.kv_b_proj.weight.view(self.num_heads, -1, self.kv_lora_rank).split(
             [self.qk_nope_head_dim, self.v_head_dim], dim=1
@@ -102,7 +102,7 @@ class MLAAttention(nn.Module):
 
     def _half_split(self, x: torch.Tensor) -> torch.Tensor:
         """DeepSeek checkpoints pair rotary dims as (0,1),(2,3)...; regrouping evens then odds makes
-        that the half-split layout apply_rotary rotates (q and k alike, so scores are unchanged)."""
+        that the half-split layout ops.rotary rotates (q and k alike, so scores are unchanged)."""
         if not self.rope_interleave:
             return x
         return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
