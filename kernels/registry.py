@@ -90,6 +90,14 @@ BACKENDS = (
         ("flash_attn",),
         dtypes=HALF_DTYPES,
     ),
+    Backend(
+        "prefill_attention",
+        "cpu_c",
+        f"{_PKG}.prefill_cpu:prefill_attention_cpu",
+        frozenset({"cpu"}),
+        dtypes=frozenset({torch.float32}),
+        probe=f"{_PKG}.prefill_cpu:unavailable",
+    ),
     Backend("prefill_attention", "torch", f"{_PKG}.attention_torch:prefill_attention_torch", _ANY),
     Backend(
         "paged_decode_attention",

@@ -2,10 +2,7 @@ import pytest
 import torch
 
 from batchgen.kernels import ops, registry
-from batchgen.kernels.attention_torch import (
-    paged_decode_attention_torch,
-    prefill_attention_torch,
-)
+from batchgen.kernels.attention_torch import paged_decode_attention_torch
 
 
 def naive_attention(q, k, v, scale, visible):
@@ -22,17 +19,21 @@ def cu(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu_c"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 1), (8, 1)])
-@pytest.mark.parametrize("dim_k,dim_v", [(16, 16), (24, 8)])
-def test_prefill_matches_naive_with_prefix(heads, kv_heads, dim_k, dim_v):
+@pytest.mark.parametrize("dim_k,dim_v", [(16, 16), (24, 8), (64, 40)])
+def test_prefill_matches_naive_with_prefix(heads, kv_heads, dim_k, dim_v, backend):
     g = torch.Generator().manual_seed(1)
-    # whole prompts of similar and very different lengths (padded groups) and cached-prefix continuations
-    lens_q, lens_k = [5, 1, 7, 3, 6, 17, 2, 16], [5, 4, 12, 3, 6, 17, 2, 16]
+    # whole prompts of similar and very different lengths (padded groups; past one C kernel item of 32 query rows)
+    # and cached-prefix continuations; k and v as views of one fused projection (strided tokens)
+    lens_q, lens_k = [5, 1, 7, 3, 6, 17, 2, 16, 45, 0], [5, 4, 12, 3, 6, 17, 2, 16, 70, 3]
     q = torch.randn(sum(lens_q), heads, dim_k, generator=g)
-    k = torch.randn(sum(lens_k), kv_heads, dim_k, generator=g)
-    v = torch.randn(sum(lens_k), kv_heads, dim_v, generator=g)
+    kv = torch.randn(sum(lens_k), kv_heads, dim_k + dim_v, generator=g)
+    k, v = kv[..., :dim_k], kv[..., dim_k:]
     scale = dim_k**-0.5
-    out = prefill_attention_torch(q, k, v, cu(lens_q), cu(lens_k), scale)
+    with registry.use_backend("prefill_attention", backend):
+        out = ops.prefill_attention(q, k, v, cu(lens_q), cu(lens_k), scale)
+    assert registry.last_used("prefill_attention") == backend
     assert out.shape == (sum(lens_q), heads, dim_v)
     cq, ck = cu(lens_q).tolist(), cu(lens_k).tolist()
     for b, (len_q, len_k) in enumerate(zip(lens_q, lens_k)):
@@ -43,11 +44,13 @@ def test_prefill_matches_naive_with_prefix(heads, kv_heads, dim_k, dim_v):
         torch.testing.assert_close(out[cq[b] : cq[b + 1]].double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_prefill_rejects_more_queries_than_keys():
-    q = torch.randn(3, 2, 8)
-    k = v = torch.randn(2, 2, 8)
-    with pytest.raises(ValueError, match="sequence 0 has 3 queries but only 2 keys"):
-        ops.prefill_attention(q, k, v, cu([3]), cu([2]), 1.0)
+@pytest.mark.parametrize("backend", ["torch", "cpu_c"])
+def test_prefill_rejects_more_queries_than_keys(backend):
+    q = torch.randn(5, 2, 8)
+    k = v = torch.randn(4, 2, 8)
+    with registry.use_backend("prefill_attention", backend), pytest.raises(
+            ValueError, match="sequence 1 has 3 queries but only 2 keys"):
+        ops.prefill_attention(q, k, v, cu([2, 3]), cu([2, 2]), 1.0)
 
 
 def test_prefill_rejects_bad_gqa():

@@ -1,5 +1,6 @@
-"""The per-layer small ops (RMSNorm, rotary embedding, KV writes): the C kernels against their torch references,
-their input checks, and the engine running them end to end with the torch path's greedy tokens."""
+"""The per-layer ops of the CPU path (RMSNorm, rotary embedding, KV writes): the C kernels against their torch
+references, their input checks, and the engine running them (and the C prefill attention) end to end with the torch
+path's greedy tokens."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from tiny_models import prompts, save_tiny_checkpoint
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, Request, SamplingParams
-from batchgen.kernels import norm_cpu, ops, registry, rotary_cpu, write_kv_cpu
+from batchgen.kernels import norm_cpu, ops, prefill_cpu, registry, rotary_cpu, write_kv_cpu
 from batchgen.kernels.norm_torch import rms_norm_torch
 from batchgen.kernels.rotary_torch import rotary_torch
 
-LAYER_OPS = ("rms_norm", "rotary", "write_kv")
+LAYER_OPS = ("rms_norm", "rotary", "write_kv", "prefill_attention")
 
 
 @pytest.fixture
@@ -86,7 +87,7 @@ def test_layer_ops_name_bad_input(call, message):
 
 @pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3"])  # per-head q/k norms; MLA's latent norms and rope
 def test_engine_runs_the_c_layer_ops_with_the_torch_paths_greedy_tokens(arch, tmp_path):
-    for module in (norm_cpu, rotary_cpu, write_kv_cpu):
+    for module in (norm_cpu, rotary_cpu, write_kv_cpu, prefill_cpu):
         needs(module)
     save_tiny_checkpoint(arch, tmp_path)
     loaded = load_model(str(tmp_path))
