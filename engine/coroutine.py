@@ -82,7 +82,7 @@ def partition(batch: CoroutineGroup, groups: list[tuple[list[Sequence], int, Att
     sizes = [n for _, n, _ in groups]
     if sum(sizes) != batch.num_tokens:
         raise ValueError(f"partition sizes {sizes} do not cover {batch.num_tokens} rows")
-    parts = torch.split(batch.hidden, sizes)
+    parts = torch.split(batch.hidden, sizes) if len(groups) > 1 else [batch.hidden]
     return [CoroutineGroup(seqs, h, batch.point, ctx) for (seqs, _, ctx), h in zip(groups, parts)]
 
 
@@ -100,7 +100,8 @@ def run_layers(model: torch.nn.Module, micro_batches: list[CoroutineGroup], max_
     for _ in range(len(model.layers)):
         micro_batches = [resume(model, b) for b in micro_batches]
         merged = combine(micro_batches)
-        parts = list(torch.split(merged.hidden, max_moe_tokens))
+        tokens = merged.hidden.shape[0]
+        parts = list(torch.split(merged.hidden, max_moe_tokens)) if tokens > max_moe_tokens else [merged.hidden]
         parts += [merged.hidden[:0]] * (ffn_calls - len(parts))
         outputs = []
         for rows in parts:
