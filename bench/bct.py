@@ -48,6 +48,7 @@ from batchgen.connectors.checkpoint import load_model
 from batchgen.connectors.presets import build_preset
 from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
 from batchgen.engine.planner import PLANNED_FIELDS, WorkloadShape, plan_engine
+from batchgen.engine.process_heap import keep_freed_memory
 
 SYSTEMS = ("batchgen", "lockstep", "transformers")
 ENGINE_MODES = {"batchgen": "coroutine", "lockstep": "lockstep"}
@@ -448,6 +449,7 @@ def load_systems(model_dir: str, device: torch.device, dtype: str):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    keep_freed_memory()  # as a process hosting an engine does (operators/engine_factory.py); transformers gains too
     loaded = load_model(model_dir, dtype=dtype, device=str(device))
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     return loaded, hf_model

@@ -28,7 +28,7 @@ import torch
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, Request, SamplingParams
-from batchgen.engine.process_heap import freeze_heap
+from batchgen.engine.process_heap import freeze_heap, keep_freed_memory
 
 
 def requests(count: int, prompt_len: int, max_tokens: int, vocab: int, seed: int) -> list[Request]:
@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    keep_freed_memory()  # as an engine process does (operators/engine_factory.py)
     loaded = load_model("tiny-moe")
     frozen = freeze_heap()  # as an engine actor does: the collector's full passes skip the imports' objects
     report = {"workload": {"model": "tiny-moe", "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,

@@ -67,6 +67,7 @@ from roofline import MoEShape
 from batchgen.connectors.checkpoint import load_model
 from batchgen.connectors.presets import build_preset
 from batchgen.engine.planner.planner import curves_for
+from batchgen.engine.process_heap import keep_freed_memory
 from batchgen.operators.engine_actor import engine_threads
 from batchgen.pipelines.driver_priority import driver_yields_cpu
 from batchgen.pipelines.pipeline import JobConfig, engine_actor_cpus, run_job
@@ -239,6 +240,7 @@ def run(args: argparse.Namespace, workdir: Path, log) -> dict:
         f"KV budget {device_bytes / 2**20:.0f} MiB device + {host_bytes / 2**20:.0f} MiB host per engine; "
         f"torch threads {threads}; load average {load_at_start[0]:.2f}")
 
+    keep_freed_memory()  # as the engine actors' processes do (operators/engine_factory.py)
     load_start = time.perf_counter()
     loaded = load_model(model_dir, dtype=config.dtype, device="cpu")
     engine_load_s = time.perf_counter() - load_start

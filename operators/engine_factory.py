@@ -11,6 +11,7 @@ import torch
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, EngineConfig
 from batchgen.engine.parallel.group_engine import GroupEngine, rank_spec, start_engine_group
+from batchgen.engine.process_heap import keep_freed_memory
 
 
 def load_engine(model: str, storage_options: dict[str, Any] | None = None,
@@ -18,8 +19,9 @@ def load_engine(model: str, storage_options: dict[str, Any] | None = None,
     """`model`: a checkpoint directory, an fsspec URI or a preset name; `engine_options`: EngineConfig fields.
     With `ep_size` or `tp_size` N > 1 the engine spans N ranks, this process being rank 0 (engine/parallel): the
     threads this process has are shared among them, and each rank loads only its own experts, or its own heads and
-    columns."""
+    columns. The process keeps its freed C heap for the engine's next steps (process_heap.keep_freed_memory)."""
     config = EngineConfig.from_kwargs(**engine_options)
+    keep_freed_memory()
     if config.ranks > 1:
         load = functools.partial(load_model, model, dtype=config.dtype, storage_options=storage_options)
         threads = max(1, torch.get_num_threads() // config.ranks)

@@ -30,7 +30,7 @@ from batchgen.engine.parallel.rank_group import (
     leave_rank_group,
 )
 from batchgen.engine.parallel.rank_round import broadcast_round, gather_replies, run_round
-from batchgen.engine.process_heap import freeze_heap
+from batchgen.engine.process_heap import freeze_heap, keep_freed_memory
 
 PARENT_POLL_S = 1.0
 
@@ -103,6 +103,7 @@ def _exit_with_parent() -> None:
 def main() -> None:
     rank, spec = pickle.load(sys.stdin.buffer)
     _exit_with_parent()
+    keep_freed_memory()
     try:
         engines, group = build_rank_engine(spec, rank)
     except GroupStartError:
