@@ -68,19 +68,20 @@ _CUDA = frozenset({"cuda"})
 _ANY = frozenset({"cpu", "cuda", "mps", "xpu"})
 _PKG = "batchgen.kernels"
 
+
+def _c_kernel(op: str, module: str, function: str) -> Backend:
+    """A C kernel for float32 CPU tensors, `module:function` of this package; the module's `unavailable()` says
+    why it cannot run here (no C compiler, or a build error)."""
+    return Backend(op, "cpu_c", f"{_PKG}.{module}:{function}", frozenset({"cpu"}), dtypes=frozenset({torch.float32}),
+                   probe=f"{_PKG}.{module}:unavailable")
+
+
 # Automatic choice walks this list in order, per op.
 BACKENDS = (
     Backend(
         "fused_moe", "triton", f"{_PKG}.moe_triton:fused_moe_triton", _CUDA, ("triton",), interpretable=True
     ),
-    Backend(
-        "fused_moe",
-        "cpu_c",
-        f"{_PKG}.moe_cpu:fused_moe_cpu",
-        frozenset({"cpu"}),
-        dtypes=frozenset({torch.float32}),
-        probe=f"{_PKG}.moe_cpu:unavailable",
-    ),
+    _c_kernel("fused_moe", "moe_cpu", "fused_moe_cpu"),
     Backend("fused_moe", "torch", f"{_PKG}.moe_torch:fused_moe_torch", _ANY),
     Backend(
         "prefill_attention",
@@ -90,14 +91,7 @@ BACKENDS = (
         ("flash_attn",),
         dtypes=HALF_DTYPES,
     ),
-    Backend(
-        "prefill_attention",
-        "cpu_c",
-        f"{_PKG}.prefill_cpu:prefill_attention_cpu",
-        frozenset({"cpu"}),
-        dtypes=frozenset({torch.float32}),
-        probe=f"{_PKG}.prefill_cpu:unavailable",
-    ),
+    _c_kernel("prefill_attention", "prefill_cpu", "prefill_attention_cpu"),
     Backend("prefill_attention", "torch", f"{_PKG}.attention_torch:prefill_attention_torch", _ANY),
     Backend(
         "paged_decode_attention",
@@ -107,14 +101,7 @@ BACKENDS = (
         ("triton",),
         interpretable=True,
     ),
-    Backend(
-        "paged_decode_attention",
-        "cpu_c",
-        f"{_PKG}.attention_cpu:paged_decode_attention_cpu",
-        frozenset({"cpu"}),
-        dtypes=frozenset({torch.float32}),
-        probe=f"{_PKG}.attention_cpu:unavailable",
-    ),
+    _c_kernel("paged_decode_attention", "attention_cpu", "paged_decode_attention_cpu"),
     Backend("paged_decode_attention", "torch", f"{_PKG}.attention_torch:paged_decode_attention_torch", _ANY),
     Backend(
         "write_kv",
@@ -124,41 +111,13 @@ BACKENDS = (
         ("triton",),
         interpretable=True,
     ),
-    Backend(
-        "write_kv",
-        "cpu_c",
-        f"{_PKG}.write_kv_cpu:write_kv_cpu",
-        frozenset({"cpu"}),
-        dtypes=frozenset({torch.float32}),
-        probe=f"{_PKG}.write_kv_cpu:unavailable",
-    ),
+    _c_kernel("write_kv", "write_kv_cpu", "write_kv_cpu"),
     Backend("write_kv", "torch", f"{_PKG}.attention_torch:write_kv_torch", _ANY),
-    Backend(
-        "linear",
-        "cpu_c",
-        f"{_PKG}.linear_cpu:linear_cpu",
-        frozenset({"cpu"}),
-        dtypes=frozenset({torch.float32}),
-        probe=f"{_PKG}.linear_cpu:unavailable",
-    ),
+    _c_kernel("linear", "linear_cpu", "linear_cpu"),
     Backend("linear", "torch", "torch.nn.functional:linear", _ANY),
-    Backend(
-        "rms_norm",
-        "cpu_c",
-        f"{_PKG}.norm_cpu:rms_norm_cpu",
-        frozenset({"cpu"}),
-        dtypes=frozenset({torch.float32}),
-        probe=f"{_PKG}.norm_cpu:unavailable",
-    ),
+    _c_kernel("rms_norm", "norm_cpu", "rms_norm_cpu"),
     Backend("rms_norm", "torch", f"{_PKG}.norm_torch:rms_norm_torch", _ANY),
-    Backend(
-        "rotary",
-        "cpu_c",
-        f"{_PKG}.rotary_cpu:rotary_cpu",
-        frozenset({"cpu"}),
-        dtypes=frozenset({torch.float32}),
-        probe=f"{_PKG}.rotary_cpu:unavailable",
-    ),
+    _c_kernel("rotary", "rotary_cpu", "rotary_cpu"),
     Backend("rotary", "torch", f"{_PKG}.rotary_torch:rotary_torch", _ANY),
 )
 
