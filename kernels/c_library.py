@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchgen.kernels.cpu_identity import this_cpu
+
 # -fassociative-math and friends let the compiler vectorise float reductions (dot products); the kernels
 # do not rely on IEEE summation order
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
@@ -134,11 +136,11 @@ def compiler() -> str | None:
 
 def build(name: str, source: str) -> ctypes.CDLL | str:
     """The library compiled from `source`, or why it cannot be had (no compiler, a failed build). Keyed by
-    source, compiler, flags and machine, so a changed kernel or another CPU builds anew."""
+    source, compiler, flags, host and CPU (`-march=native`), so a changed kernel or another CPU builds anew."""
     compiler_path = compiler()
     if compiler_path is None:
         return "no C compiler (cc/gcc) on PATH"
-    key = hashlib.sha256("\n".join([source, compiler_path, *FLAGS, platform.node(), platform.machine()]).encode())
+    key = hashlib.sha256("\n".join([source, compiler_path, *FLAGS, platform.node(), this_cpu()]).encode())
     target = cache_dir() / f"{name}_{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

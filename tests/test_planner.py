@@ -276,18 +276,24 @@ def test_a_changed_kernel_source_changes_the_profile_key(tmp_path, monkeypatch):
 
 
 def test_the_profile_key_tells_cpu_generations_apart_that_share_a_model_name(tmp_path, monkeypatch):
-    """Curves measured on one CPU price steps wrongly on another: the key holds family, model and flags."""
+    """Curves measured on one CPU price steps wrongly on another: the key holds family, model and flags (the
+    compiled kernels' cache uses the same identity)."""
     from batchgen.engine.planner import profiler
+    from batchgen.kernels import cpu_identity
 
     zen4 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nstepping\t: 1\n"
             "model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f\n\nprocessor\t: 1\nvendor_id\t: Other\n")
     zen5 = zen4.replace("cpu family\t: 25\nmodel\t\t: 17", "cpu family\t: 26\nmodel\t\t: 2")
-    assert profiler.cpu_identity(zen4).startswith("AuthenticAMD 25 17 1 AMD EPYC flags=")
-    assert profiler.cpu_identity(zen4) != profiler.cpu_identity(zen4.replace("avx512f", "avx512f avx512_bf16"))
+    assert cpu_identity.cpu_identity(zen4).startswith("AuthenticAMD 25 17 1 AMD EPYC flags=")
+    assert cpu_identity.cpu_identity(zen4) != cpu_identity.cpu_identity(zen4.replace("avx512f", "avx512f avx512_bf16"))
     save_tiny_checkpoint("mixtral", tmp_path / "model")
     loaded = load_model(str(tmp_path / "model"), device="cpu")
     keys = []
-    for cpuinfo in (zen4, zen5, zen4):
-        monkeypatch.setattr(profiler, "_cpuinfo", lambda text=cpuinfo: text)
-        keys.append(profiler.profile_key(loaded))
+    try:
+        for text in (zen4, zen5, zen4):
+            monkeypatch.setattr(cpu_identity, "cpuinfo", lambda text=text: text)
+            cpu_identity.this_cpu.cache_clear()
+            keys.append(profiler.profile_key(loaded))
+    finally:
+        cpu_identity.this_cpu.cache_clear()  # the next caller reads the real CPU
     assert keys[0] != keys[1] and keys[0] == keys[2]

@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from batchgen.engine.planner.cost_curves import (
 from batchgen.engine.planner.schedule_pricing import SchedulePricer
 from batchgen.engine.planner.schedule_replay import replay_schedule
 from batchgen.engine.planner.workload import WorkloadShape
+from batchgen.kernels import cpu_identity
 
 PAGE = 64
 DECODE_GRID = ((1, 64), (8, 256), (32, 1024), (128, 128), (256, 512))  # seqs, context
@@ -58,32 +58,13 @@ def profile_key(loaded: LoadedModel) -> str:
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
     else:
-        where = f"{platform.machine()} {cpu_identity(_cpuinfo())} threads={torch.get_num_threads()}"
+        where = f"{cpu_identity.this_cpu()} threads={torch.get_num_threads()}"
     config = loaded.config.to_dict() if hasattr(loaded.config, "to_dict") else dict(loaded.config)
     shape = {k: v for k, v in sorted(config.items()) if isinstance(v, (int, str, bool, list, tuple))
              and not k.endswith(IGNORED_SUFFIXES) and k not in ("_name_or_path", "transformers_version", "dtype")}
     text = json.dumps([where, shape, str(loaded.dtype), loaded.weight_placement, torch.__version__, PROFILE_VERSION,
                        kernels_digest()], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
-
-
-def cpu_identity(cpuinfo: str) -> str:
-    """The CPU a profile was measured on, from /proc/cpuinfo's first processor: vendor, family, model, stepping and
-    a digest of its feature flags (a model name alone can be the same for two generations: both of the dev boxes'
-    Zen 4 and Zen 5 say "AMD EPYC", while their GEMM peaks differ 2x). Empty where there is no such file."""
-    first = cpuinfo.split("\n\n", 1)[0]
-    fields = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    flags = hashlib.sha256(fields.get("flags", "").encode()).hexdigest()[:8]
-    return " ".join([*(fields.get(k, "") for k in ("vendor_id", "cpu family", "model", "stepping", "model name")),
-                     f"flags={flags}"])
-
-
-def _cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: what the platform module knows
-        return f"model name: {platform.processor()}"
 
 
 PROFILE_VERSION = 9  # bump when what is measured changes

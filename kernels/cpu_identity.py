@@ -1,0 +1,34 @@
+"""Which CPU this is, for caches of what depends on it (compiled kernels, the planner's measured cost curves).
+
+A model name alone does not tell: the dev boxes' Zen 4 and Zen 5 both say "AMD EPYC" while their fp32 GEMM peaks
+differ 2x and `-march=native` builds different code for them; `platform.processor()` is empty on Linux.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+from pathlib import Path
+
+
+def cpu_identity(cpuinfo: str) -> str:
+    """From /proc/cpuinfo's text, its first processor: vendor, family, model, stepping, model name and a digest of
+    its feature flags."""
+    first = cpuinfo.split("\n\n", 1)[0]
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first.splitlines() if ":" in line)}
+    flags = hashlib.sha256(fields.get("flags", "").encode()).hexdigest()[:8]
+    return " ".join([*(fields.get(k, "") for k in ("vendor_id", "cpu family", "model", "stepping", "model name")),
+                     f"flags={flags}"])
+
+
+def cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: what the platform module knows
+        return f"model name: {platform.processor()}"
+
+
+@functools.cache
+def this_cpu() -> str:
+    return f"{platform.machine()} {cpu_identity(cpuinfo())}"
