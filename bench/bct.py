@@ -30,6 +30,7 @@ import argparse
 import cProfile
 import dataclasses
 import gc
+import inspect
 import io
 import json
 import os
@@ -235,8 +236,11 @@ def run_transformers(hf_model, workload: Workload, device_bytes: int, host_bytes
     offload_gib = host_bytes / 2**30 if torch.cuda.is_available() else 0.0  # its swap pool must be pinned
     # num_blocks sizes the cache; max_memory_percent only bounds transformers' own check of its footprint against
     # the memory it reads: on CPU its NUMA node's, which a VM may report as a fraction of the machine (8 of 24 GiB)
+    # transformers 5.17 (a GPU host may carry it) names the page size `block_size`; newer ones `page_size`
+    keywords = inspect.signature(ContinuousBatchingConfig).parameters
+    page_keyword = "page_size" if "page_size" in keywords else "block_size"
     cb_config = ContinuousBatchingConfig(
-        page_size=PAGE_SIZE, num_blocks=max(1, device_bytes // (PAGE_SIZE * kv_bytes_per_token)),
+        **{page_keyword: PAGE_SIZE}, num_blocks=max(1, device_bytes // (PAGE_SIZE * kv_bytes_per_token)),
         allow_block_sharing=False, cpu_offload_space=offload_gib, seed=0, max_memory_percent=1.0)
     counter = ExpertBatchCounter(hf_model)
     manager = hf_model.init_continuous_batching(generation_config=generation,

@@ -5,9 +5,10 @@
 #
 # Needs only torch (CUDA), triton, transformers, safetensors, pyarrow, pandas and pytest: no Ray, no
 # install step (the checkout is put on PYTHONPATH as the `batchgen` package). Fails loudly: no CUDA is
-# an error, a failing or erroring GPU test stops the run, and every benchmark must exit 0. Writes
-# gpu_tests.log, kernels.json, bct.json and offload.json (the benchmarks' --json lines) plus their full logs
-# to OUT_DIR.
+# an error at once; after that every phase runs even when an earlier one failed (a GPU lease is short: one
+# run should show every failure), and the script exits 1 naming each failed phase (a failing, erroring or
+# wrongly skipped GPU test, a benchmark that does not exit 0 within its time limit). Writes gpu_tests.log,
+# kernels.json, bct.json and offload.json (the benchmarks' --json lines) plus their full logs to OUT_DIR.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT_DIR="${1:-${OUT:-$ROOT/bench/gpu_results}}"
@@ -15,7 +16,8 @@ PY="${PYTHON:-python3}"
 mkdir -p "$OUT_DIR"
 
 "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "gpu_check: no CUDA device")'
-"$PY" -c 'import torch; print("gpu_check:", torch.cuda.get_device_name(0), "torch", torch.__version__)'
+"$PY" -c 'import torch, triton, transformers; print("gpu_check:", torch.cuda.get_device_name(0), "torch", torch.__version__,
+    "triton", triton.__version__, "transformers", transformers.__version__)'
 
 PKG="$(mktemp -d)"
 trap 'rm -rf "$PKG"' EXIT
@@ -23,26 +25,42 @@ ln -s "$ROOT" "$PKG/batchgen"
 export PYTHONPATH="$PKG:$ROOT/bench:$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}"
 cd "$ROOT"
 
-last_json() { grep '^{' "$1" | tail -n 1; }
+last_json() { grep '^{' "$1" | tail -n 1 || true; }
+failed=()
+# phase NAME LOG TIMEOUT CMD...: run CMD under a time limit, its output shown and kept in LOG
+phase() {
+    local name=$1 log=$2 limit=$3
+    shift 3
+    echo "gpu_check: $name"
+    if ! timeout "$limit" "$@" 2>&1 | tee "$log"; then
+        echo "gpu_check: $name FAILED (exit status, or over its $limit s)" >&2
+        failed+=("$name")
+    fi
+}
 
-echo "gpu_check: GPU tests (every test in these files runs: -o addopts= drops the 'not gpu' filter)"
-"$PY" -m pytest -q -p no:cacheprovider -o addopts= -x -rs tests/test_kernels_gpu.py tests/test_engine_triton.py \
-    2>&1 | tee "$OUT_DIR/gpu_tests.log"
+# every test in these files runs: -o addopts= drops the 'not gpu' filter
+phase "GPU tests" "$OUT_DIR/gpu_tests.log" 240 \
+    "$PY" -m pytest -q -p no:cacheprovider -o addopts= -rs tests/test_kernels_gpu.py tests/test_engine_triton.py
 if grep "^SKIPPED" "$OUT_DIR/gpu_tests.log" | grep -v "flash-attn missing"; then
     echo "gpu_check: a GPU test was skipped on a CUDA host for a reason other than flash-attn" >&2
-    exit 1
+    failed+=("GPU tests skipped")
 fi
 
-echo "gpu_check: bench/kernels.py (Triton vs torch vs transformers, bf16)"
-timeout 180 "$PY" bench/kernels.py --json --dtype bfloat16 --min-time 0.1 2>&1 | tee "$OUT_DIR/kernels.log"
+phase "bench/kernels.py (Triton vs torch vs transformers, bf16)" "$OUT_DIR/kernels.log" 180 \
+    "$PY" bench/kernels.py --json --dtype bfloat16 --min-time 0.1
 last_json "$OUT_DIR/kernels.log" > "$OUT_DIR/kernels.json"
 
-echo "gpu_check: bench/bct.py (BatchGen vs lockstep vs transformers, bf16)"
-timeout 300 "$PY" bench/bct.py --json --dtype bfloat16 2>&1 | tee "$OUT_DIR/bct.log"
+phase "bench/bct.py (BatchGen vs lockstep vs transformers, bf16)" "$OUT_DIR/bct.log" 300 \
+    "$PY" bench/bct.py --json --dtype bfloat16
 last_json "$OUT_DIR/bct.log" > "$OUT_DIR/bct.json"
 
-echo "gpu_check: bench/offload.py (memory-constrained mode vs layer streaming at 25 % of the weights, bf16)"
-timeout 150 "$PY" bench/offload.py --json --dtype bfloat16 --budgets 0.25 --num-prompts 128 --max-tokens 64 \
-    2>&1 | tee "$OUT_DIR/offload.log"
+phase "bench/offload.py (memory-constrained mode vs layer streaming at 25 % of the weights, bf16)" \
+    "$OUT_DIR/offload.log" 150 \
+    "$PY" bench/offload.py --json --dtype bfloat16 --budgets 0.25 --num-prompts 128 --max-tokens 64
 last_json "$OUT_DIR/offload.log" > "$OUT_DIR/offload.json"
+
+if ((${#failed[@]})); then
+    printf 'gpu_check: FAILED: %s\n' "${failed[@]}" >&2
+    exit 1
+fi
 echo "gpu_check: done, figures in $OUT_DIR"
