@@ -172,12 +172,14 @@ def median_run(name: str, runs: list[SystemRun]) -> SystemRun:
 
 def profile_engine(loaded, config: EngineConfig, workload: Workload, top: int = 40) -> str:
     """cProfile of one more run on a fresh engine (the timed run stays unprofiled): functions by
-    cumulative time, so the scheduler, KV copies, attention and MoE modules each show their share."""
+    cumulative time, so the scheduler, KV copies, attention and MoE modules each show their share, then by
+    own time, where per-call host overhead shows (on a GPU, waits show at the calls that synchronise)."""
     engine = Engine(loaded, config)
     profiler = cProfile.Profile()
     profiler.runcall(engine.generate, requests_for(workload))
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top // 2)
     return out.getvalue()
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared run on a CUDA host: the GPU tests, then the kernel and BCT benchmarks in bf16.
+# One prepared run on a CUDA host: the GPU tests, then the kernel, BCT, offload and host-overhead benchmarks.
 #
 #   bash bench/gpu_check.sh [OUT_DIR]      (default: $OUT, else bench/gpu_results)
 #
@@ -7,8 +7,9 @@
 # install step (the checkout is put on PYTHONPATH as the `batchgen` package). Fails loudly: no CUDA is
 # an error at once; after that every phase runs even when an earlier one failed (a GPU lease is short: one
 # run should show every failure), and the script exits 1 naming each failed phase (a failing, erroring or
-# wrongly skipped GPU test, a benchmark that does not exit 0 within its time limit). Writes gpu_tests.log,
-# kernels.json, bct.json and offload.json (the benchmarks' --json lines) plus their full logs to OUT_DIR.
+# wrongly skipped GPU test, a benchmark that does not exit 0 within its time limit). Writes to OUT_DIR each
+# phase's full log (gpu_tests, kernels, bct, offload, host_overhead .log) and summary.json, the benchmarks'
+# --json lines by name.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT_DIR="${1:-${OUT:-$ROOT/bench/gpu_results}}"
@@ -25,7 +26,6 @@ ln -s "$ROOT" "$PKG/batchgen"
 export PYTHONPATH="$PKG:$ROOT/bench:$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}"
 cd "$ROOT"
 
-last_json() { grep '^{' "$1" | tail -n 1 || true; }
 failed=()
 # phase NAME LOG TIMEOUT CMD...: run CMD under a time limit, its output shown and kept in LOG
 phase() {
@@ -40,7 +40,7 @@ phase() {
 
 # every test in these files runs: -o addopts= drops the 'not gpu' filter
 phase "GPU tests" "$OUT_DIR/gpu_tests.log" 240 \
-    "$PY" -m pytest -q -p no:cacheprovider -o addopts= -rs tests/test_kernels_gpu.py tests/test_engine_triton.py
+    "$PY" -m pytest -q -p no:cacheprovider -o addopts= -rs tests/test_kernels_gpu.py tests/test_engine_triton.py tests/test_engine_gpu.py
 if grep "^SKIPPED" "$OUT_DIR/gpu_tests.log" | grep -v "flash-attn missing"; then
     echo "gpu_check: a GPU test was skipped on a CUDA host for a reason other than flash-attn" >&2
     failed+=("GPU tests skipped")
@@ -48,16 +48,29 @@ fi
 
 phase "bench/kernels.py (Triton vs torch vs transformers, bf16)" "$OUT_DIR/kernels.log" 180 \
     "$PY" bench/kernels.py --json --dtype bfloat16 --min-time 0.1
-last_json "$OUT_DIR/kernels.log" > "$OUT_DIR/kernels.json"
 
+# --profile: after the timed runs, one more BatchGen run under cProfile per scenario (where a step's host time goes)
 phase "bench/bct.py (BatchGen vs lockstep vs transformers, bf16)" "$OUT_DIR/bct.log" 300 \
-    "$PY" bench/bct.py --json --dtype bfloat16
-last_json "$OUT_DIR/bct.log" > "$OUT_DIR/bct.json"
+    "$PY" bench/bct.py --json --dtype bfloat16 --profile
 
 phase "bench/offload.py (memory-constrained mode vs layer streaming at 25 % of the weights, bf16)" \
     "$OUT_DIR/offload.log" 150 \
     "$PY" bench/offload.py --json --dtype bfloat16 --budgets 0.25 --num-prompts 128 --max-tokens 64
-last_json "$OUT_DIR/offload.log" > "$OUT_DIR/offload.json"
+
+phase "bench/host_overhead.py (host time per step at 128, 512 and 2,048 sequences)" "$OUT_DIR/host_overhead.log" 150 \
+    "$PY" bench/host_overhead.py --json --profile
+
+# one file of figures: each benchmark's --json line under its name (null where it printed none)
+"$PY" - "$OUT_DIR" <<'SUMMARY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+def last_json(name):
+    log = out / f"{name}.log"
+    lines = [line for line in log.read_text().splitlines() if line.startswith("{")] if log.exists() else []
+    return json.loads(lines[-1]) if lines else None
+summary = {name: last_json(name) for name in ("kernels", "bct", "offload", "host_overhead")}
+(out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+SUMMARY
 
 if ((${#failed[@]})); then
     printf 'gpu_check: FAILED: %s\n' "${failed[@]}" >&2

@@ -144,7 +144,9 @@ def copy_pages(src: KVPool, src_pages: list[int], dst: KVPool, dst_pages: list[i
         return 0
     s = torch.tensor(src_pages, dtype=torch.long, device=src.device)
     d = torch.tensor(dst_pages, dtype=torch.long, device=dst.device)
-    non_blocking = src.device.type != dst.device.type
+    # Host -> device may be queued (the host rows are read when the copy is issued); device -> host must not:
+    # the indexed store into the host pool reads the copy's result on the CPU at once.
+    non_blocking = src.device.type == "cpu" and dst.device.type != "cpu"
     dst.k[:, d] = src.k[:, s].to(dst.device, non_blocking=non_blocking)
     dst.v[:, d] = src.v[:, s].to(dst.device, non_blocking=non_blocking)
     return src.nbytes(len(src_pages))
