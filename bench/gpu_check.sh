@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared run on a CUDA host: the GPU tests, then the kernel, BCT, offload and host-overhead benchmarks.
+# One prepared run on a CUDA host: the GPU tests, then the kernel, BCT and offload benchmarks.
 #
 #   bash bench/gpu_check.sh [OUT_DIR]      (default: $OUT, else bench/gpu_results)
 #
@@ -8,7 +8,7 @@
 # an error at once; after that every phase runs even when an earlier one failed (a GPU lease is short: one
 # run should show every failure), and the script exits 1 naming each failed phase (a failing, erroring or
 # wrongly skipped GPU test, a benchmark that does not exit 0 within its time limit). Writes to OUT_DIR each
-# phase's full log (gpu_tests, kernels, bct, offload, host_overhead .log) and summary.json, the benchmarks'
+# phase's full log (gpu_tests, kernels, bct, offload .log) and summary.json, the benchmarks'
 # --json lines by name.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -57,9 +57,6 @@ phase "bench/offload.py (memory-constrained mode vs layer streaming at 25 % of t
     "$OUT_DIR/offload.log" 150 \
     "$PY" bench/offload.py --json --dtype bfloat16 --budgets 0.25 --num-prompts 128 --max-tokens 64
 
-phase "bench/host_overhead.py (host time per step at 128, 512 and 2,048 sequences)" "$OUT_DIR/host_overhead.log" 150 \
-    "$PY" bench/host_overhead.py --json --profile
-
 # one file of figures: each benchmark's --json line under its name (null where it printed none)
 "$PY" - "$OUT_DIR" <<'SUMMARY'
 import json, pathlib, sys
@@ -68,7 +65,7 @@ def last_json(name):
     log = out / f"{name}.log"
     lines = [line for line in log.read_text().splitlines() if line.startswith("{")] if log.exists() else []
     return json.loads(lines[-1]) if lines else None
-summary = {name: last_json(name) for name in ("kernels", "bct", "offload", "host_overhead")}
+summary = {name: last_json(name) for name in ("kernels", "bct", "offload")}
 (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 SUMMARY
 

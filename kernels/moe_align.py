@@ -34,14 +34,17 @@ def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     num_pairs = flat.numel()
     device = flat.device
     bucket = torch.where(flat < 0, num_experts, flat)
-    counts = torch.bincount(bucket, minlength=num_experts + 1)[:num_experts]
+    order = torch.argsort(bucket, stable=True)
+    sorted_bucket = bucket[order]
+    # each expert's first row in the sorted order; counts as differences (torch.bincount would synchronise
+    # with a GPU to size its output)
+    count_bounds = torch.searchsorted(sorted_bucket, torch.arange(num_experts + 1, device=device))
+    count_start = count_bounds[:-1]
+    counts = count_bounds[1:] - count_start
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     padded_start = padded_end - padded
-    count_start = counts.cumsum(0) - counts
 
-    order = torch.argsort(bucket, stable=True)
-    sorted_bucket = bucket[order]
     local = sorted_bucket < num_experts
     expert_of = sorted_bucket.clamp(max=num_experts - 1)
     rank_in_expert = torch.arange(num_pairs, device=device) - count_start[expert_of]

@@ -21,9 +21,18 @@ def config_dir() -> Path:
 
 
 def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device).replace(" ", "_")
-    return device.type
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    return _device_name(device.type, index)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_name(device_type: str, index: int | None) -> str:
+    """Cached: asking CUDA for the name costs about 0.1 ms, and fused_moe asks at every call."""
+    if device_type == "cuda":
+        return torch.cuda.get_device_name(index).replace(" ", "_")
+    return device_type
 
 
 def config_file_name(num_experts: int, inter_size: int, device: str) -> str:
