@@ -138,6 +138,8 @@ class EngineMetrics:
             "mean_decode_expert_batch": (self.decode_expert_tokens_sum / self.decode_moe_calls
                                          if self.decode_moe_calls else 0.0),
             "expert_histogram": [] if self.expert_histogram is None else self.expert_histogram.tolist(),
+            "prefill_step_seconds": self.prefill_step_seconds,
+            "decode_step_seconds": self.decode_step_seconds,
             "scheduler_share": 1 - self.model_seconds / self.step_seconds if self.step_seconds else 0.0,
             **self._host_overhead(),
             "completion_time_p50": self.completion_times.quantile(0.50),

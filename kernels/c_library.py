@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchgen.kernels.calibration import cache_root
 from batchgen.kernels.cpu_identity import this_cpu
 
 # -fassociative-math and friends let the compiler vectorise float reductions (dot products); the kernels
@@ -126,7 +127,7 @@ static inline void team_share(int64_t items, int64_t *first, int64_t *last) {
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("BATCHGEN_CACHE", Path.home() / ".cache" / "batchgen")) / "kernels"
+    return cache_root() / "kernels"
 
 
 def compiler() -> str | None:

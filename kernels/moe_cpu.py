@@ -7,12 +7,13 @@ call, split evenly over `torch.get_num_threads()` threads of the OpenMP pool tor
 threads started per call, none left spinning against torch's): first every (expert, eight intermediate columns)
 item computes silu(gate) * up for the expert's rows, then every item of sixteen output columns sums the down
 projection and adds it, weighted, into the token's output row (threads own disjoint output columns, so no two
-write the same element and the order of the sum is fixed). An expert of at most DOT_ROWS rows takes the dot-product
-path: eight token rows at a time against two weight rows (gate and up; two output columns), the sixteen sums in
-vector registers, so each weight element is loaded once for the eight; the next weight rows are prefetched meanwhile.
+write the same element and the order of the sum is fixed). An expert of at most `dot_rows` rows takes the
+dot-product path (moe_crossover.py measures, per CPU, up to how many rows it wins): eight token rows at a time
+against two weight rows (gate and up; two output columns), the sixteen sums in vector registers, so each weight
+element is loaded once for the eight; the next weight rows are prefetched meanwhile.
 An expert of more rows takes the blocked path: its rows transposed, LANES to a vector (a lane per row), each weight
 element broadcast against the vector (eight gate and eight up rows at once, no horizontal sums), so each is loaded
-once per LANES rows at 2 FMAs a cycle; a last partial block of at most DOT_ROWS rows goes to the dot-product path
+once per LANES rows at 2 FMAs a cycle; a last partial block of at most `dot_rows` rows goes to the dot-product path
 instead of a padded block (in the same item, while its weight rows are in cache). On the dev box's 2 threads a
 16-expert 512 x 1024 layer at 8 / 16 / 20 / 24 rows per expert on average (random top-2 routing) took 3.2-3.6 /
 5.5-5.6 / 5.2-6.2 / 5.8-6.9 ms this way, 3.4-4.5 / 6.6-7.8 / 7.8-9.4 / 9.0-10.0 ms with every partial block padded,
@@ -25,10 +26,11 @@ on the dot-product path).
 from __future__ import annotations
 
 import ctypes
+import hashlib
 
 import torch
 
-from batchgen.kernels import gemm_onednn
+from batchgen.kernels import gemm_onednn, moe_crossover
 from batchgen.kernels.c_library import DOT_PAIRS_SOURCE, EXP_NEG_SOURCE, CFunction
 from batchgen.kernels.moe_torch import RoutedRows, route_rows
 
@@ -36,7 +38,6 @@ from batchgen.kernels.moe_torch import RoutedRows, route_rows
 # the dev box, random top-2 routing: at 48 rows per expert on average 11.0 ms with the blocked path up to 64 rows
 # against 14.6 ms with oneDNN above 16)
 SMALL_ROWS = 64
-DOT_ROWS = 8  # rows per expert up to which the dot-product path runs (above, the blocked path: 16 rows per vector)
 LANES = 16  # rows per vector of the blocked path
 FEW_TOKENS = 16  # tokens of a call up to which the kernel groups them by expert too (torch's sort wins above)
 
@@ -165,7 +166,7 @@ static void outer_rows_n(int n, const float *w, int64_t stride, const float *ht,
 }
 
 /* An expert's rows: the first span[4] on the blocked path (in blocks of LANES, the last one zero-padded), the rest
-   (at most DOT_ROWS: a block's worth of padding saved) on the dot-product path; a dot expert has span[4] = 0. */
+   (at most dot_rows: a block's worth of padding saved) on the dot-product path; a dot expert has span[4] = 0. */
 static inline int64_t blocks_of(const int64_t *span) { return (span[4] + LANES - 1) / LANES; }
 
 /* items: the experts; a blocked expert's blocked rows transposed into xt, zero past the last of them */
@@ -352,6 +353,7 @@ void few_tokens_f32(const float *x, int64_t T, int K, const int64_t *ids, const 
 """.replace("EXP_NEG", EXP_NEG_SOURCE).replace("DOT_PAIRS", DOT_PAIRS_SOURCE)
 
 
+SOURCE_DIGEST = hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]  # measurements of this kernel name its source
 _KERNEL = CFunction("small_experts", _SOURCE, "small_experts_f32",
                     (*[ctypes.c_void_p] * 3, ctypes.c_int, *[ctypes.c_void_p] * 8, *[ctypes.c_int] * 3))
 _FEW_TOKENS = CFunction("small_experts", _SOURCE, "few_tokens_f32",
@@ -371,17 +373,18 @@ def unavailable() -> str | None:
     return _KERNEL.unavailable()
 
 
-def expert_spans(starts: list[int], experts: list[int], inter: int, dim: int) -> tuple[list[tuple], int, int]:
+def expert_spans(starts: list[int], experts: list[int], inter: int, dim: int,
+                 dot_rows: int) -> tuple[list[tuple], int, int]:
     """Per expert (rows `starts[e]` to `starts[e + 1]`): (first row, end row, offset of its h, offset of its
     transposed rows or -1, rows on the blocked path), and the floats of h and of the transposed rows. An expert of
-    more than DOT_ROWS rows puts them in blocks of LANES, except a last partial block of at most DOT_ROWS rows, which
-    goes to the dot-product path (a padded block would cost a whole one); its h is [blocks, inter, LANES], then
+    more than `dot_rows` rows puts them in blocks of LANES, except a last partial block of at most `dot_rows` rows,
+    which goes to the dot-product path (a padded block would cost a whole one); its h is [blocks, inter, LANES], then
     [dot-product rows, inter]."""
     spans, h_size, xt_size = [], 0, 0
     for e in experts:
         count = starts[e + 1] - starts[e]
         whole, rest = divmod(count, LANES)
-        blocked = 0 if count <= DOT_ROWS else count if rest > DOT_ROWS or whole == 0 else whole * LANES
+        blocked = 0 if count <= dot_rows else count if rest > dot_rows or whole == 0 else whole * LANES
         padded = -(-blocked // LANES) * LANES
         spans.append((starts[e], starts[e + 1], h_size, xt_size if blocked else -1, blocked))
         h_size += (padded + count - blocked) * inter
@@ -406,17 +409,25 @@ def fused_moe_cpu(
     out = torch.zeros(x.shape, dtype=torch.float32)
     small = [e for e, count in enumerate(rows.counts) if 0 < count <= SMALL_ROWS]
     if small:
-        spans, h_size, xt_size = expert_spans(rows.starts, small, inter, dim)
-        spans_t, experts = torch.tensor(spans, dtype=torch.int64), torch.tensor(small, dtype=torch.int64)
-        strides = torch.tensor([w_gate_up.stride(0), w_gate_up.stride(1), w_down.stride(0), w_down.stride(1)],
-                               dtype=torch.int64)
-        h, xt = torch.empty(h_size, dtype=torch.float32), torch.empty(max(xt_size, 1), dtype=torch.float32)
-        xs, token_rows, weights = (t.contiguous() for t in (rows.xs, rows.token_rows, rows.weights))
-        _KERNEL(xs.data_ptr(), spans_t.data_ptr(), experts.data_ptr(), len(small),
-                w_gate_up.data_ptr(), w_down.data_ptr(), strides.data_ptr(), h.data_ptr(), xt.data_ptr(),
-                token_rows.data_ptr(), weights.data_ptr(), out.data_ptr(), dim, inter, torch.get_num_threads())
+        small_experts(out, rows, small, w_gate_up, w_down, moe_crossover.dot_rows(dim, inter))
     large_experts(out, rows, [e for e, count in enumerate(rows.counts) if count > SMALL_ROWS], w_gate_up, w_down)
     return out.to(x.dtype)
+
+
+def small_experts(out: torch.Tensor, rows: RoutedRows, experts: list[int], w_gate_up: torch.Tensor,
+                  w_down: torch.Tensor, dot_rows: int) -> None:
+    """out[token] += weight * expert(x) for the rows of each of `experts` (at most SMALL_ROWS each) in the C kernel:
+    experts of at most `dot_rows` rows on the dot-product path, the others blocked."""
+    inter, dim = w_down.shape[2], w_down.shape[1]
+    spans, h_size, xt_size = expert_spans(rows.starts, experts, inter, dim, dot_rows)
+    spans_t, ids = torch.tensor(spans, dtype=torch.int64), torch.tensor(experts, dtype=torch.int64)
+    strides = torch.tensor([w_gate_up.stride(0), w_gate_up.stride(1), w_down.stride(0), w_down.stride(1)],
+                           dtype=torch.int64)
+    h, xt = torch.empty(h_size, dtype=torch.float32), torch.empty(max(xt_size, 1), dtype=torch.float32)
+    xs, token_rows, weights = (t.contiguous() for t in (rows.xs, rows.token_rows, rows.weights))
+    _KERNEL(xs.data_ptr(), spans_t.data_ptr(), ids.data_ptr(), len(experts),
+            w_gate_up.data_ptr(), w_down.data_ptr(), strides.data_ptr(), h.data_ptr(), xt.data_ptr(),
+            token_rows.data_ptr(), weights.data_ptr(), out.data_ptr(), dim, inter, torch.get_num_threads())
 
 
 def large_experts(out: torch.Tensor, rows: RoutedRows, experts: list[int], w_gate_up: torch.Tensor,

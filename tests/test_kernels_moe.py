@@ -332,3 +332,55 @@ def test_triton_default_config_and_remote_experts_through_ops():
         got = ops.fused_moe(x, w13, w2, weights, ids)
     assert registry.last_used("fused_moe") == "triton"
     torch.testing.assert_close(got.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_crossover_is_the_largest_row_count_up_to_which_the_dot_path_never_lost():
+    from batchgen.kernels.moe_crossover import DEFAULT_DOT_ROWS, choose_dot_rows
+
+    assert choose_dot_rows({10: (1.0, 2.0), 12: (1.0, 1.5), 14: (2.0, 1.0), 16: (1.0, 2.0)}) == 12
+    assert choose_dot_rows({10: (2.0, 1.0), 12: (1.0, 2.0), 14: (1.0, 2.0), 16: (1.0, 2.0)}) == DEFAULT_DOT_ROWS
+    assert choose_dot_rows({16: (1.0, 1.0), 10: (0.5, 1.0), 14: (1.0, 1.1), 12: (1.0, 1.2)}) == 16
+
+
+def test_crossover_is_measured_once_per_machine_and_not_at_all_under_fixed_settings(tmp_path, monkeypatch):
+    from batchgen.kernels import moe_cpu, moe_crossover
+
+    if moe_cpu.unavailable():
+        pytest.skip(moe_cpu.unavailable())
+    measured = []
+    measure = moe_crossover.measure
+    monkeypatch.setattr(moe_crossover, "measure", lambda *shape: measured.append(shape) or measure(*shape))
+    monkeypatch.setattr(moe_crossover, "cache_root", lambda: tmp_path)
+    monkeypatch.delenv("BATCHGEN_PLAN", raising=False)
+    moe_crossover.dot_rows.cache_clear()
+    try:
+        first = moe_crossover.dot_rows(24, 40)
+        assert measured == [(24, 40)] and first in (8, *moe_crossover.CANDIDATES)
+        (record,) = [json.loads(p.read_text()) for p in (tmp_path / "calibration").glob("*.json")]
+        assert record["dot_rows"] == first and sorted(map(int, record["seconds"])) == list(moe_crossover.CANDIDATES)
+        moe_crossover.dot_rows.cache_clear()  # another process of the machine: reads the file
+        assert moe_crossover.dot_rows(24, 40) == first and len(measured) == 1
+        monkeypatch.setenv("BATCHGEN_PLAN", "0")
+        moe_crossover.dot_rows.cache_clear()
+        assert moe_crossover.dot_rows(32, 40) == moe_crossover.DEFAULT_DOT_ROWS and len(measured) == 1
+    finally:
+        moe_crossover.dot_rows.cache_clear()
+
+
+def test_cpu_c_kernel_takes_the_crossover_for_its_expert_shape(monkeypatch):
+    """An expert of 12 rows: blocked (one padded block) at the default crossover, on the dot path at 16."""
+    from batchgen.kernels import moe_cpu, moe_crossover
+
+    if moe_cpu.unavailable():
+        pytest.skip(moe_cpu.unavailable())
+    layouts = []
+    spans = moe_cpu.expert_spans
+    monkeypatch.setattr(moe_cpu, "expert_spans", lambda *args: layouts.append(spans(*args)) or layouts[-1])
+    x, w13, w2, _, _ = make_moe(24, 16, 24, 2, 1)  # more tokens than FEW_TOKENS: the routed path
+    ids = (torch.arange(24) >= 12).to(torch.int64).unsqueeze(1)  # 12 rows for each of the two experts
+    weights = torch.rand(24, 1, generator=torch.Generator().manual_seed(3))
+    for crossover, blocked in ((moe_crossover.DEFAULT_DOT_ROWS, 12), (16, 0)):
+        monkeypatch.setattr(moe_crossover, "dot_rows", lambda dim, inter, value=crossover: value)
+        out, by_blas = cpu_c_moe(monkeypatch, 2, x, w13, w2, weights, ids)
+        torch.testing.assert_close(out.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+        assert not by_blas and [row[4] for row in layouts[-1][0]] == [blocked, blocked]

@@ -8,11 +8,9 @@ process (and the profile on disk), so an engine built again plans in millisecond
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import itertools
 import json
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +33,7 @@ from batchgen.engine.planner.schedule_pricing import SchedulePricer
 from batchgen.engine.planner.schedule_replay import ReplayError, replay_schedule
 from batchgen.engine.planner.step_model import StepShape
 from batchgen.engine.planner.workload import WorkloadShape
+from batchgen.kernels.calibration import cache_root, disk_cached, measuring
 
 PLANNED_FIELDS = ("max_num_seqs", "refill_threshold", "b_attn", "b_moe", "kv_budget_bytes", "host_kv_budget_bytes",
                   "staging_fraction")
@@ -45,7 +44,6 @@ B_MOE = (256, 1024, 4096, 8192, 16384)
 STAGING_FRACTIONS = (0.1, 0.25, 0.5)
 RUNNER_UPS = 5
 PLANNER_VERSION = 2  # in the key of cached plans: bump when the search or the generic workload changes
-PLAN_ENV = "BATCHGEN_PLAN"
 # options that cannot change a plan: left out of its cache key, so setting them (or adding one) finds the
 # plans already made
 PLAN_NEUTRAL = ("seed", "partition_stragglers")
@@ -87,27 +85,8 @@ class Plan:
 
 def curves_for(loaded: LoadedModel, progress: bool | None = None) -> CostCurves:
     """The model's cost curves on its device: from the on-disk cache, else profiled now and cached."""
-    return _disk_cached(f"curves-{profile_key(loaded)}.json", lambda: profile_model(loaded, progress=progress),
-                        CostCurves.from_json, CostCurves.to_json)
-
-
-def _disk_cached(name: str, compute, load, dump):
-    """`load` of the cached file `name`, else `compute()` saved there. Processes of one machine asking for the
-    same file take turns (a file lock): the first computes, the others read (Ray actors of one job)."""
-    path = _cache_dir() / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if path.exists():
-            try:
-                return load(path.read_text())
-            except (ValueError, KeyError, TypeError):
-                pass  # a file of an older layout: compute again
-        value = compute()
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(dump(value))
-        tmp.replace(path)
-        return value
+    return disk_cached(_cache_dir() / f"curves-{profile_key(loaded)}.json",
+                       lambda: profile_model(loaded, progress=progress), CostCurves.from_json, CostCurves.to_json)
 
 
 def plan_engine(loaded: LoadedModel, config: EngineConfig, workload: WorkloadShape | None = None,
@@ -241,15 +220,15 @@ def resolve_config(loaded: LoadedModel, config: EngineConfig, plan: bool = True)
     free = _power_of_two(available_memory_bytes(loaded.device))
     host_free = _power_of_two(available_memory_bytes(torch.device("cpu")))
     limits = memory_limits(loaded.device.type, config, free, host_free)
-    if not plan or os.environ.get(PLAN_ENV, "1") == "0":
+    if not plan or not measuring():
         return fixed_config(config, loaded, limits)
     options = {k: v for k, v in dataclasses.asdict(config).items() if k not in PLAN_NEUTRAL}
     fields = json.dumps([PLANNER_VERSION, profile_key(loaded), options, dataclasses.asdict(limits)], sort_keys=True)
     key = hashlib.sha256(fields.encode()).hexdigest()[:20]
     with _LOCK:
         if key not in _PLANS:
-            _PLANS[key] = _disk_cached(
-                f"plan-{key}.json",
+            _PLANS[key] = disk_cached(
+                _cache_dir() / f"plan-{key}.json",
                 lambda: {n: getattr(plan_engine(loaded, config, limits=limits).config, n) for n in PLANNED_FIELDS},
                 json.loads, json.dumps)
         return dataclasses.replace(config, **_PLANS[key])
@@ -274,4 +253,4 @@ def _power_of_two(n: int) -> int:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("BATCHGEN_CACHE", Path.home() / ".cache" / "batchgen")) / "plans"
+    return cache_root() / "plans"
