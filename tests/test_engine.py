@@ -107,6 +107,7 @@ def test_chunked_prefill_in_lockstep_and_without_mixed_steps_keeps_greedy_tokens
     metrics = engine.metrics()
     assert metrics["chunked_prefills"] > 0
     assert (metrics["mixed_steps"] > 0) is mixed
+    assert metrics["prefill_step_seconds"] > 0 and metrics["decode_step_seconds"] > 0  # timed apart
 
 
 def test_n_samples_share_one_prefill(moe_case):
