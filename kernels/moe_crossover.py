@@ -1,13 +1,14 @@
-"""Up to how many rows per expert the MoE C kernel's dot-product path beats its blocked path, on this CPU.
+"""Up to how many rows per expert the MoE C kernel's dot-product path runs before its blocked path, on this CPU.
 
 The blocked path (kernels/moe_cpu.py) puts an expert's rows sixteen to a vector, so 9-15 rows pay for a padded block;
-the dot-product path loads each weight element once per eight rows and pays horizontal sums instead. Which wins
-between 9 and 16 rows depends on the CPU: on a Zen 5 the blocked path won from 9 rows, on a Zen 4 the dot path up to
-12 (a decode step's MoE at 12 rows per expert 10-20 % faster with it). So it is measured: once per CPU, thread
-count, expert shape and kernel source, on synthetic experts larger than the last-level cache, the two paths
-alternated; the result is kept under $BATCHGEN_CACHE/calibration for every process of the machine. With
-BATCHGEN_PLAN=0 nothing is measured and the default applies.
-"""
+the dot-product path loads each weight element once per eight rows and pays horizontal sums instead. Which is faster
+between 9 and 16 rows depends on the CPU and the expert's shape: on a Zen 5 the blocked path won from 9 rows at
+512 x 1024; on a Zen 4 a crossover of 12 made decode-sized calls of those experts 2-7 % faster than 8, and of
+experts with 4096-long rows (4096 x 14336, timed on a slice of its columns) 14-16 made them 12-17 % faster.
+So it is measured: once per CPU, thread count, expert
+shape and kernel source, on synthetic experts larger than the last-level cache under random routings, the
+candidates alternated; the result is kept under $BATCHGEN_CACHE/calibration for every process of the machine.
+With BATCHGEN_PLAN=0 nothing is measured and the default applies."""
 
 from __future__ import annotations
 
@@ -22,54 +23,54 @@ import torch
 from batchgen.kernels.calibration import cache_root, disk_cached, measuring
 from batchgen.kernels.cpu_identity import this_cpu
 
-DEFAULT_DOT_ROWS = 8  # up to a half block the dot path won on every CPU measured
-CANDIDATES = (10, 12, 14, 16)  # rows per expert at which the paths are compared
+DEFAULT_DOT_ROWS = 8  # a half block: the blocked path would pad it to sixteen rows
+CANDIDATES = (8, 10, 12, 14, 16)  # the crossovers tried
+MEAN_ROWS = (8, 12, 16, 24)  # rows per expert on average in the routings they are timed on: a decode step's range
 SAMPLE_BYTES = 64 << 20  # weights of the synthetic experts: past the last-level cache, as a model's layers are
 MAX_EXPERT_BYTES = 16 << 20  # a larger expert is measured with fewer intermediate columns (the same row length)
 ROUNDS = 5
+TOLERANCE = 0.02
 
 
-def choose_dot_rows(seconds: dict[int, tuple[float, float]]) -> int:
-    """The largest row count up to which the dot-product path was never the slower one; `seconds` maps a row count
-    to (dot-product path, blocked path) seconds."""
-    best = DEFAULT_DOT_ROWS
-    for rows in sorted(seconds):
-        dot, blocked = seconds[rows]
-        if dot > blocked:
-            break
-        best = rows
-    return best
+def choose_dot_rows(seconds: dict[int, float]) -> int:
+    """The smallest crossover whose calls took at most TOLERANCE more than the fastest (`seconds` maps a crossover
+    to its time): a difference inside a shared machine's noise keeps the smaller one."""
+    fastest = min(seconds.values())
+    return min(crossover for crossover, time in seconds.items() if time <= fastest * (1 + TOLERANCE))
 
 
-def measure(dim: int, inter: int) -> dict[int, tuple[float, float]]:
-    """Median seconds of the two paths over experts of each candidate row count, rounds alternated so a slow moment
-    of a shared machine hits both alike."""
+def measure(dim: int, inter: int) -> dict[int, float]:
+    """Median seconds, over ROUNDS rounds, of the kernel's calls on random top-2 routings of MEAN_ROWS rows per
+    expert on average, for each candidate crossover: the candidates alternate within a round, so a slow moment of a
+    shared machine hits them alike. Real routings matter: an expert's rows past its last whole block take the
+    dot-product path while its weights are in cache, which experts of exactly N rows would not show."""
     from batchgen.kernels.moe_cpu import small_experts
     from batchgen.kernels.moe_torch import route_rows
 
     inter = min(inter, max(8, MAX_EXPERT_BYTES // (12 * dim) // 8 * 8))
-    experts = max(2, min(16, SAMPLE_BYTES // (12 * dim * inter)))
+    experts = max(4, min(16, SAMPLE_BYTES // (12 * dim * inter)))
     g = torch.Generator().manual_seed(0)
     w_gate_up = torch.randn(experts, 2 * inter, dim, generator=g) / dim**0.5
     w_down = torch.randn(experts, dim, inter, generator=g) / inter**0.5
-    routed = {}
-    for rows in CANDIDATES:
-        tokens = experts * rows
-        ids = (torch.arange(tokens) % experts).unsqueeze(1)
-        routed[rows] = route_rows(torch.randn(tokens, dim, generator=g), torch.ones(tokens, 1), ids, experts)
-    every = list(range(experts))
-    small_experts(torch.zeros(experts * CANDIDATES[0], dim), routed[CANDIDATES[0]], every, w_gate_up, w_down,
-                  CANDIDATES[0])  # warm-up
-    seconds: dict[int, tuple[list[float], list[float]]] = {rows: ([], []) for rows in CANDIDATES}
+    routings = []
+    for mean in MEAN_ROWS:
+        tokens = experts * mean // 2
+        weights, ids = torch.randn(tokens, experts, generator=g).softmax(-1).topk(2)
+        rows = route_rows(torch.randn(tokens, dim, generator=g), weights, ids, experts)
+        routings.append((tokens, rows, [e for e, count in enumerate(rows.counts) if count]))
+
+    def call(crossover: int) -> float:
+        start = time.perf_counter()
+        for tokens, rows, used in routings:
+            small_experts(torch.zeros(tokens, dim), rows, used, w_gate_up, w_down, crossover)
+        return time.perf_counter() - start
+
+    call(DEFAULT_DOT_ROWS)  # warm-up
+    seconds: dict[int, list[float]] = {crossover: [] for crossover in CANDIDATES}
     for _ in range(ROUNDS):
-        for rows in CANDIDATES:
-            # dot_rows = rows: every expert on the dot-product path; rows - 1: every expert blocked
-            for timings, dot_rows in zip(seconds[rows], (rows, rows - 1)):
-                out = torch.zeros(experts * rows, dim)
-                start = time.perf_counter()
-                small_experts(out, routed[rows], every, w_gate_up, w_down, dot_rows)
-                timings.append(time.perf_counter() - start)
-    return {rows: (statistics.median(dot), statistics.median(blocked)) for rows, (dot, blocked) in seconds.items()}
+        for crossover in CANDIDATES:
+            seconds[crossover].append(call(crossover))
+    return {crossover: statistics.median(times) for crossover, times in seconds.items()}
 
 
 @functools.lru_cache(maxsize=64)
@@ -81,13 +82,13 @@ def dot_rows(dim: int, inter: int) -> int:
     from batchgen.kernels import moe_cpu
 
     threads = torch.get_num_threads()
-    key = json.dumps([this_cpu(), threads, dim, inter, CANDIDATES, moe_cpu.SOURCE_DIGEST])
+    key = json.dumps([this_cpu(), threads, dim, inter, CANDIDATES, MEAN_ROWS, moe_cpu.SOURCE_DIGEST])
     path = cache_root() / "calibration" / f"moe-dot-rows-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
     def calibrate() -> dict:
         seconds = measure(dim, inter)
         return {"dot_rows": choose_dot_rows(seconds), "cpu": this_cpu(), "threads": threads, "dim": dim,
-                "inter": inter, "seconds": {rows: list(pair) for rows, pair in seconds.items()}}
+                "inter": inter, "seconds": seconds}
 
     return disk_cached(path, calibrate, _load, json.dumps)["dot_rows"]
 
