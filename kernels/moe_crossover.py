@@ -5,10 +5,10 @@ the dot-product path loads each weight element once per eight rows and pays hori
 between 9 and 16 rows depends on the CPU and the expert's shape: on a Zen 5 the blocked path won from 9 rows at
 512 x 1024; on a Zen 4 a crossover of 12 made decode-sized calls of those experts 2-7 % faster than 8, and of
 experts with 4096-long rows (4096 x 14336, timed on a slice of its columns) 14-16 made them 12-17 % faster.
-So it is measured: once per CPU, thread count, expert
-shape and kernel source, on synthetic experts larger than the last-level cache under random routings, the
-candidates alternated; the result is kept under $BATCHGEN_CACHE/calibration for every process of the machine.
-With BATCHGEN_PLAN=0 nothing is measured and the default applies."""
+So it is measured: once per CPU, thread count, expert shape and kernel source, on synthetic experts larger than
+the last-level cache under random routings, the candidates alternated; the result is kept under
+$BATCHGEN_CACHE/calibration for every process of the machine. With BATCHGEN_PLAN=0 nothing is measured and the
+default applies."""
 
 from __future__ import annotations
 
