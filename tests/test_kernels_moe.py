@@ -368,7 +368,8 @@ def test_crossover_is_measured_once_per_machine_and_not_at_all_under_fixed_setti
 
 
 def test_cpu_c_kernel_takes_the_crossover_for_its_expert_shape(monkeypatch):
-    """An expert of 12 rows: blocked (one padded block) at the default crossover, on the dot path at 16."""
+    """Experts of 12 and 40 rows: both blocked at the default crossover (one padded block; two whole blocks and 8
+    dot-product rows), the first on the dot path at 16, both at the kernel's limit (every expert on the dot path)."""
     from batchgen.kernels import moe_cpu, moe_crossover
 
     if moe_cpu.unavailable():
@@ -376,11 +377,11 @@ def test_cpu_c_kernel_takes_the_crossover_for_its_expert_shape(monkeypatch):
     layouts = []
     spans = moe_cpu.expert_spans
     monkeypatch.setattr(moe_cpu, "expert_spans", lambda *args: layouts.append(spans(*args)) or layouts[-1])
-    x, w13, w2, _, _ = make_moe(24, 16, 24, 2, 1)  # more tokens than FEW_TOKENS: the routed path
-    ids = (torch.arange(24) >= 12).to(torch.int64).unsqueeze(1)  # 12 rows for each of the two experts
-    weights = torch.rand(24, 1, generator=torch.Generator().manual_seed(3))
-    for crossover, blocked in ((moe_crossover.DEFAULT_DOT_ROWS, 12), (16, 0)):
+    x, w13, w2, _, _ = make_moe(52, 16, 24, 2, 1)  # more tokens than FEW_TOKENS: the routed path
+    ids = (torch.arange(52) >= 12).to(torch.int64).unsqueeze(1)  # 12 rows for expert 0, 40 for expert 1
+    weights = torch.rand(52, 1, generator=torch.Generator().manual_seed(3))
+    for crossover, blocked in ((moe_crossover.DEFAULT_DOT_ROWS, [12, 32]), (16, [0, 32]), (moe_cpu.SMALL_ROWS, [0, 0])):
         monkeypatch.setattr(moe_crossover, "dot_rows", lambda dim, inter, value=crossover: value)
         out, by_blas = cpu_c_moe(monkeypatch, 2, x, w13, w2, weights, ids)
         torch.testing.assert_close(out.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
-        assert not by_blas and [row[4] for row in layouts[-1][0]] == [blocked, blocked]
+        assert not by_blas and [row[4] for row in layouts[-1][0]] == blocked
