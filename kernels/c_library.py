@@ -52,6 +52,14 @@ typedef float v16 __attribute__((vector_size(64)));  /* one AVX-512 register; th
 
 static inline v16 load(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void store(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+/* Pins a vector to a register: a value two FMAs use is otherwise folded into each as a memory operand, loaded
+   twice, and the loop runs out of load slots before FMA slots (on AVX-512, where a v16 is one register). */
+#if defined(__AVX512F__)
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+#else
+#define IN_REGISTER(v) ((void)0)
+#endif
 """  # C source of 16-float vectors and their unaligned loads and stores (needs string.h)
 
 
@@ -91,6 +99,7 @@ static inline __attribute__((always_inline)) void dot_pairs(int n, const float *
         v16 ka = load(wa + e), kb = load(wb + e);
         for (int r = 0; r < n; r++) {
             v16 xr = load(x + r * stride + e);
+            IN_REGISTER(xr);  /* one load for its two FMAs (an Intel Xeon's gate/up and down passes 15-20 % faster) */
             va[r] += ka * xr;
             vb[r] += kb * xr;
         }
