@@ -66,20 +66,25 @@ static inline void store(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 DOT_PAIRS_SOURCE = VECTOR_SOURCE + r"""
 #define BLOCK 8  /* token rows per register block: 2 x 8 accumulators + 3 operands fit 32 vector registers */
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
+#define SHUFFLE __builtin_shufflevector
 
-/* the sum of the lanes by halves (a tree of vector adds; lane by lane it is a chain of 16 dependent adds) */
-static inline float hsum(v16 v) {
-    v8 a, b;
-    memcpy(&a, &v, sizeof a);
-    memcpy(&b, (const char *)&v + sizeof a, sizeof b);
-    a += b;
-    v4 c, d;
-    memcpy(&c, &a, sizeof c);
-    memcpy(&d, (const char *)&a + sizeof c, sizeof d);
-    c += d;
-    return (c[0] + c[2]) + (c[1] + c[3]);
+/* s[i] = the sum of v[i]'s lanes, for sixteen vectors at once: each level adds lanes j and j + 8 (then + 4, + 2, + 1)
+   of two vectors into one, so 15 vector adds do the work of 16 horizontal sums. The association is the same for
+   every lane and every vector (the halves tree: ((l0 + l8) + (l4 + l12)) ... ), whichever rows are filled. */
+static inline void lane_sums(const v16 *v, float *s) {
+    v16 w[8], x[4], y[2], z;
+    for (int i = 0; i < 8; i++)
+        w[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + SHUFFLE(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)  /* lanes 4m + j: vector 4i + m's sum of lanes j, j + 4, j + 8, j + 12 */
+        x[i] = SHUFFLE(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + SHUFFLE(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)  /* lanes 2m + k: vector 8i + m's lanes k mod 2 */
+        y[i] = SHUFFLE(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + SHUFFLE(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    z = SHUFFLE(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+      + SHUFFLE(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    store(s, z);
 }
 
 /* a[r] = wa . x_r and b[r] = wb . x_r for the n (a constant after inlining, <= BLOCK) rows x_r = x + r * stride:
@@ -90,8 +95,7 @@ static inline __attribute__((always_inline)) void dot_pairs(int n, const float *
                                                             const float *restrict wb, const float *restrict x,
                                                             int64_t stride, int len, float *a, float *b,
                                                             const float *na, const float *nb) {
-    v16 va[BLOCK], vb[BLOCK];
-    for (int r = 0; r < n; r++) { va[r] = (v16){0}; vb[r] = (v16){0}; }
+    v16 acc[2 * BLOCK] = {{0}}, *va = acc, *vb = acc + BLOCK;  /* a row past n stays zero */
     int e = 0;
     for (; e + LANES <= len; e += LANES) {
         __builtin_prefetch(na + e, 0, 3);
@@ -104,8 +108,10 @@ static inline __attribute__((always_inline)) void dot_pairs(int n, const float *
             vb[r] += kb * xr;
         }
     }
+    float sums[2 * BLOCK];
+    lane_sums(acc, sums);
     for (int r = 0; r < n; r++) {
-        float sa = hsum(va[r]), sb = hsum(vb[r]);
+        float sa = sums[r], sb = sums[BLOCK + r];
         for (int t = e; t < len; t++) { sa += wa[t] * x[r * stride + t]; sb += wb[t] * x[r * stride + t]; }
         a[r] = sa; b[r] = sb;
     }
