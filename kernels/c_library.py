@@ -53,6 +53,21 @@ typedef float v16 __attribute__((vector_size(64)));  /* one AVX-512 register; th
 static inline v16 load(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void store(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
+typedef int32_t v16i __attribute__((vector_size(64)));  /* a comparison's lanes: all ones where true */
+
+/* a where mask, else b, lane by lane */
+static inline v16 blend(v16i mask, v16 a, v16 b) {
+    v16i ai, bi, r;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    r = (ai & mask) | (bi & ~mask);
+    v16 out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+#define SHUFFLE __builtin_shufflevector
+
 /* Pins a vector to a register: a value two FMAs use is otherwise folded into each as a memory operand, loaded
    twice, and the loop runs out of load slots before FMA slots (on AVX-512, where a v16 is one register). */
 #if defined(__AVX512F__)
@@ -60,13 +75,11 @@ static inline void store(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 #else
 #define IN_REGISTER(v) ((void)0)
 #endif
-"""  # C source of 16-float vectors and their unaligned loads and stores (needs string.h)
+"""  # C source of 16-float vectors, their unaligned loads and stores, blends and shuffles (needs string.h, stdint.h)
 
 
 DOT_PAIRS_SOURCE = VECTOR_SOURCE + r"""
 #define BLOCK 8  /* token rows per register block: 2 x 8 accumulators + 3 operands fit 32 vector registers */
-
-#define SHUFFLE __builtin_shufflevector
 
 /* s[i] = the sum of v[i]'s lanes, for sixteen vectors at once: each level adds lanes j and j + 8 (then + 4, + 2, + 1)
    of two vectors into one, so 15 vector adds do the work of 16 horizontal sums. The association is the same for

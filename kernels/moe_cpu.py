@@ -73,18 +73,6 @@ EXP_NEG
 
 DOT_PAIRS
 
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-static inline v16 blend(v16i mask, v16 a, v16 b) {
-    v16i ai, bi, r;
-    memcpy(&ai, &a, sizeof ai);
-    memcpy(&bi, &b, sizeof bi);
-    r = (ai & mask) | (bi & ~mask);
-    v16 out;
-    memcpy(&out, &r, sizeof out);
-    return out;
-}
-
 /* exp_neg lane by lane (the same polynomial; the nearest integer power as the truncation of t - 1/2, t <= 0) */
 static inline v16 exp_neg_v(v16 x) {
     const v16 zero = {0};

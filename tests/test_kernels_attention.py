@@ -21,7 +21,7 @@ def cu(lengths):
 
 @pytest.mark.parametrize("backend", ["torch", "cpu_c"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 1), (8, 1)])
-@pytest.mark.parametrize("dim_k,dim_v", [(16, 16), (24, 8), (64, 40)])
+@pytest.mark.parametrize("dim_k,dim_v", [(16, 16), (24, 8), (64, 40), (32, 88)])  # 88: 4 + 1 vectors + a tail
 def test_prefill_matches_naive_with_prefix(heads, kv_heads, dim_k, dim_v, backend):
     g = torch.Generator().manual_seed(1)
     # whole prompts of similar and very different lengths (padded groups; past one C kernel item of 32 query rows)
