@@ -23,7 +23,7 @@ import ctypes
 
 import torch
 
-from batchgen.kernels.c_library import EXP_NEG_SOURCE, VECTOR_SOURCE, CFunction
+from batchgen.kernels.c_library import EXP_NEG_SOURCE, ROW_MAX_SOURCE, VECTOR_SOURCE, CFunction
 
 _SOURCE = r"""
 #include <math.h>
@@ -65,6 +65,8 @@ static void scores_of(int c, const float *restrict q, int dk, const float *restr
 }
 
 VECTORS
+
+ROW_MAX
 
 /* acc[x] += sum_t w[x][t] V[t] for the same c heads: each V row read once for all of them. Four heads take the
    output dims 64 at a time, their 4 x 4 vector sums held in registers over the page's tokens (kept in memory, each
@@ -136,8 +138,8 @@ static void attend(const Job *j, int b, float *scores, float *acc, float *m, flo
             scores_of(c, q + x * j->dk, j->dk, kp + h * j->ks[2], j->ks[1], n, j->scale, sx, page,
                       (const char *)(j->k + next * j->ks[0] + h * j->ks[2]), fetch);
             for (int i = x; i < x + c; i++) {
-                float *si = scores + i * page, best = m[i], total = 0.f;
-                for (int t = 0; t < n; t++) best = si[t] > best ? si[t] : best;
+                float *si = scores + i * page, best = row_max(si, n), total = 0.f;
+                best = best > m[i] ? best : m[i];
                 float shrink = exp_neg(m[i] - best);
                 for (int t = 0; t < n; t++) { si[t] = exp_neg(si[t] - best); total += si[t]; }
                 float *ai = acc + i * j->dv;
@@ -194,7 +196,8 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int32
     }
     return -1;
 }
-""".replace("EXP_NEG", EXP_NEG_SOURCE).replace("VECTORS", VECTOR_SOURCE)
+""".replace("EXP_NEG", EXP_NEG_SOURCE).replace("VECTORS", VECTOR_SOURCE).replace(
+    "ROW_MAX", ROW_MAX_SOURCE)
 
 THREAD_BYTES = 256 << 10  # of K/V: a team thread wakes in microseconds (2 x 256 tokens: 1 thread 26 us, 2 16 us)
 

@@ -78,6 +78,31 @@ static inline v16 blend(v16i mask, v16 a, v16 b) {
 """  # C source of 16-float vectors, their unaligned loads and stores, blends and shuffles (needs string.h, stdint.h)
 
 
+ROW_MAX_SOURCE = r"""
+/* the largest of s[0, n): a running maximum per lane, then the lanes' by halves; lane by lane the maximum is a chain
+   of dependent compares (~30 % of the prefill attention kernel's time) */
+static inline float row_max(const float *restrict s, int64_t n) {
+    v16 m = (v16){0} - INFINITY;
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES) {
+        v16 x = load(s + j);
+        m = blend(x > m, x, m);
+    }
+    v16 h = SHUFFLE(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    m = blend(h > m, h, m);
+    h = SHUFFLE(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    m = blend(h > m, h, m);
+    h = SHUFFLE(m, m, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    m = blend(h > m, h, m);
+    float best = m[0] > m[1] ? m[0] : m[1];
+    for (; j < n; j++) best = s[j] > best ? s[j] : best;
+    return best;
+}
+
+/* item: sequence b, KV head g, query rows [r0, r0 + CHUNK) of the sequence */
+"""  # C source of the attention kernels' softmax maximum (after VECTOR_SOURCE; needs math.h)
+
+
 DOT_PAIRS_SOURCE = VECTOR_SOURCE + r"""
 #define BLOCK 8  /* token rows per register block: 2 x 8 accumulators + 3 operands fit 32 vector registers */
 

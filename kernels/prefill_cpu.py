@@ -22,7 +22,7 @@ import ctypes
 import torch
 
 from batchgen.kernels.attention_torch import prefill_attention_torch
-from batchgen.kernels.c_library import EXP_NEG_SOURCE, VECTOR_SOURCE, CFunction
+from batchgen.kernels.c_library import EXP_NEG_SOURCE, ROW_MAX_SOURCE, VECTOR_SOURCE, CFunction
 
 _SOURCE = r"""
 #include <math.h>
@@ -34,6 +34,8 @@ _SOURCE = r"""
 EXP_NEG
 
 VECTORS
+
+ROW_MAX
 
 #define CHUNK 32 /* query rows of an item */
 #define ROWS 4   /* query rows sharing each load of the transposed keys and of a V row */
@@ -118,27 +120,6 @@ static void weighted_values(int n, const float *restrict p, int64_t stride, cons
         }
 }
 
-/* the largest of s[0, n): a running maximum per lane, then the lanes' by halves; lane by lane the maximum is a chain
-   of dependent compares (it was ~30 % of this kernel's time) */
-static inline float row_max(const float *restrict s, int64_t n) {
-    v16 m = (v16){0} - INFINITY;
-    int64_t j = 0;
-    for (; j + LANES <= n; j += LANES) {
-        v16 x = load(s + j);
-        m = blend(x > m, x, m);
-    }
-    v16 h = SHUFFLE(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    m = blend(h > m, h, m);
-    h = SHUFFLE(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    m = blend(h > m, h, m);
-    h = SHUFFLE(m, m, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    m = blend(h > m, h, m);
-    float best = m[0] > m[1] ? m[0] : m[1];
-    for (; j < n; j++) best = s[j] > best ? s[j] : best;
-    return best;
-}
-
-/* item: sequence b, KV head g, query rows [r0, r0 + CHUNK) of the sequence */
 /* the keys a thread holds transposed: sequence b's KV head g, [0, have) */
 typedef struct {
     int b, g;
@@ -208,7 +189,8 @@ void prefill_attention_f32(Args a, int batch, int threads) {
     }
     free(list);
 }
-""".replace("EXP_NEG", EXP_NEG_SOURCE).replace("VECTORS", VECTOR_SOURCE)
+""".replace("EXP_NEG", EXP_NEG_SOURCE).replace("VECTORS", VECTOR_SOURCE).replace(
+    "ROW_MAX", ROW_MAX_SOURCE)
 
 
 class _Args(ctypes.Structure):
