@@ -192,14 +192,14 @@ static void gate_up(const Job *j) {
         int64_t first = span[0] + span[4], rows = span[1] - first;
         float *h0 = j->h + span[2] + blocks * j->I * LANES;  /* their n-th row's column i is h0[n * I + i] */
         float g[BLOCK], u[BLOCK];
-        for (int i = c0; i < c1 && rows > 0; i++) {
-            const float *wg = wg0 + (int64_t)(i - c0) * j->gu1, *wu = wu0 + (int64_t)(i - c0) * j->gu1;
-            for (int64_t n = 0; n < rows; n += BLOCK) {
-                int count = rows - n < BLOCK ? (int)(rows - n) : BLOCK;
-                /* next: this column's rows again for the next block, else the next column's */
-                int last = n + BLOCK >= rows;
+        for (int64_t n = 0; n < rows; n += BLOCK) {  /* a block of rows against every column of the item (as down) */
+            int count = rows - n < BLOCK ? (int)(rows - n) : BLOCK;
+            for (int i = c0; i < c1; i++) {
+                const float *wg = wg0 + (int64_t)(i - c0) * j->gu1, *wu = wu0 + (int64_t)(i - c0) * j->gu1;
+                /* next: the next column's rows; after the item's last, its first again for the next block */
+                int again = i + 1 == c1 && n + BLOCK < rows;
                 dot_pairs_n(count, wg, wu, j->x + (first + n) * j->D, j->D, j->D, g, u,
-                            last ? wg + j->gu1 : wg, last ? wu + j->gu1 : wu);
+                            again ? wg0 : wg + j->gu1, again ? wu0 : wu + j->gu1);
                 for (int r = 0; r < count; r++) h0[(n + r) * j->I + i] = silu_mul(g[r], u[r]);
             }
         }
@@ -232,14 +232,16 @@ static void down(const Job *j) {
             }
             int64_t first = span[0] + span[4], rows = span[1] - first;
             const float *h = j->h + span[2] + blocks * j->I * LANES;  /* the n-th dot row is h + n * I */
+            /* a block of rows against every column of the item: the block's h (8 rows of I floats) stays in L1 while
+               the item's weight rows come again from L2; h blocks taken in turn per column pair came from L2 */
             float y0[BLOCK], y1[BLOCK];
-            for (int d = o0; d < o1 && rows > 0; d += 2) {
-                int both = d + 1 < o1;
-                const float *w0 = w + (int64_t)(d - o0) * j->d1, *w1 = both ? w0 + j->d1 : w0;
-                /* next: these rows' next pair of columns */
-                const float *n0 = w1 + j->d1;
-                for (int64_t n = 0; n < rows; n += BLOCK) {
-                    int count = rows - n < BLOCK ? (int)(rows - n) : BLOCK;
+            for (int64_t n = 0; n < rows; n += BLOCK) {
+                int count = rows - n < BLOCK ? (int)(rows - n) : BLOCK;
+                for (int d = o0; d < o1; d += 2) {
+                    int both = d + 1 < o1;
+                    const float *w0 = w + (int64_t)(d - o0) * j->d1, *w1 = both ? w0 + j->d1 : w0;
+                    /* next: the next pair of columns; after the item's last, its first again for the next block */
+                    const float *n0 = d + 2 < o1 || n + BLOCK >= rows ? w1 + j->d1 : w;
                     dot_pairs_n(count, w0, w1, h + n * j->I, j->I, j->I, y0, y1, n0, n0 + j->d1);
                     for (int r = 0; r < count; r++) {
                         float *o = j->out + j->token[first + n + r] * j->D + d, wt = j->weight[first + n + r];
