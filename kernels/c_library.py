@@ -66,7 +66,13 @@ static inline v16 blend(v16i mask, v16 a, v16 b) {
     return out;
 }
 
+/* lanes of two vectors picked by index (0-15 the first's, 16-31 the second's); GCC before 12 has only
+   __builtin_shuffle, which takes the indices as a vector */
+#if defined(__clang__) || __GNUC__ >= 12
 #define SHUFFLE __builtin_shufflevector
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
+#endif
 
 /* Pins a vector to a register: a value two FMAs use is otherwise folded into each as a memory operand, loaded
    twice, and the loop runs out of load slots before FMA slots (on AVX-512, where a v16 is one register). */
