@@ -12,11 +12,16 @@ import platform
 from pathlib import Path
 
 
+def first_processor(cpuinfo: str) -> dict[str, str]:
+    """The fields of /proc/cpuinfo's first processor."""
+    first = cpuinfo.split("\n\n", 1)[0]
+    return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first.splitlines() if ":" in line)}
+
+
 def cpu_identity(cpuinfo: str) -> str:
     """From /proc/cpuinfo's text, its first processor: vendor, family, model, stepping, model name and a digest of
     its feature flags."""
-    first = cpuinfo.split("\n\n", 1)[0]
-    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first.splitlines() if ":" in line)}
+    fields = first_processor(cpuinfo)
     flags = hashlib.sha256(fields.get("flags", "").encode()).hexdigest()[:8]
     return " ".join([*(fields.get(k, "") for k in ("vendor_id", "cpu family", "model", "stepping", "model name")),
                      f"flags={flags}"])
@@ -32,3 +37,9 @@ def cpuinfo() -> str:
 @functools.cache
 def this_cpu() -> str:
     return f"{platform.machine()} {cpu_identity(cpuinfo())}"
+
+
+@functools.cache
+def this_vendor() -> str:
+    """The CPU's vendor id ("GenuineIntel", "AuthenticAMD", ...; empty where /proc/cpuinfo names none)."""
+    return first_processor(cpuinfo()).get("vendor_id", "")

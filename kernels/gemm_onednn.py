@@ -1,12 +1,16 @@
-"""float32 GEMMs on CPU through oneDNN, on the weight as it is: the projections and experts of many rows.
+"""float32 GEMMs on CPU through oneDNN, on the weight as it is: the projections and experts of many rows; through
+MKL instead on Intel's CPUs.
 
 torch's F.linear runs float32 on MKL, which on AMD CPUs takes its AVX2 path: on the dev box's Zen 5 cores ~100
 GFLOP/s a core where the cores' AVX-512 FMAs peak at ~260. oneDNN (built into torch as "mkldnn") picks its
 kernels by instruction set, not vendor: its linear op, the one inductor's CPU backend calls, reaches 380-450
 GFLOP/s on the box's 2 threads at 64-4096 rows (MKL 180-200), reading the plain weight (no packed copy, no memory
-kept), on the OpenMP threads torch runs its own ops on. A row's sums do not depend on the call's other rows, as
-with BLAS. `unavailable()` says why it cannot be used (a torch built without oneDNN, or a CPU it refuses), and
-`linear` then runs F.linear.
+kept), on the OpenMP threads torch runs its own ops on. On Intel's own CPUs MKL takes its best path and was the
+faster one: on an Intel Xeon (family 6 model 207) bench-moe's prefill steps ran 10-13 % faster through F.linear in an
+in-process A/B (4 rounds, bench/RESULTS.md), its decode steps level. So `blas_preferred()` sends the GEMMs to F.linear
+where torch's BLAS is MKL and the CPU is Intel's. A row's sums do not depend on the call's other rows, either way.
+`unavailable()` says why oneDNN cannot be used (a torch built without oneDNN, or a CPU it refuses), and `linear`
+then runs F.linear too.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from batchgen.kernels.cpu_identity import this_vendor
 
 
 @functools.cache
@@ -37,9 +43,15 @@ def unavailable() -> str | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear's contract for float32 CPU tensors (x [..., D], weight [O, D], either may be strided)."""
-    if unavailable() is None:
+    if unavailable() is None and not blas_preferred():
         return _onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+@functools.cache
+def blas_preferred() -> bool:
+    """Whether F.linear is the faster GEMM here: torch's BLAS is MKL and the CPU is Intel's."""
+    return torch.backends.mkl.is_available() and this_vendor() == "GenuineIntel"
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -6,7 +6,7 @@ at a fraction of the read bandwidth, worst on CPUs it has no tuned path for (AMD
 the LM head. This kernel streams W's rows once for all the token rows, two output columns at a time against
 eight token rows (the dot products the MoE kernel uses, moe_cpu.py), split over threads of the OpenMP pool torch
 runs on; with tens of rows the same blocks keep each weight row in registers for eight token rows, still ahead of
-BLAS's skinny GEMMs. Calls with more than SMALL_ROWS rows are GEMMs oneDNN runs faster (gemm_onednn.py).
+BLAS's skinny GEMMs. Calls with more than SMALL_ROWS rows are GEMMs oneDNN (MKL on Intel) runs faster (gemm_onednn.py).
 """
 
 from __future__ import annotations

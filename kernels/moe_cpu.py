@@ -18,9 +18,9 @@ instead of a padded block (in the same item, while its weight rows are in cache)
 16-expert 512 x 1024 layer at 8 / 16 / 20 / 24 rows per expert on average (random top-2 routing) took 3.2-3.6 /
 5.5-5.6 / 5.2-6.2 / 5.8-6.9 ms this way, 3.4-4.5 / 6.6-7.8 / 7.8-9.4 / 9.0-10.0 ms with every partial block padded,
 and 4.0 / 7.1 / - / 8.9 ms with the dot path up to 16 rows and oneDNN above. Experts with more rows than SMALL_ROWS
-are GEMMs oneDNN runs faster (gemm_onednn.py), a pair of calls per expert (moe_torch.py). A call of at most
-FEW_TOKENS tokens (a decode step's tail) leaves the grouping of its rows by expert to the kernel as well (all of them
-on the dot-product path).
+are GEMMs oneDNN (MKL on Intel) runs faster (gemm_onednn.py), a pair of calls per expert (moe_torch.py). A call of
+at most FEW_TOKENS tokens (a decode step's tail) leaves the grouping of its rows by expert to the kernel as well (all
+of them on the dot-product path).
 """
 
 from __future__ import annotations

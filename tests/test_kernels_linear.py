@@ -56,9 +56,10 @@ def test_c_kernel_reads_a_column_slice_of_a_weight_in_place(kernel_calls):
 
 @pytest.fixture
 def onednn_calls(monkeypatch):
-    """Row counts of the calls that reached oneDNN's GEMM."""
+    """Row counts of the calls that reached oneDNN's GEMM (chosen over MKL whatever this CPU's vendor)."""
     if gemm_onednn.unavailable():
         pytest.skip(gemm_onednn.unavailable())
+    monkeypatch.setattr(gemm_onednn, "blas_preferred", lambda: False)
     calls = []
     gemm = gemm_onednn._onednn_linear
     monkeypatch.setattr(gemm_onednn, "_onednn_linear", lambda x, *args: calls.append(x.shape[0]) or gemm(x, *args))
@@ -90,6 +91,39 @@ def test_onednn_gemm_matches_float64_on_strided_operands_with_rows_independent_o
     for rows in (17, 40, 96):
         assert torch.equal(on_threads(threads, gemm_onednn.linear, x[:rows], weight, bias), out[:rows])
     assert onednn_calls == [97, 17, 40, 96]
+
+
+def test_gemms_go_to_mkl_on_intel_cpus_only(monkeypatch):
+    """MKL (F.linear, bit for bit) where torch's BLAS is MKL and the CPU is Intel's; oneDNN on AMD's, or without MKL."""
+
+    if gemm_onednn.unavailable():
+        pytest.skip(gemm_onednn.unavailable())
+    calls = []
+    gemm = gemm_onednn._onednn_linear
+    monkeypatch.setattr(gemm_onednn, "_onednn_linear", lambda x, *args: calls.append(x.shape[0]) or gemm(x, *args))
+    x, weight = torch.randn(40, 64), torch.randn(48, 64)
+    cases = (("GenuineIntel", True, True), ("AuthenticAMD", True, False), ("GenuineIntel", False, False))
+    try:
+        for vendor, mkl, preferred in cases:
+            monkeypatch.setattr(gemm_onednn, "this_vendor", lambda vendor=vendor: vendor)
+            monkeypatch.setattr(torch.backends.mkl, "is_available", lambda mkl=mkl: mkl)
+            gemm_onednn.blas_preferred.cache_clear()
+            calls.clear()
+            out = gemm_onednn.linear(x, weight)
+            assert gemm_onednn.blas_preferred() is preferred and calls == ([] if preferred else [40])
+            if preferred:
+                assert torch.equal(out, F.linear(x, weight))
+            else:
+                torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    finally:
+        gemm_onednn.blas_preferred.cache_clear()  # the next caller asks this machine again
+
+
+def test_cpu_vendor_is_read_from_cpuinfo():
+    from batchgen.kernels.cpu_identity import first_processor
+
+    text = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n\nprocessor\t: 1\nvendor_id\t: other\n"
+    assert first_processor(text)["vendor_id"] == "AuthenticAMD" and first_processor("") == {}
 
 
 def test_onednn_gemm_falls_back_to_torch_where_torch_has_no_onednn(monkeypatch):
