@@ -104,8 +104,6 @@ static inline float row_max(const float *restrict s, int64_t n) {
     for (; j < n; j++) best = s[j] > best ? s[j] : best;
     return best;
 }
-
-/* item: sequence b, KV head g, query rows [r0, r0 + CHUNK) of the sequence */
 """  # C source of the attention kernels' softmax maximum (after VECTOR_SOURCE; needs math.h)
 
 

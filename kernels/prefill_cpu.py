@@ -126,6 +126,7 @@ typedef struct {
     int64_t have;
 } Held;
 
+/* item: sequence b, KV head g, query rows [r0, r0 + CHUNK) of the sequence */
 static void item(const Args *a, int b, int g, int64_t r0, float *kt, Held *held, float *s) {
     int64_t q0 = a->cuq[b], k0 = a->cuk[b], lq = a->cuq[b + 1] - q0, lk = a->cuk[b + 1] - k0, off = lk - lq;
     int64_t r1 = r0 + CHUNK < lq ? r0 + CHUNK : lq, visible = off + r1, stride = padded(lk);

@@ -4,6 +4,7 @@ import json
 import subprocess
 
 import pytest
+import torch
 from bench_helpers import BENCH_DIR, import_bench
 
 from batchgen.kernels import moe_cpu
@@ -30,7 +31,7 @@ def test_a_commits_kernels_are_its_sources_and_take_turns_with_this_trees(bench,
             assert function.source == getattr(module, attr).source
     builds = bench.Builds(head={key: getattr(*key) for key in base}, base=base)
     seen = []
-    bench.alternate(builds, {"which": lambda: seen.append(moe_cpu._KERNEL) or moe_cpu.torch.zeros(1)}, rounds=1)
+    bench.alternate(builds, {"which": lambda: seen.append(moe_cpu._KERNEL) or torch.zeros(1)}, rounds=1)
     assert seen == [builds.head[(moe_cpu, "_KERNEL")], base[(moe_cpu, "_KERNEL")]] * 2
     assert moe_cpu._KERNEL is builds.head[(moe_cpu, "_KERNEL")]  # this tree's kernels back in place
 
