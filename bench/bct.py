@@ -20,8 +20,10 @@ report their median run (`bct_runs_s` lists every run): this machine's speed dri
 between modes that run one schedule. Each engine mode's unset settings (max_num_seqs, b_attn, b_moe, refill) are
 planned for this workload's prompt and output lengths, as `batchgen run` plans a job's engines for its input
 (`engine_settings` in the JSON); `--plan generic` leaves them to the engine's own plan for a generic workload.
-The roofline bound (bench/roofline.py) is measured in the same run. With --json the last line printed is one
-JSON object.
+The roofline bound (bench/roofline.py) is measured in the same run, for the workload (the best schedule) and for
+each engine mode's steps as it ran them (Engine.observe_steps): `speedup_vs_lockstep_at_bounds` is the speedup the
+two schedules would give if both ran every step at the roofline, `over_schedule_bound` how far each run is from its
+own schedule's bound. With --json the last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -43,13 +45,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from roofline import MoEShape, measure_peaks, workload_bound
+from roofline import MachinePeaks, MoEShape, StepShape, measure_peaks, schedule_bound, workload_bound
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.connectors.presets import build_preset
 from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
 from batchgen.engine.planner import PLANNED_FIELDS, WorkloadShape, plan_engine
 from batchgen.engine.process_heap import keep_freed_memory
+from batchgen.engine.scheduler import StepPlan
 
 SYSTEMS = ("batchgen", "lockstep", "transformers")
 ENGINE_MODES = {"batchgen": "coroutine", "lockstep": "lockstep"}
@@ -90,6 +93,7 @@ class SystemRun:
     completion_times: list[float]
     mean_expert_batch: float
     engine_metrics: dict | None = None  # our engine's own counters
+    steps: list[StepShape] | None = None  # our engine's schedule, step by step
 
 
 def make_workload(spec: WorkloadSpec, vocab_size: int) -> Workload:
@@ -147,6 +151,8 @@ def run_engine(loaded, config: EngineConfig, workload: Workload) -> SystemRun:
     Engine(loaded, config).generate(requests_for(warmup_workload(workload)))
     gc.collect()
     engine = Engine(loaded, config)
+    steps: list[StepShape] = []
+    engine.observe_steps(lambda plan: steps.append(step_shape(plan)))
     start = time.perf_counter()
     results = engine.generate(requests_for(workload))
     bct = time.perf_counter() - start
@@ -158,7 +164,19 @@ def run_engine(loaded, config: EngineConfig, workload: Workload) -> SystemRun:
     gc.collect()
     return SystemRun(tokens=[r.outputs[0].token_ids for r in results], bct_s=bct,
                      completion_times=[r.finished_at - start for r in results],
-                     mean_expert_batch=metrics["mean_expert_batch"], engine_metrics=metrics)
+                     mean_expert_batch=metrics["mean_expert_batch"], engine_metrics=metrics, steps=steps)
+
+
+def step_shape(plan: StepPlan) -> StepShape:
+    """The work of one engine step as it ran (decoded sequences' kv_len counting the token just written)."""
+    chunks = plan.prefill.chunks if plan.prefill else []
+    decoded = plan.decode.seqs if plan.decode else []
+    return StepShape(prompt_tokens=sum(c.end - c.start for c in chunks),
+                     prompt_attended=sum((c.end - c.start) * c.start + (c.end - c.start) * (c.end - c.start + 1) // 2
+                                         for c in chunks),
+                     prompt_kv_read=sum(c.start for c in chunks),
+                     prompts_completed=sum(c.completes for c in chunks),
+                     decoded=len(decoded), decode_kv=sum(s.kv_len for s in decoded))
 
 
 def median_run(name: str, runs: list[SystemRun]) -> SystemRun:
@@ -377,13 +395,18 @@ def compare(reference: list[list[int]], other: list[list[int]], probe: Probe | N
 
 
 def scenario_summary(runs: dict[str, SystemRun], output_tokens: int, bound_s: float,
-                     probe: Probe, tie_gap: float, routing_tie_gap: float) -> dict:
-    """`probe`: the reference (transformers) model's judgement of a divergence (reference_probe)."""
+                     probe: Probe, tie_gap: float, routing_tie_gap: float, shape: MoEShape,
+                     peaks: MachinePeaks) -> dict:
+    """`probe`: the reference (transformers) model's judgement of a divergence (reference_probe).
+    `schedule_bound_s`: each engine mode's roofline over the steps it ran (its own schedule), so
+    `speedup_vs_lockstep_at_bounds` is the speedup the two schedules would give if both ran at the roofline, and
+    `over_schedule_bound` how far each mode's run is from its own schedule's bound."""
     batchgen, lockstep, hf = runs["batchgen"], runs["lockstep"], runs["transformers"]
+    schedule = {name: schedule_bound(shape, run.steps, peaks) for name, run in runs.items() if run.steps}
     vs_lockstep = compare(lockstep.tokens, batchgen.tokens, probe, tie_gap, routing_tie_gap)
     vs_hf = compare(hf.tokens, batchgen.tokens, probe, tie_gap, routing_tie_gap)
     engine_keys = ("scheduler_share", "yields", "restores", "bytes_moved", "peak_active", "peak_suspended",
-                   "prefill_steps", "decode_steps", "moe_calls")
+                   "prefill_steps", "decode_steps", "mixed_steps", "moe_calls")
     return {
         "bct_s": {name: run.bct_s for name, run in runs.items()},
         "tokens_per_s": {name: output_tokens / run.bct_s for name, run in runs.items()},
@@ -392,6 +415,10 @@ def scenario_summary(runs: dict[str, SystemRun], output_tokens: int, bound_s: fl
         "speedup_vs_lockstep": lockstep.bct_s / batchgen.bct_s,
         "expert_batch_vs_lockstep": batchgen.mean_expert_batch / max(lockstep.mean_expert_batch, 1e-9),
         "bct_over_roofline": batchgen.bct_s / bound_s,
+        "schedule_bound_s": schedule,
+        "schedule_steps": {name: len(run.steps) for name, run in runs.items() if run.steps},
+        "over_schedule_bound": {name: runs[name].bct_s / seconds for name, seconds in schedule.items()},
+        "speedup_vs_lockstep_at_bounds": schedule["lockstep"] / schedule["batchgen"],
         "scheduler_share": {name: run.engine_metrics["scheduler_share"] for name, run in runs.items()
                             if run.engine_metrics},
         "completion_time_s": {name: {f"p{q}": percentile(run.completion_times, q) for q in (50, 95, 99)}
@@ -514,7 +541,7 @@ def run(args: argparse.Namespace, log) -> dict:
         if args.profile:
             log(f"[{scenario}] BatchGen profile:\n" + profile_engine(loaded, configs["batchgen"], workload))
         summary = scenario_summary(runs, output_tokens, bound.seconds, probe, TIE_GAP[args.dtype],
-                                   ROUTING_TIE_GAP[args.dtype])
+                                   ROUTING_TIE_GAP[args.dtype], shape, peaks)
         settings = {name: {field: getattr(config, field) for field in PLANNED_FIELDS}
                     for name, config in configs.items()}
         if args.plan == "workload":
@@ -547,7 +574,11 @@ def describe(scenario: str, summary: dict) -> str:
              f"vs lockstep {summary['speedup_vs_lockstep']:.2f}x; "
              f"expert batch {summary['expert_batch_vs_lockstep']:.2f}x lockstep's; "
              f"BatchGen at {summary['bct_over_roofline']:.2f}x the roofline bound; scheduler share "
-             + ", ".join(f"{k} {v:.1%}" for k, v in summary["scheduler_share"].items())]
+             + ", ".join(f"{k} {v:.1%}" for k, v in summary["scheduler_share"].items()),
+             "  at the roofline of each mode's own schedule: "
+             + ", ".join(f"{k} {v:.2f} s ({summary['over_schedule_bound'][k]:.2f}x)"
+                         for k, v in summary["schedule_bound_s"].items())
+             + f"; speedup vs lockstep there {summary['speedup_vs_lockstep_at_bounds']:.2f}x"]
     for pair, match in summary["match"].items():
         line = (f"  outputs {pair}: {match['exact']}/{match['total']} identical, mean matching prefix "
                 f"{match['mean_prefix']:.1f} tokens ({match['mean_prefix_share']:.1%})")

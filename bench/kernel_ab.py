@@ -6,8 +6,10 @@ On a shared 2-core box two runs of the same code differ by 10-30 % from one minu
 changes are worth; two builds alternated inside one process see the same moments. Every C kernel (kernels/*_cpu.py)
 is built a second time from its source at REV (and REV's shared C snippets, kernels/c_library.py), and the two builds
 take turns on the same inputs: the MoE kernel on random top-2 routings of 4-32 rows per expert (bench-moe's 16 experts
-of 512 x 1024; both at this tree's crossover, so only the kernel differs), prefill attention on a 4,096-token step of
-32-256-token prompts and paged decode attention on 128 sequences of ~96-192 tokens (bench-moe's heads). `--engine`
+of 512 x 1024; both at this tree's crossover, so only the kernel differs), warm (one layer's weights, in cache)
+and cold (six layers' weights in turn, 600 MB: more than the caches, as a decode step reads them), prefill attention
+on a 4,096-token step of 32-256-token prompts and paged decode attention on 128 sequences of ~96-192 tokens
+(bench-moe's heads). `--engine`
 runs the engine on bct.py's unconstrained workload instead, the two builds' kernels swapped in run by run. Each point
 reports both medians, their ratio (below 1: this tree faster) and whether the outputs were bit-identical. With --json
 the last line printed is one JSON object.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import random
@@ -46,6 +49,7 @@ from batchgen.kernels.moe_torch import route_rows
 C_MODULES = (attention_cpu, linear_cpu, moe_cpu, norm_cpu, prefill_cpu, rotary_cpu, write_kv_cpu)
 REPO = Path(__file__).resolve().parent.parent
 BASE_C_LIBRARY = "_kernel_ab_base_c_library"
+COLD_LAYERS = 6  # the MoE cases' calls per point; the cold ones read a different layer's 100 MB of weights in each
 
 
 def source_at(rev: str, path: str) -> str:
@@ -104,8 +108,8 @@ def alternate(builds: Builds, cases: dict[str, Callable[[], torch.Tensor]], roun
 def kernel_cases() -> dict[str, Callable[[], torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     experts, dim, inter = 16, 512, 1024
-    w_gate_up = torch.randn(experts, 2 * inter, dim, generator=g) / dim**0.5
-    w_down = torch.randn(experts, dim, inter, generator=g) / inter**0.5
+    layers = [(torch.randn(experts, 2 * inter, dim, generator=g) / dim**0.5,
+               torch.randn(experts, dim, inter, generator=g) / inter**0.5) for _ in range(COLD_LAYERS)]
     dot_rows = moe_crossover.dot_rows(dim, inter)
     cases = {}
     for mean in (4, 8, 16, 32):
@@ -114,12 +118,15 @@ def kernel_cases() -> dict[str, Callable[[], torch.Tensor]]:
         rows = route_rows(torch.randn(tokens, dim, generator=g), weights, ids, experts)
         used = [e for e, count in enumerate(rows.counts) if count]
 
-        def moe(tokens=tokens, rows=rows, used=used) -> torch.Tensor:
-            out = torch.zeros(tokens, dim)
-            moe_cpu.small_experts(out, rows, used, w_gate_up, w_down, dot_rows)
-            return out
+        def moe(weights: list, tokens=tokens, rows=rows, used=used) -> torch.Tensor:
+            outs = []
+            for w_gate_up, w_down in weights:
+                outs.append(torch.zeros(tokens, dim))
+                moe_cpu.small_experts(outs[-1], rows, used, w_gate_up, w_down, dot_rows)
+            return torch.stack(outs)
 
-        cases[f"moe_{mean}_rows_per_expert"] = moe
+        cases[f"moe_{mean}_rows_per_expert"] = functools.partial(moe, layers[:1] * COLD_LAYERS)
+        cases[f"moe_{mean}_rows_per_expert_cold"] = functools.partial(moe, layers)
     heads, kv_heads, head_dim, page = 8, 2, 64, 64
     rng = random.Random(0)
     lens = []

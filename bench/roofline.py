@@ -131,15 +131,43 @@ def _experts_touched(shape: MoEShape, tokens: int) -> float:
     return shape.experts * (1 - (1 - shape.top_k / shape.experts) ** tokens)
 
 
-def _step_cost(shape: MoEShape, tokens: int, attended: int, kv_tokens_read: int, experts_hit: float
-               ) -> tuple[float, float]:
-    """(FLOPs, bytes read) of one forward without logits: `tokens` new tokens, `attended` (query, key)
-    pairs, `kv_tokens_read` cached tokens read back, `experts_hit` experts' weights read per layer."""
+@dataclass(frozen=True)
+class StepShape:
+    """The work of one forward: prompt tokens (their (query, key) pairs, cached prefix tokens read back, prompts
+    whose last token gets logits) and decoded sequences (cached tokens they attend over, the new one included)."""
+
+    prompt_tokens: int = 0
+    prompt_attended: int = 0
+    prompt_kv_read: int = 0
+    prompts_completed: int = 0
+    decoded: int = 0
+    decode_kv: int = 0
+
+
+def step_cost(shape: MoEShape, step: StepShape) -> tuple[float, float]:
+    """(FLOPs, bytes read) of one forward. Its tokens hit the expected count of distinct experts under uniform
+    routing, each hit expert's weights read once for all of them."""
+    tokens = step.prompt_tokens + step.decoded
     per_token = shape.layers * (shape.dense_params_per_layer + shape.top_k * shape.expert_params)
+    attended = step.prompt_attended + step.decode_kv
     flops = 2 * tokens * per_token + shape.layers * 4 * shape.heads * shape.head_dim * attended
-    weights = shape.layers * (shape.dense_params_per_layer + experts_hit * shape.expert_params)
+    flops += 2 * shape.vocab * shape.hidden * (step.prompts_completed + step.decoded)  # logits
+    weights = shape.layers * (shape.dense_params_per_layer + _experts_touched(shape, tokens) * shape.expert_params)
     weights += shape.vocab * shape.hidden + tokens * shape.hidden  # LM head + embedding rows
-    return flops, weights * shape.dtype_bytes + kv_tokens_read * shape.kv_bytes_per_token
+    kv_read = step.prompt_kv_read + step.decode_kv
+    return flops, weights * shape.dtype_bytes + kv_read * shape.kv_bytes_per_token
+
+
+def step_seconds(shape: MoEShape, step: StepShape, peaks: MachinePeaks) -> tuple[float, bool]:
+    """Least time of one forward, and whether compute (not the memory read) bounds it."""
+    flops, nbytes = step_cost(shape, step)
+    compute, memory = flops / peaks.matmul_flops, nbytes / peaks.read_bandwidth
+    return max(compute, memory), compute >= memory
+
+
+def schedule_bound(shape: MoEShape, steps: list[StepShape], peaks: MachinePeaks) -> float:
+    """Least time of a given schedule (an engine's steps as it ran them): each step at its own roofline."""
+    return sum(step_seconds(shape, step, peaks)[0] for step in steps)
 
 
 def workload_bound(shape: MoEShape, prompt_lens: list[int], output_lens: list[int], peaks: MachinePeaks
@@ -148,28 +176,16 @@ def workload_bound(shape: MoEShape, prompt_lens: list[int], output_lens: list[in
     if len(prompt_lens) != len(output_lens) or not prompt_lens:
         raise ValueError(f"need one output length per prompt, got {len(prompt_lens)} prompts "
                          f"and {len(output_lens)} output lengths")
-    logits_flops = 2 * shape.vocab * shape.hidden
-    total_flops = total_bytes = 0.0
-
-    def seconds(flops: float, nbytes: float) -> tuple[float, bool]:
-        nonlocal total_flops, total_bytes
-        total_flops += flops
-        total_bytes += nbytes
-        compute, memory = flops / peaks.matmul_flops, nbytes / peaks.read_bandwidth
-        return max(compute, memory), compute >= memory
-
-    attended = sum(n * (n + 1) // 2 for n in prompt_lens)
-    flops, nbytes = _step_cost(shape, sum(prompt_lens), attended, 0, shape.experts)
-    prefill, _ = seconds(flops + len(prompt_lens) * logits_flops, nbytes)
-
-    decode, compute_bound, steps = 0.0, 0, max(output_lens) - 1
-    for step in range(1, steps + 1):
+    prefill_step = StepShape(prompt_tokens=sum(prompt_lens), prompt_attended=sum(n * (n + 1) // 2 for n in prompt_lens),
+                             prompts_completed=len(prompt_lens))
+    steps = [prefill_step]
+    for step in range(1, max(output_lens)):
         contexts = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
-        batch = len(contexts)
-        flops, nbytes = _step_cost(shape, batch, sum(contexts), sum(contexts), _experts_touched(shape, batch))
-        step_seconds, is_compute = seconds(flops + batch * logits_flops, nbytes)
-        decode += step_seconds
-        compute_bound += is_compute
+        steps.append(StepShape(decoded=len(contexts), decode_kv=sum(contexts)))
+    timed = [step_seconds(shape, step, peaks) for step in steps]
+    costs = [step_cost(shape, step) for step in steps]
+    prefill = timed[0][0]
+    decode = sum(seconds for seconds, _ in timed[1:])
     return RooflineBound(seconds=prefill + decode, prefill_seconds=prefill, decode_seconds=decode,
-                         decode_steps=steps, compute_bound_steps=compute_bound, flops=total_flops,
-                         bytes_read=total_bytes)
+                         decode_steps=len(steps) - 1, compute_bound_steps=sum(bound for _, bound in timed[1:]),
+                         flops=sum(f for f, _ in costs), bytes_read=sum(b for _, b in costs))

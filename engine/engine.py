@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import itertools
 import time
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +37,7 @@ from batchgen.engine.request import Completion, Request, Result
 from batchgen.engine.request_normalizer import RequestNormalizer
 from batchgen.engine.sampler import sample_next_tokens
 from batchgen.engine.sampling_params import InvalidRequestError
-from batchgen.engine.scheduler import DecodePlan, PrefillPlan, Scheduler
+from batchgen.engine.scheduler import DecodePlan, PrefillPlan, Scheduler, StepPlan
 from batchgen.engine.sequence import Phase, Sequence
 from batchgen.engine.stop_checker import finish_reason, output_text
 
@@ -104,6 +104,7 @@ class Engine(Generates):
         self._arrivals = itertools.count()
         self._grammars: GrammarBackend | None = None
         self._bad_words: dict[tuple[str, ...], tuple[tuple[int, ...], ...]] = {}
+        self._step_observers: list[Callable[[StepPlan], None]] = []
 
     # ----------------------------------------------------------------- public API
     def add_request(self, request: Request) -> None:
@@ -133,8 +134,17 @@ class Engine(Generates):
                 self._next_tokens(plan.decode, logits[done:])
         self.stats.record_step_time(plan, time.perf_counter() - start)
         self.stats.record_step(self.scheduler)
+        if plan is not None:
+            for observe in self._step_observers:
+                observe(plan)
         done, self._ready = self._ready, []
         return done
+
+    def observe_steps(self, observer: Callable[[StepPlan], None]) -> None:
+        """Call `observer` with each step's plan once the step has run (its decoded sequences' kv_len then
+        counts the token just written): a schedule's shape for profilers and benchmarks (bench/bct.py's
+        roofline of a schedule), without a per-step record kept by the engine itself."""
+        self._step_observers.append(observer)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is (queued, decoding, suspended) and free its KV; no result follows."""

@@ -29,6 +29,13 @@ def test_quick_json_report(monkeypatch, capsys):
         for key in ("bct_s", "tokens_per_s", "mean_expert_batch", "completion_time_s"):
             assert set(scenario[key]) == SYSTEMS, (name, key)
         assert set(scenario["scheduler_share"]) == {"batchgen", "lockstep"}
+        # each engine mode's schedule as observed step by step: every step once (a mixed one in both counts)
+        for mode, engine in scenario["engine"].items():
+            steps = engine["prefill_steps"] + engine["decode_steps"] - engine["mixed_steps"]
+            assert scenario["schedule_steps"][mode] == steps, (name, mode, engine)
+            assert scenario["schedule_bound_s"][mode] > 0
+        assert scenario["speedup_vs_lockstep_at_bounds"] == pytest.approx(
+            scenario["schedule_bound_s"]["lockstep"] / scenario["schedule_bound_s"]["batchgen"])
         # both engine modes planned for the bench's 8 prompts: every prompt admitted at once
         assert min(s["max_num_seqs"] for s in scenario["engine_settings"].values()) >= PROMPTS, scenario
 
@@ -59,3 +66,30 @@ def test_an_engine_mode_reports_its_median_run_and_must_repeat_its_tokens(monkey
     assert bct.median_run("batchgen", [run(3.0), run(1.0)]).bct_s == 1.0
     with pytest.raises(RuntimeError, match="lockstep: run 3 generated other tokens than run 1"):
         bct.median_run("lockstep", [run(1.0), run(2.0), run(3.0, ((1, 2), (4,)))])
+
+
+def test_a_schedule_bound_adds_its_steps_and_a_mixed_step_reads_the_weights_once(monkeypatch):
+    import_bench(monkeypatch, "bct")
+    import roofline
+
+    shape = roofline.MoEShape(vocab=4096, hidden=512, layers=6, heads=8, kv_heads=2, head_dim=64, experts=16,
+                              top_k=2, intermediate=1024, dtype_bytes=4)
+    peaks = roofline.MachinePeaks(matmul_flops=300e9, read_bandwidth=25e9, copy_bandwidth=20e9)
+    prompts, outputs = [40, 100, 7], [5, 1, 3]
+    best = roofline.workload_bound(shape, prompts, outputs, peaks)
+    # the workload's own bound is the bound of its ideal schedule: one prefill, then one step per output position
+    ideal = [roofline.StepShape(prompt_tokens=147, prompt_attended=sum(n * (n + 1) // 2 for n in prompts),
+                                prompts_completed=3)]
+    ideal += [roofline.StepShape(decoded=2, decode_kv=40 + 7 + 2 * step) for step in (1, 2)]
+    ideal += [roofline.StepShape(decoded=1, decode_kv=40 + step) for step in (3, 4)]
+    assert best.decode_steps == 4
+    assert roofline.schedule_bound(shape, ideal, peaks) == pytest.approx(best.seconds)
+    # prompts prefilled one per step take longer: the weights are read in each step
+    apart = [roofline.StepShape(prompt_tokens=n, prompt_attended=n * (n + 1) // 2, prompts_completed=1)
+             for n in prompts]
+    assert roofline.schedule_bound(shape, apart + ideal[1:], peaks) > best.seconds
+    # a decode step COMBINE-d with a prefill chunk costs less than the two apart (one read of the weights)
+    chunk, decode = roofline.StepShape(prompt_tokens=64, prompt_attended=2080), ideal[3]
+    mixed = roofline.StepShape(prompt_tokens=64, prompt_attended=2080, decoded=1, decode_kv=43)
+    apart_seconds = sum(roofline.step_seconds(shape, s, peaks)[0] for s in (chunk, decode))
+    assert roofline.step_seconds(shape, mixed, peaks)[0] < apart_seconds
