@@ -129,16 +129,29 @@ static inline void lane_sums(const v16 *v, float *s) {
     store(s, z);
 }
 
-/* a[r] = wa . x_r and b[r] = wb . x_r for the n (a constant after inlining, <= BLOCK) rows x_r = x + r * stride:
-   each weight element is loaded once for the n rows, and the 2n sums stay in registers. The next two weight
-   rows (na, nb: the next item's) are fetched meanwhile, a cache line per step: the hardware's stream prefetch
-   stops at every 4 KiB page, and weight rows are 2-4 KiB. */
+/* s[r] = wa . x_r and s[BLOCK + r] = wb . x_r for the n (a constant after inlining, <= BLOCK) rows x_r = x + r * stride
+   (s[r] past n: anything):
+   each weight element is loaded once for the n rows, and the 2n sums stay in registers, leaving in one vector store
+   (a caller reading eight sums back as one vector from eight scalar stores stalls on the store forwarding). The next
+   two weight rows (na, nb: the next item's) are fetched meanwhile, a cache line per step: the hardware's stream
+   prefetch stops at every 4 KiB page, and weight rows are 2-4 KiB. */
 static inline __attribute__((always_inline)) void dot_pairs(int n, const float *restrict wa,
                                                             const float *restrict wb, const float *restrict x,
-                                                            int64_t stride, int len, float *a, float *b,
+                                                            int64_t stride, int len, float *s,
                                                             const float *na, const float *nb) {
-    v16 acc[2 * BLOCK] = {{0}}, *va = acc, *vb = acc + BLOCK;  /* a row past n stays zero */
+    v16 acc[2 * BLOCK], *va = acc, *vb = acc + BLOCK;
     int e = 0;
+    if (len < LANES) {
+        for (int r = 0; r < n; r++) va[r] = vb[r] = (v16){0};
+    } else {  /* the first products start the sums: zeroing them all first compiles to a memset on the stack */
+        v16 ka = load(wa), kb = load(wb);
+        for (int r = 0; r < n; r++) {
+            v16 xr = load(x + r * stride);
+            va[r] = ka * xr;
+            vb[r] = kb * xr;
+        }
+        e = LANES;
+    }
     for (; e + LANES <= len; e += LANES) {
         __builtin_prefetch(na + e, 0, 3);
         __builtin_prefetch(nb + e, 0, 3);
@@ -150,27 +163,24 @@ static inline __attribute__((always_inline)) void dot_pairs(int n, const float *
             vb[r] += kb * xr;
         }
     }
-    float sums[2 * BLOCK];
-    lane_sums(acc, sums);
-    for (int r = 0; r < n; r++) {
-        float sa = sums[r], sb = sums[BLOCK + r];
-        for (int t = e; t < len; t++) { sa += wa[t] * x[r * stride + t]; sb += wb[t] * x[r * stride + t]; }
-        a[r] = sa; b[r] = sb;
-    }
+    for (int r = n; r < BLOCK; r++) { va[r] = va[0]; vb[r] = vb[0]; }  /* rows past n: sums nobody reads */
+    lane_sums(acc, s);
+    for (int r = 0; r < n; r++)
+        for (int t = e; t < len; t++) { s[r] += wa[t] * x[r * stride + t]; s[BLOCK + r] += wb[t] * x[r * stride + t]; }
 }
 
 /* dot_pairs with n a compile-time constant in every case, so each one keeps its sums in registers */
 static void dot_pairs_n(int n, const float *wa, const float *wb, const float *x, int64_t stride, int len,
-                        float *a, float *b, const float *na, const float *nb) {
+                        float *s, const float *na, const float *nb) {
     switch (n) {
-        case 1: dot_pairs(1, wa, wb, x, stride, len, a, b, na, nb); break;
-        case 2: dot_pairs(2, wa, wb, x, stride, len, a, b, na, nb); break;
-        case 3: dot_pairs(3, wa, wb, x, stride, len, a, b, na, nb); break;
-        case 4: dot_pairs(4, wa, wb, x, stride, len, a, b, na, nb); break;
-        case 5: dot_pairs(5, wa, wb, x, stride, len, a, b, na, nb); break;
-        case 6: dot_pairs(6, wa, wb, x, stride, len, a, b, na, nb); break;
-        case 7: dot_pairs(7, wa, wb, x, stride, len, a, b, na, nb); break;
-        default: dot_pairs(8, wa, wb, x, stride, len, a, b, na, nb); break;
+        case 1: dot_pairs(1, wa, wb, x, stride, len, s, na, nb); break;
+        case 2: dot_pairs(2, wa, wb, x, stride, len, s, na, nb); break;
+        case 3: dot_pairs(3, wa, wb, x, stride, len, s, na, nb); break;
+        case 4: dot_pairs(4, wa, wb, x, stride, len, s, na, nb); break;
+        case 5: dot_pairs(5, wa, wb, x, stride, len, s, na, nb); break;
+        case 6: dot_pairs(6, wa, wb, x, stride, len, s, na, nb); break;
+        case 7: dot_pairs(7, wa, wb, x, stride, len, s, na, nb); break;
+        default: dot_pairs(8, wa, wb, x, stride, len, s, na, nb); break;
     }
 }
 

@@ -42,7 +42,7 @@ typedef struct {
 } Job;
 
 static void columns(const Job *j) {
-    float y0[BLOCK], y1[BLOCK];
+    float y[2 * BLOCK];
     for (int64_t item = j->first; item < j->last; item++) {
         int64_t o = 2 * item;
         int both = o + 1 < j->O;
@@ -53,11 +53,11 @@ static void columns(const Job *j) {
         for (int64_t n = 0; n < j->rows; n += BLOCK) {
             int count = j->rows - n < BLOCK ? (int)(j->rows - n) : BLOCK;
             int last = n + BLOCK >= j->rows;
-            dot_pairs_n(count, w0, w1, j->x + n * j->D, j->D, j->D, y0, y1, last ? n0 : w0, last ? n1 : w1);
+            dot_pairs_n(count, w0, w1, j->x + n * j->D, j->D, j->D, y, last ? n0 : w0, last ? n1 : w1);
             for (int r = 0; r < count; r++) {
                 float *out = j->out + (n + r) * j->O + o;
-                out[0] = y0[r] + b0;
-                if (both) out[1] = y1[r] + b1;
+                out[0] = y[r] + b0;
+                if (both) out[1] = y[BLOCK + r] + b1;
             }
         }
     }
