@@ -27,7 +27,7 @@ class ProgramPoint:
     """Where in the module program a coroutine stands; only equal points COMBINE."""
 
     layer: int = 0
-    module: str = "attn"  # attn -> ffn -> (next layer's attn) ... -> head
+    module: str = "attn"  # embed -> attn -> ffn -> (next layer's attn) ... -> head
 
 
 @dataclass
@@ -36,7 +36,7 @@ class CoroutineGroup:
     token (one row per sequence in decode, one per prompt token in prefill)."""
 
     seqs: list[Sequence]
-    hidden: torch.Tensor  # [T, D]: the checkpoint every row yielded with
+    hidden: torch.Tensor  # [T, D]: the checkpoint every row yielded with ([T] token ids at the embed point)
     point: ProgramPoint
     ctx: AttentionContext | None = None  # attention modules need one; MoE/MLP do not
 
@@ -46,6 +46,8 @@ class CoroutineGroup:
 
 
 def next_point(point: ProgramPoint, num_layers: int) -> ProgramPoint:
+    if point.module == "embed":
+        return ProgramPoint(0, "attn")
     if point.module == "attn":
         return ProgramPoint(point.layer, "ffn")
     if point.layer + 1 < num_layers:
@@ -97,6 +99,10 @@ def run_layers(model: torch.nn.Module, micro_batches: list[CoroutineGroup], max_
     `ffn_calls`: under expert parallelism every rank of the engine makes the same number of feed-forward
     calls per layer (each is a collective), so a rank with fewer rows pads with empty calls up to it."""
     groups = [(b.seqs, b.num_tokens, b.ctx) for b in micro_batches]
+    if micro_batches[0].point.module == "embed":  # one embedding lookup for every micro-batch's token ids
+        merged = combine(micro_batches)
+        micro_batches = partition(CoroutineGroup(merged.seqs, model.embed(merged.hidden), ProgramPoint(0, "attn")),
+                                  groups)
     for _ in range(len(model.layers)):
         micro_batches = [resume(model, b) for b in micro_batches]
         merged = combine(micro_batches)

@@ -97,8 +97,9 @@ class ModelRunner:
         self.stats.forward_seconds += time.perf_counter() - start
         return logits
 
-    def _embed(self, token_ids: list[int]) -> torch.Tensor:
-        return self.model.embed(torch.tensor(token_ids, dtype=torch.long, device=self.device))
+    def _token_ids(self, token_ids: list[int]) -> torch.Tensor:
+        """A micro-batch's input rows, embedded inside the forward (run_layers: one lookup for the whole step)."""
+        return torch.tensor(token_ids, dtype=torch.long, device=self.device)
 
     def _prefill_micro_batch(self, chunks: list[PrefillChunk]) -> CoroutineGroup:
         pool = self.kv.pool(chunks[0].seq.kv_location)
@@ -120,7 +121,7 @@ class ModelRunner:
             offload=self.prefill_offload if offloaded else None,
             offload_runs=slot_runs(slots) if offloaded else None,
         )
-        return CoroutineGroup([c.seq for c in chunks], self._embed(tokens), ProgramPoint(0, "attn"), ctx)
+        return CoroutineGroup([c.seq for c in chunks], self._token_ids(tokens), ProgramPoint(0, "embed"), ctx)
 
     def _decode_micro_batch(self, seqs: list[Sequence], pool: KVPool) -> CoroutineGroup:
         """Sequences attending over their pages in `pool` in place (device pages, or host pages when the
@@ -132,7 +133,7 @@ class ModelRunner:
             seq_lens=torch.tensor([s.kv_len + 1 for s in seqs], dtype=torch.int32, device=self.device),
             pool=pool,
         )
-        return CoroutineGroup(seqs, self._embed([s.last_token for s in seqs]), ProgramPoint(0, "attn"), ctx)
+        return CoroutineGroup(seqs, self._token_ids([s.last_token for s in seqs]), ProgramPoint(0, "embed"), ctx)
 
     def _staged_micro_batch(self, seqs: list[Sequence]) -> CoroutineGroup:
         """Host-resident sequences: streamed layer by layer through the staging pool, or attending on the
@@ -158,7 +159,7 @@ class ModelRunner:
             page_table=_page_table(tables, self.device),
             seq_lens=torch.tensor([s.kv_len + 1 for s in seqs], dtype=torch.int32, device=self.device),
         )
-        return CoroutineGroup(seqs, self._embed([s.last_token for s in seqs]), ProgramPoint(0, "attn"), ctx)
+        return CoroutineGroup(seqs, self._token_ids([s.last_token for s in seqs]), ProgramPoint(0, "embed"), ctx)
 
     def _new_token_slots(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
         """The slot of each sequence's next token in the pages of its current tier."""

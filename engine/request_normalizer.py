@@ -70,9 +70,12 @@ class RequestNormalizer:
 
     def _token_ids(self, value: Any) -> list[int]:
         value = plain(value)
-        if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if not isinstance(value, list) or not all(type(t) is int or (isinstance(t, int) and not isinstance(t, bool))
+                                                  for t in value):
             raise InvalidRequestError(f"prompt_token_ids: expected a list of integers, got {describe(value)}")
         upper = self.vocab_size
+        if value and min(value) >= 0 and (upper is None or max(value) < upper):  # (one pass each, in C)
+            return value
         bad = [t for t in value if t < 0 or (upper is not None and t >= upper)]
         if bad:
             where = f"[0, {upper})" if upper is not None else "the non-negative integers"
@@ -155,8 +158,13 @@ def plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
+        if all(type(v) in _PLAIN_SCALARS for v in value):  # a token list: nothing inside to convert
+            return list(value)
         return [plain(v) for v in value]
     return value
+
+
+_PLAIN_SCALARS = frozenset({int, float, str, bool, type(None)})
 
 
 def describe(value: Any) -> str:

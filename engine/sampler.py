@@ -18,6 +18,7 @@ import torch
 from batchgen.engine.grammar import mask_logits
 from batchgen.engine.request import TokenLogprob
 from batchgen.engine.sequence import Sequence
+from batchgen.kernels import ops
 
 
 def sample_next_tokens(logits: torch.Tensor, seqs: SequenceT[Sequence], generator: torch.Generator) -> list[int]:
@@ -29,13 +30,13 @@ def sample_next_tokens(logits: torch.Tensor, seqs: SequenceT[Sequence], generato
         logits[rows] = adjust_logits(logits[rows], [seqs[i] for i in adjusted])
     _suppress_early_stop(logits, seqs)
     mask_logits(logits, [s.grammar for s in seqs])
-    tokens = logits.argmax(dim=-1)
+    tokens = ops.argmax(logits)
     random_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
         probs = _filtered_probs(logits[rows], [seqs[i] for i in random_rows])
         noise = _exponential_noise(probs.shape, [seqs[i] for i in random_rows], generator)
-        tokens[rows] = (probs / noise.to(probs.device)).argmax(dim=-1)
+        tokens[rows] = ops.argmax(probs / noise.to(probs.device))
     token_list = tokens.tolist()
     wants = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
     if wants:

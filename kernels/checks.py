@@ -147,3 +147,10 @@ def check_rotary_inputs(x, cos, sin) -> None:
     expected = (x.shape[0], x.shape[2])
     _require(tuple(cos.shape) == expected and tuple(sin.shape) == expected, op,
              lambda: f"cos and sin must be [T, dim] = {list(expected)}, got {_shape(cos)} and {_shape(sin)}")
+
+
+def check_argmax_inputs(logits) -> None:
+    op = "argmax"
+    _require(logits.dim() == 2 and logits.shape[1] > 0, op, lambda: f"logits must be [R, V] with V >= 1, got "
+             f"{_shape(logits)}")
+    _require(logits.is_floating_point(), op, lambda: f"logits must be floating point, got {logits.dtype}")

@@ -5,6 +5,7 @@ import torch
 
 from batchgen.kernels import registry
 from batchgen.kernels.checks import (
+    check_argmax_inputs,
     check_decode_inputs,
     check_linear_inputs,
     check_moe_inputs,
@@ -100,3 +101,10 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     x [T, H, dim]; cos, sin [T, dim] in x.dtype. Returns a new [T, H, dim] tensor."""
     check_rotary_inputs(x, cos, sin)
     return registry.dispatch("rotary", x)(x, cos, sin)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value, as torch.argmax(logits, dim=-1): the first on ties, a NaN counting
+    as the largest. logits [R, V], V >= 1. Returns [R] int64."""
+    check_argmax_inputs(logits)
+    return registry.dispatch("argmax", logits)(logits)

@@ -21,7 +21,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "BATCHGEN_KERNELS"
-OPS = ("fused_moe", "prefill_attention", "paged_decode_attention", "write_kv", "linear", "rms_norm", "rotary")
+OPS = ("fused_moe", "prefill_attention", "paged_decode_attention", "write_kv", "linear", "rms_norm", "rotary",
+       "argmax")
 HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
 # Distribution names to tell the user, keyed by the module that must import.
 PACKAGE_NAMES = {"triton": "triton", "flash_attn": "flash-attn"}
@@ -119,6 +120,8 @@ BACKENDS = (
     Backend("rms_norm", "torch", f"{_PKG}.norm_torch:rms_norm_torch", _ANY),
     _c_kernel("rotary", "rotary_cpu", "rotary_cpu"),
     Backend("rotary", "torch", f"{_PKG}.rotary_torch:rotary_torch", _ANY),
+    _c_kernel("argmax", "argmax_cpu", "argmax_cpu"),
+    Backend("argmax", "torch", f"{_PKG}.argmax_torch:argmax_torch", _ANY),
 )
 
 

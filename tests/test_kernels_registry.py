@@ -35,11 +35,21 @@ def test_parse_overrides():
 
 def test_auto_picks_cpu_backends_even_under_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from batchgen.kernels import attention_cpu, linear_cpu, moe_cpu, norm_cpu, prefill_cpu, rotary_cpu, write_kv_cpu
+    from batchgen.kernels import (
+        argmax_cpu,
+        attention_cpu,
+        linear_cpu,
+        moe_cpu,
+        norm_cpu,
+        prefill_cpu,
+        rotary_cpu,
+        write_kv_cpu,
+    )
 
     # the C kernels where a compiler built them: every op has one
     modules = {"paged_decode_attention": attention_cpu, "fused_moe": moe_cpu, "linear": linear_cpu,
-               "rms_norm": norm_cpu, "rotary": rotary_cpu, "write_kv": write_kv_cpu, "prefill_attention": prefill_cpu}
+               "rms_norm": norm_cpu, "rotary": rotary_cpu, "write_kv": write_kv_cpu, "prefill_attention": prefill_cpu,
+               "argmax": argmax_cpu}
     expected = {op: "torch" if module.unavailable() else "cpu_c" for op, module in modules.items()}
     assert set(modules) == set(registry.OPS)
     for op in registry.OPS:
