@@ -153,5 +153,13 @@ def copy_pages(src: KVPool, src_pages: list[int], dst: KVPool, dst_pages: list[i
 
 
 def slot_mapping(pages: list[int], start: int, count: int, page_size: int) -> list[int]:
-    """Flat slots (page * page_size + offset) of token positions [start, start + count)."""
-    return [pages[p // page_size] * page_size + p % page_size for p in range(start, start + count)]
+    """Flat slots (page * page_size + offset) of token positions [start, start + count): a range per page."""
+    slots: list[int] = []
+    end = start + count
+    while start < end:
+        page, offset = divmod(start, page_size)
+        take = min(page_size - offset, end - start)
+        first = pages[page] * page_size + offset
+        slots.extend(range(first, first + take))
+        start += take
+    return slots

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -104,19 +105,20 @@ class ModelRunner:
     def _prefill_micro_batch(self, chunks: list[PrefillChunk]) -> CoroutineGroup:
         pool = self.kv.pool(chunks[0].seq.kv_location)
         lengths = [c.end - c.start for c in chunks]
-        tokens = [t for c in chunks for t in c.seq.prompt_ids[c.start : c.end]]
-        slots = [slot for c in chunks for slot in self.kv.slots(c.seq, c.start, c.end - c.start)]
+        tokens = list(chain.from_iterable(c.seq.prompt_ids[c.start : c.end] for c in chunks))
+        slots = list(chain.from_iterable(self.kv.slots(c.seq, c.start, c.end - c.start) for c in chunks))
         cu_seqlens = torch.tensor([0, *_cumsum(lengths)], dtype=torch.int32, device=self.device)
         continued = any(c.start for c in chunks)  # then every chunk attends over its whole prefix in pages
         offloaded = pool is self.kv.host
         ctx = PrefillContext(
-            positions=torch.cat([torch.arange(c.start, c.end, device=self.device) for c in chunks]),
+            positions=torch.tensor(list(chain.from_iterable(range(c.start, c.end) for c in chunks)),
+                                   device=self.device),
             cu_seqlens=cu_seqlens,
             slots=torch.tensor(slots, dtype=torch.long, device=pool.device),
             pool=pool,
             cu_seqlens_k=torch.tensor([0, *_cumsum([c.end for c in chunks])], dtype=torch.int32,
                                       device=self.device) if continued else cu_seqlens,
-            context_slots=torch.tensor([slot for c in chunks for slot in self.kv.slots(c.seq, 0, c.end)],
+            context_slots=torch.tensor(list(chain.from_iterable(self.kv.slots(c.seq, 0, c.end) for c in chunks)),
                                        dtype=torch.long, device=pool.device) if continued else None,
             offload=self.prefill_offload if offloaded else None,
             offload_runs=slot_runs(slots) if offloaded else None,

@@ -12,6 +12,7 @@ whatever batch it lands in.
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceT
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,24 +25,51 @@ from batchgen.kernels import ops
 def sample_next_tokens(logits: torch.Tensor, seqs: SequenceT[Sequence], generator: torch.Generator) -> list[int]:
     """Pick one token per row and record logprobs on sequences that asked for them."""
     logits = logits.float()
-    adjusted = [i for i, s in enumerate(seqs) if s.sampling.adjusts_logits]
-    if adjusted:
-        rows = torch.tensor(adjusted, dtype=torch.long, device=logits.device)
-        logits[rows] = adjust_logits(logits[rows], [seqs[i] for i in adjusted])
-    _suppress_early_stop(logits, seqs)
-    mask_logits(logits, [s.grammar for s in seqs])
+    rows = _RowKinds.of(seqs)
+    if rows.adjusted:
+        index = torch.tensor(rows.adjusted, dtype=torch.long, device=logits.device)
+        logits[index] = adjust_logits(logits[index], [seqs[i] for i in rows.adjusted])
+    _suppress_early_stop(logits, [(i, seqs[i]) for i in rows.early])
+    if rows.structured:
+        mask_logits(logits, [s.grammar for s in seqs])
     tokens = ops.argmax(logits)
-    random_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
-    if random_rows:
-        rows = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
-        probs = _filtered_probs(logits[rows], [seqs[i] for i in random_rows])
-        noise = _exponential_noise(probs.shape, [seqs[i] for i in random_rows], generator)
-        tokens[rows] = ops.argmax(probs / noise.to(probs.device))
+    if rows.sampled:
+        index = torch.tensor(rows.sampled, dtype=torch.long, device=logits.device)
+        probs = _filtered_probs(logits[index], [seqs[i] for i in rows.sampled])
+        noise = _exponential_noise(probs.shape, [seqs[i] for i in rows.sampled], generator)
+        tokens[index] = ops.argmax(probs / noise.to(probs.device))
     token_list = tokens.tolist()
-    wants = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
-    if wants:
-        _record_logprobs(logits, wants, seqs, token_list)
+    if rows.logprobs:
+        _record_logprobs(logits, rows.logprobs, seqs, token_list)
     return token_list
+
+
+@dataclass
+class _RowKinds:
+    """The rows each stage of sampling touches, from one pass over the step's sequences (thousands of them)."""
+
+    adjusted: list[int] = field(default_factory=list)  # penalties, a logit bias or bad words
+    early: list[int] = field(default_factory=list)  # under min_tokens: stop tokens banned
+    structured: bool = False  # a grammar masks some row
+    sampled: list[int] = field(default_factory=list)  # not greedy
+    logprobs: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, seqs: SequenceT[Sequence]) -> _RowKinds:
+        kinds = cls()
+        for i, s in enumerate(seqs):
+            p = s.sampling
+            if p.adjusts_logits:
+                kinds.adjusted.append(i)
+            if len(s.generated) < p.min_tokens:
+                kinds.early.append(i)
+            if s.grammar is not None:
+                kinds.structured = True
+            if not p.greedy:
+                kinds.sampled.append(i)
+            if p.logprobs is not None:
+                kinds.logprobs.append(i)
+        return kinds
 
 
 def adjust_logits(logits: torch.Tensor, seqs: SequenceT[Sequence]) -> torch.Tensor:
@@ -83,14 +111,14 @@ def _token_counts(token_lists: list[list[int]], rows: int, vocab: int, device: t
     return counts
 
 
-def _suppress_early_stop(logits: torch.Tensor, seqs: SequenceT[Sequence]) -> None:
-    for i, s in enumerate(seqs):
-        if len(s.generated) < s.sampling.min_tokens:
-            banned = set(s.sampling.stop_token_ids)
-            if not s.sampling.ignore_eos:
-                banned |= s.eos_token_ids
-            if banned:
-                logits[i, list(banned)] = float("-inf")
+def _suppress_early_stop(logits: torch.Tensor, rows: list[tuple[int, Sequence]]) -> None:
+    """Rows (index, sequence) still under their min_tokens: their stop tokens (and EOS) are banned."""
+    for i, s in rows:
+        banned = set(s.sampling.stop_token_ids)
+        if not s.sampling.ignore_eos:
+            banned |= s.eos_token_ids
+        if banned:
+            logits[i, list(banned)] = float("-inf")
 
 
 def _filtered_probs(logits: torch.Tensor, seqs: SequenceT[Sequence]) -> torch.Tensor:
