@@ -406,7 +406,9 @@ class Engine(Generates):
                 continue
             rows.extend([row] * len(state.samples))
             seqs.extend(state.samples)
-        tokens = sample_next_tokens(logits[rows], seqs, self.generator) if seqs else []
+        if rows != list(range(logits.shape[0])):  # forks repeat a row, prompts prefilled elsewhere drop theirs
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        tokens = sample_next_tokens(logits, seqs, self.generator) if seqs else []
         for seq, token in zip(seqs, tokens):
             self._continue_or_finish(seq, token)
 
