@@ -128,11 +128,13 @@ class ModelRunner:
     def _decode_micro_batch(self, seqs: list[Sequence], pool: KVPool) -> CoroutineGroup:
         """Sequences attending over their pages in `pool` in place (device pages, or host pages when the
         host pool is in the device's own memory)."""
+        kv_lens = torch.tensor([s.kv_len for s in seqs], device=self.device)
+        table = _page_table([self.kv.pages_of(s) for s in seqs], self.device)
         ctx = DecodeContext(
-            positions=torch.tensor([s.kv_len for s in seqs], device=self.device),
-            slots=self._new_token_slots(seqs, self.device),
-            page_table=_page_table([self.kv.pages_of(s) for s in seqs], self.device),
-            seq_lens=torch.tensor([s.kv_len + 1 for s in seqs], dtype=torch.int32, device=self.device),
+            positions=kv_lens,
+            slots=_new_token_slots(table, kv_lens, self.kv.page_size),
+            page_table=table,
+            seq_lens=(kv_lens + 1).to(torch.int32),
             pool=pool,
         )
         return CoroutineGroup(seqs, self._token_ids([s.last_token for s in seqs]), ProgramPoint(0, "embed"), ctx)
@@ -149,26 +151,22 @@ class ModelRunner:
         for n in counts:
             tables.append(stage_pages[offset : offset + n])
             offset += n
+        kv_lens = torch.tensor([s.kv_len for s in seqs], device=self.device)
+        table = _page_table(tables, self.device)
+        host = torch.device("cpu")
         ctx = StagedDecodeContext(
-            positions=torch.tensor([s.kv_len for s in seqs], device=self.device),
+            positions=kv_lens,
             host=self.kv.host,
             host_pages=torch.tensor([p for s, n in zip(seqs, counts) for p in s.host_pages[:n]]),
-            host_slots=self._new_token_slots(seqs, torch.device("cpu")),
+            host_slots=_new_token_slots(_page_table([self.kv.pages_of(s) for s in seqs], host), kv_lens.to(host),
+                                        page_size),
             stage=self.kv.stage,
             stage_pages=torch.tensor(stage_pages, device=self.device),
-            stage_slots=torch.tensor([t[s.kv_len // page_size] * page_size + s.kv_len % page_size
-                                      for s, t in zip(seqs, tables)], device=self.device),
-            page_table=_page_table(tables, self.device),
-            seq_lens=torch.tensor([s.kv_len + 1 for s in seqs], dtype=torch.int32, device=self.device),
+            stage_slots=_new_token_slots(table, kv_lens, page_size),
+            page_table=table,
+            seq_lens=(kv_lens + 1).to(torch.int32),
         )
         return CoroutineGroup(seqs, self._token_ids([s.last_token for s in seqs]), ProgramPoint(0, "embed"), ctx)
-
-    def _new_token_slots(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
-        """The slot of each sequence's next token in the pages of its current tier."""
-        size = self.kv.page_size
-        pages = self.kv.pages_of
-        return torch.tensor([pages(s)[s.kv_len // size] * size + s.kv_len % size for s in seqs], dtype=torch.long,
-                            device=device)
 
 
 def _cumsum(values: list[int]) -> list[int]:
@@ -177,6 +175,12 @@ def _cumsum(values: list[int]) -> list[int]:
         total += v
         out.append(total)
     return out
+
+
+def _new_token_slots(table: torch.Tensor, kv_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The slot of each row's next token (at position kv_len): its page in the row's page table, its offset there."""
+    pages = table.gather(1, (kv_lens // page_size).unsqueeze(1)).squeeze(1).long()
+    return pages * page_size + kv_lens % page_size
 
 
 def _page_table(pages: list[list[int]], device: torch.device) -> torch.Tensor:
