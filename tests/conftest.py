@@ -29,6 +29,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def threads(request):
+    """torch's thread count set to the test's parameter (indirect parametrize), put back after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 IDLE_WORKERS = 16  # 4 logical CPUs / the 0.25 CPU of a read, tokenize or write task
 
 

@@ -14,14 +14,6 @@ def needs_kernel() -> None:
         pytest.skip(argmax_cpu.unavailable())
 
 
-@pytest.fixture
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("threads", [1, 3], indirect=True)
 @pytest.mark.parametrize("shape", [(1, 1), (3, 15), (5, 16), (4, 33), (700, 2048), (2, 40_000)])
 def test_cpu_argmax_matches_torch(shape, threads):

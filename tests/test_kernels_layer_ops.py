@@ -19,14 +19,6 @@ from batchgen.kernels.rotary_torch import rotary_torch
 LAYER_OPS = ("rms_norm", "rotary", "write_kv", "prefill_attention")
 
 
-@pytest.fixture
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def needs(module) -> None:
     if module.unavailable():
         pytest.skip(module.unavailable())
