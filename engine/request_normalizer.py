@@ -69,13 +69,14 @@ class RequestNormalizer:
                                           f"[0, {self.vocab_size})")
 
     def _token_ids(self, value: Any) -> list[int]:
+        upper = self.vocab_size
+        if type(value) is list and value and set(map(type, value)) == {int}:  # the common case, in C passes
+            if min(value) >= 0 and (upper is None or max(value) < upper):
+                return list(value)
         value = plain(value)
         if not isinstance(value, list) or not all(type(t) is int or (isinstance(t, int) and not isinstance(t, bool))
                                                   for t in value):
             raise InvalidRequestError(f"prompt_token_ids: expected a list of integers, got {describe(value)}")
-        upper = self.vocab_size
-        if value and min(value) >= 0 and (upper is None or max(value) < upper):  # (one pass each, in C)
-            return value
         bad = [t for t in value if t < 0 or (upper is not None and t >= upper)]
         if bad:
             where = f"[0, {upper})" if upper is not None else "the non-negative integers"
