@@ -30,6 +30,10 @@ class KVLocation(enum.Enum):
     DEVICE = "device"
     HOST = "host"
 
+    # members are singletons: identity hashing, in C (Enum's own hashes the name in Python, and the scheduler keys
+    # a dict by (sequence, location) for every prompt it plans)
+    __hash__ = object.__hash__
+
 
 @dataclass(eq=False)
 class Sequence:
