@@ -8,7 +8,7 @@ from tiny_models import scheduler_config
 
 from batchgen.engine.coroutine import CoroutineGroup, ProgramPoint, combine, partition
 from batchgen.engine.kv_manager import KVBudget, KVManager
-from batchgen.engine.kv_pool import zeroed
+from batchgen.engine.kv_pool import slot_mapping, zeroed
 from batchgen.engine.models.context import KVSpec
 from batchgen.engine.sampling_params import InvalidRequestError, SamplingParams
 from batchgen.engine.scheduler import DecodePlan, Scheduler
@@ -179,3 +179,10 @@ def test_combine_requires_one_program_point_and_partition_restores_rows():
     assert torch.equal(parts[0].hidden, a.hidden) and torch.equal(parts[1].hidden, b.hidden)
     with pytest.raises(ValueError, match="different program points"):
         combine([a, CoroutineGroup(seqs[2:], b.hidden, ProgramPoint(1, "attn"))])
+
+
+@pytest.mark.parametrize("start,count", [(0, 0), (0, 4), (3, 1), (3, 6), (5, 11), (1, 14), (15, 1)])
+def test_slot_mapping_is_each_positions_page_and_offset(start, count):
+    pages = [7, 2, 9, 4]  # page ids in the sequence's order, not the pool's
+    expected = [pages[p // PAGE] * PAGE + p % PAGE for p in range(start, start + count)]
+    assert slot_mapping(pages, start, count, PAGE) == expected
