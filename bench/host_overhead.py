@@ -9,10 +9,10 @@ step) spent outside the model forward (`host_share.<S>`), and the host microseco
 step (`host_us_per_seq.<S>`: host seconds over the sum of sequences over steps), which should not grow
 with S if every per-step cost is vectorised or O(changed sequences). Each level runs `--repeats` times and reports
 its run of median host share (a level's run takes 0.1-1 s, where a shared machine's swings show). `--profile` prints
-the top host
-functions of the largest level. The process freezes its heap once the model is loaded, as engine actors do
-(engine/process_heap.py), so a full pass of Python's collector over the imports' objects does not land in a
-level's timed run. With --json the last line printed is one JSON object.
+the top host functions of the largest level, from its first run, which the figures then leave out. The process
+freezes its heap once the model is loaded, as engine actors do (engine/process_heap.py), so a full pass of Python's
+collector over the imports' objects does not land in a level's timed run. With --json the last line printed is one
+JSON object.
 """
 
 from __future__ import annotations

@@ -160,7 +160,10 @@ def step_cost(shape: MoEShape, step: StepShape) -> tuple[float, float]:
 
 def step_seconds(shape: MoEShape, step: StepShape, peaks: MachinePeaks) -> tuple[float, bool]:
     """Least time of one forward, and whether compute (not the memory read) bounds it."""
-    flops, nbytes = step_cost(shape, step)
+    return _roofline(*step_cost(shape, step), peaks)
+
+
+def _roofline(flops: float, nbytes: float, peaks: MachinePeaks) -> tuple[float, bool]:
     compute, memory = flops / peaks.matmul_flops, nbytes / peaks.read_bandwidth
     return max(compute, memory), compute >= memory
 
@@ -182,8 +185,8 @@ def workload_bound(shape: MoEShape, prompt_lens: list[int], output_lens: list[in
     for step in range(1, max(output_lens)):
         contexts = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
         steps.append(StepShape(decoded=len(contexts), decode_kv=sum(contexts)))
-    timed = [step_seconds(shape, step, peaks) for step in steps]
     costs = [step_cost(shape, step) for step in steps]
+    timed = [_roofline(flops, nbytes, peaks) for flops, nbytes in costs]
     prefill = timed[0][0]
     decode = sum(seconds for seconds, _ in timed[1:])
     return RooflineBound(seconds=prefill + decode, prefill_seconds=prefill, decode_seconds=decode,

@@ -74,8 +74,7 @@ class RequestNormalizer:
             if min(value) >= 0 and (upper is None or max(value) < upper):
                 return list(value)
         value = plain(value)
-        if not isinstance(value, list) or not all(type(t) is int or (isinstance(t, int) and not isinstance(t, bool))
-                                                  for t in value):
+        if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             raise InvalidRequestError(f"prompt_token_ids: expected a list of integers, got {describe(value)}")
         bad = [t for t in value if t < 0 or (upper is not None and t >= upper)]
         if bad:
