@@ -133,12 +133,15 @@ static inline void lane_sums(const v16 *v, float *s) {
    (s[r] past n: anything):
    each weight element is loaded once for the n rows, and the 2n sums stay in registers, leaving in one vector store
    (a caller reading eight sums back as one vector from eight scalar stores stalls on the store forwarding). The next
-   two weight rows (na, nb: the next item's) are fetched meanwhile, a cache line per step: the hardware's stream
-   prefetch stops at every 4 KiB page, and weight rows are 2-4 KiB. */
+   two weight rows (na, nb: the next item's) are fetched into L1 meanwhile, a cache line per step: the hardware's
+   stream prefetch stops at every 4 KiB page, and weight rows are 2-4 KiB. Two rows further ahead (fa, fb: a caller's
+   next work item's) are fetched into L2 the same way, so a read from memory overlaps a whole item's compute, not one
+   row's: a MoE layer at 16-32 rows per expert took 0.60-0.71x the time of the near fetch alone on an Intel Xeon. */
 static inline __attribute__((always_inline)) void dot_pairs(int n, const float *restrict wa,
                                                             const float *restrict wb, const float *restrict x,
                                                             int64_t stride, int len, float *s,
-                                                            const float *na, const float *nb) {
+                                                            const float *na, const float *nb,
+                                                            const float *fa, const float *fb) {
     v16 acc[2 * BLOCK], *va = acc, *vb = acc + BLOCK;
     int e = 0;
     if (len < LANES) {
@@ -155,6 +158,8 @@ static inline __attribute__((always_inline)) void dot_pairs(int n, const float *
     for (; e + LANES <= len; e += LANES) {
         __builtin_prefetch(na + e, 0, 3);
         __builtin_prefetch(nb + e, 0, 3);
+        __builtin_prefetch(fa + e, 0, 2);
+        __builtin_prefetch(fb + e, 0, 2);
         v16 ka = load(wa + e), kb = load(wb + e);
         for (int r = 0; r < n; r++) {
             v16 xr = load(x + r * stride + e);
@@ -171,16 +176,16 @@ static inline __attribute__((always_inline)) void dot_pairs(int n, const float *
 
 /* dot_pairs with n a compile-time constant in every case, so each one keeps its sums in registers */
 static void dot_pairs_n(int n, const float *wa, const float *wb, const float *x, int64_t stride, int len,
-                        float *s, const float *na, const float *nb) {
+                        float *s, const float *na, const float *nb, const float *fa, const float *fb) {
     switch (n) {
-        case 1: dot_pairs(1, wa, wb, x, stride, len, s, na, nb); break;
-        case 2: dot_pairs(2, wa, wb, x, stride, len, s, na, nb); break;
-        case 3: dot_pairs(3, wa, wb, x, stride, len, s, na, nb); break;
-        case 4: dot_pairs(4, wa, wb, x, stride, len, s, na, nb); break;
-        case 5: dot_pairs(5, wa, wb, x, stride, len, s, na, nb); break;
-        case 6: dot_pairs(6, wa, wb, x, stride, len, s, na, nb); break;
-        case 7: dot_pairs(7, wa, wb, x, stride, len, s, na, nb); break;
-        default: dot_pairs(8, wa, wb, x, stride, len, s, na, nb); break;
+        case 1: dot_pairs(1, wa, wb, x, stride, len, s, na, nb, fa, fb); break;
+        case 2: dot_pairs(2, wa, wb, x, stride, len, s, na, nb, fa, fb); break;
+        case 3: dot_pairs(3, wa, wb, x, stride, len, s, na, nb, fa, fb); break;
+        case 4: dot_pairs(4, wa, wb, x, stride, len, s, na, nb, fa, fb); break;
+        case 5: dot_pairs(5, wa, wb, x, stride, len, s, na, nb, fa, fb); break;
+        case 6: dot_pairs(6, wa, wb, x, stride, len, s, na, nb, fa, fb); break;
+        case 7: dot_pairs(7, wa, wb, x, stride, len, s, na, nb, fa, fb); break;
+        default: dot_pairs(8, wa, wb, x, stride, len, s, na, nb, fa, fb); break;
     }
 }
 

@@ -53,7 +53,7 @@ static void columns(const Job *j) {
         for (int64_t n = 0; n < j->rows; n += BLOCK) {
             int count = j->rows - n < BLOCK ? (int)(j->rows - n) : BLOCK;
             int last = n + BLOCK >= j->rows;
-            dot_pairs_n(count, w0, w1, j->x + n * j->D, j->D, j->D, y, last ? n0 : w0, last ? n1 : w1);
+            dot_pairs_n(count, w0, w1, j->x + n * j->D, j->D, j->D, y, last ? n0 : w0, last ? n1 : w1, n0, n1);
             for (int r = 0; r < count; r++) {
                 float *out = j->out + (n + r) * j->O + o;
                 out[0] = y[r] + b0;

@@ -192,14 +192,22 @@ static void gate_up(const Job *j) {
         int64_t first = span[0] + span[4], rows = span[1] - first;
         float *h0 = j->h + span[2] + blocks * j->I * LANES;  /* their n-th row's column i is h0[n * I + i] */
         float gu[2 * BLOCK];  /* gate sums, then up sums */
+        /* the next item's rows, fetched into L2 during this item's first block (its weights' read overlaps the
+           compute of this item's later blocks) */
+        int64_t next = item + 1 < j->last ? item + 1 : item;
+        const float *fg0 = j->wgu + j->experts[next / per_expert] * j->gu0
+                         + (int64_t)(next % per_expert) * COLUMN_BLOCK * j->gu1;
+        const float *fu0 = fg0 + (int64_t)j->I * j->gu1;
         for (int64_t n = 0; n < rows; n += BLOCK) {  /* a block of rows against every column of the item (as down) */
             int count = rows - n < BLOCK ? (int)(rows - n) : BLOCK;
             for (int i = c0; i < c1; i++) {
                 const float *wg = wg0 + (int64_t)(i - c0) * j->gu1, *wu = wu0 + (int64_t)(i - c0) * j->gu1;
                 /* next: the next column's rows; after the item's last, its first again for the next block */
                 int again = i + 1 == c1 && n + BLOCK < rows;
-                dot_pairs_n(count, wg, wu, j->x + (first + n) * j->D, j->D, j->D, gu,
-                            again ? wg0 : wg + j->gu1, again ? wu0 : wu + j->gu1);
+                const float *ng = again ? wg0 : wg + j->gu1, *nu = again ? wu0 : wu + j->gu1;
+                int far = n == 0 && next != item;
+                dot_pairs_n(count, wg, wu, j->x + (first + n) * j->D, j->D, j->D, gu, ng, nu,
+                            far ? fg0 + (int64_t)(i - c0) * j->gu1 : ng, far ? fu0 + (int64_t)(i - c0) * j->gu1 : nu);
                 for (int r = 0; r < count; r++) h0[(n + r) * j->I + i] = silu_mul(gu[r], gu[BLOCK + r]);
             }
         }
@@ -235,6 +243,10 @@ static void down(const Job *j) {
             /* a block of rows against every column of the item: the block's h (8 rows of I floats) stays in L1 while
                the item's weight rows come again from L2; h blocks taken in turn per column pair came from L2 */
             float y[2 * BLOCK];  /* column d's sums, then d + 1's */
+            /* the next item's rows (this expert's next columns, else the next expert's first ones), into L2 during
+               this item's first block */
+            const float *fw = item + 1 < j->last ? w + OUTPUT_BLOCK * j->d1
+                            : a + 1 < j->A ? j->wd + j->experts[a + 1] * j->d0 + j->first * OUTPUT_BLOCK * j->d1 : NULL;
             for (int64_t n = 0; n < rows; n += BLOCK) {
                 int count = rows - n < BLOCK ? (int)(rows - n) : BLOCK;
                 for (int d = o0; d < o1; d += 2) {
@@ -242,7 +254,8 @@ static void down(const Job *j) {
                     const float *w0 = w + (int64_t)(d - o0) * j->d1, *w1 = both ? w0 + j->d1 : w0;
                     /* next: the next pair of columns; after the item's last, its first again for the next block */
                     const float *n0 = d + 2 < o1 || n + BLOCK >= rows ? w1 + j->d1 : w;
-                    dot_pairs_n(count, w0, w1, h + n * j->I, j->I, j->I, y, n0, n0 + j->d1);
+                    const float *f0 = n == 0 && fw ? fw + (int64_t)(d - o0) * j->d1 : n0;
+                    dot_pairs_n(count, w0, w1, h + n * j->I, j->I, j->I, y, n0, n0 + j->d1, f0, f0 + j->d1);
                     for (int r = 0; r < count; r++) {
                         float *o = j->out + j->token[first + n + r] * j->D + d, wt = j->weight[first + n + r];
                         o[0] += wt * y[r];
