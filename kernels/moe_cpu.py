@@ -32,7 +32,7 @@ import torch
 
 from batchgen.kernels import gemm_onednn, moe_crossover
 from batchgen.kernels.c_library import DOT_PAIRS_SOURCE, EXP_NEG_SOURCE, CFunction
-from batchgen.kernels.moe_torch import RoutedRows, route_rows
+from batchgen.kernels.moe_torch import RoutedRows
 
 # rows per expert up to which this kernel beats oneDNN's GEMMs (a layer of 16 512 x 1024 experts, cold, 2 threads of
 # the dev box, random top-2 routing: at 48 rows per expert on average 11.0 ms with the blocked path up to 64 rows
@@ -40,6 +40,7 @@ from batchgen.kernels.moe_torch import RoutedRows, route_rows
 SMALL_ROWS = 64
 LANES = 16  # rows per vector of the blocked path
 FEW_TOKENS = 16  # tokens of a call up to which the kernel groups them by expert too (torch's sort wins above)
+THREAD_BYTES = 256 << 10  # bytes a pass of glue moves (row copies, silu, scatter): less is not worth a second thread
 
 _SOURCE = r"""
 #include <math.h>
@@ -51,6 +52,7 @@ _SOURCE = r"""
 #define COLUMN_BLOCK 8  /* intermediate columns of a gate/up item: 8 gate + 8 up sums in registers */
 #define OUTPUT_BLOCK 16 /* output columns of a down item: 16 sums in registers, one cache line of an output row */
 #define SPAN 5          /* int64s per expert in spans */
+#define THREAD_BYTES @THREAD_BYTES@  /* moe_cpu.THREAD_BYTES */
 
 typedef struct {
     const float *x;            /* [R, D] rows sorted by expert */
@@ -318,44 +320,63 @@ void scatter_rows_f32(const float *y, const int64_t *token, const float *weight,
     }
 }
 
-/* A few tokens (every expert then has at most T rows: all within this kernel): their (token, k) pairs grouped by
-   expert here, by a stable counting sort (the order of the torch path's stable argsort, so the same sums in the
-   same order), instead of by a handful of torch calls per layer. ids < 0 (experts on another rank) are skipped,
-   and so is any id past the last expert, so no input writes outside this function's arrays. */
-void few_tokens_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E,
-                    const float *wgu, const float *wd, int64_t gu0, int64_t gu1, int64_t d0, int64_t d1, float *h,
-                    float *out, int D, int I, int threads) {
-    int64_t pairs = T * K, *first = calloc(E + 1, sizeof(int64_t)), *next = malloc(E * sizeof(int64_t));
-    int A = 0;
+/* The (token, k) pairs grouped by expert, as rows: a stable counting sort by id (the order of the torch path's
+   stable argsort, so the same sums in the same order) instead of a handful of torch calls per layer. ids < 0
+   (experts on another rank) are skipped, and so is any id past the last expert, so no input writes outside the
+   arrays. xs[r] = x[token[r]], copied over the team; starts [E + 1]: expert e's rows are [starts[e], starts[e + 1]).
+   Returns the rows. */
+static int64_t group_rows(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E,
+                          int D, float *xs, int64_t *token, float *weight, int64_t *starts, int threads) {
+    int64_t pairs = T * K, *next = malloc((E + 1) * sizeof(int64_t));
+    memset(starts, 0, (E + 1) * sizeof(int64_t));
     for (int64_t p = 0; p < pairs; p++)
-        if (ids[p] >= 0 && ids[p] < E) first[ids[p] + 1]++;
-    for (int e = 0; e < E; e++) { A += first[e + 1] > 0; first[e + 1] += first[e]; next[e] = first[e]; }
-    int64_t rows = first[E], *token = malloc((rows + 1) * sizeof(int64_t));
-    int64_t *spans = malloc((SPAN * A + 1) * sizeof(int64_t)), *experts = malloc((A + 1) * sizeof(int64_t));
-    float *xs = malloc((rows * D + 1) * sizeof(float)), *weight = malloc((rows + 1) * sizeof(float));
+        if (ids[p] >= 0 && ids[p] < E) starts[ids[p] + 1]++;
+    for (int e = 0; e < E; e++) { starts[e + 1] += starts[e]; next[e] = starts[e]; }
     for (int64_t p = 0; p < pairs; p++) {
         if (ids[p] < 0 || ids[p] >= E) continue;
         int64_t r = next[ids[p]]++;
         token[r] = p / K;
         weight[r] = topk_weight[p];
-        memcpy(xs + r * D, x + token[r] * D, D * sizeof(float));
     }
-    for (int e = 0, a = 0; e < E; e++)
-        if (first[e + 1] > first[e]) {
-            spans[SPAN * a] = first[e];
-            spans[SPAN * a + 1] = first[e + 1];
-            spans[SPAN * a + 2] = first[e] * I;
-            spans[SPAN * a + 3] = -1;  /* a few rows: the dot-product path */
-            spans[SPAN * a + 4] = 0;
-            experts[a++] = e;
+    free(next);
+    int64_t rows = starts[E];
+#pragma omp parallel for num_threads(threads) if (threads > 1 && rows * D * 4 >= THREAD_BYTES) schedule(static)
+    for (int64_t r = 0; r < rows; r++) memcpy(xs + r * D, x + token[r] * D, D * sizeof(float));
+    return rows;
+}
+
+void route_rows_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E, int D,
+                    float *xs, int64_t *token, float *weight, int64_t *starts, int threads) {
+    group_rows(x, T, K, ids, topk_weight, E, D, xs, token, weight, starts, threads);
+}
+
+/* A few tokens (every expert then has at most T rows: all within this kernel): their rows grouped here, then every
+   expert on the dot-product path, in one call. */
+void few_tokens_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E,
+                    const float *wgu, const float *wd, int64_t gu0, int64_t gu1, int64_t d0, int64_t d1, float *h,
+                    float *out, int D, int I, int threads) {
+    int64_t pairs = T * K, *token = malloc((pairs + 1) * sizeof(int64_t)), *starts = malloc((E + 1) * sizeof(int64_t));
+    float *xs = malloc((pairs * D + 1) * sizeof(float)), *weight = malloc((pairs + 1) * sizeof(float));
+    group_rows(x, T, K, ids, topk_weight, E, D, xs, token, weight, starts, 1);
+    int64_t *spans = malloc((SPAN * E + 1) * sizeof(int64_t)), *experts = malloc((E + 1) * sizeof(int64_t));
+    int A = 0;
+    for (int e = 0; e < E; e++)
+        if (starts[e + 1] > starts[e]) {
+            spans[SPAN * A] = starts[e];
+            spans[SPAN * A + 1] = starts[e + 1];
+            spans[SPAN * A + 2] = starts[e] * I;
+            spans[SPAN * A + 3] = -1;  /* a few rows: the dot-product path */
+            spans[SPAN * A + 4] = 0;
+            experts[A++] = e;
         }
     if (A) {
         Job base = {xs, spans, experts, wgu, wd, gu0, gu1, d0, d1, h, NULL, token, weight, out, A, D, I, 0, 0};
         run(base, threads);
     }
-    free(first); free(next); free(token); free(spans); free(experts); free(xs); free(weight);
+    free(token); free(starts); free(spans); free(experts); free(xs); free(weight);
 }
-""".replace("EXP_NEG", EXP_NEG_SOURCE).replace("DOT_PAIRS", DOT_PAIRS_SOURCE)
+""".replace("EXP_NEG", EXP_NEG_SOURCE).replace("DOT_PAIRS", DOT_PAIRS_SOURCE).replace("@THREAD_BYTES@",
+                                                                                    str(THREAD_BYTES))
 
 
 SOURCE_DIGEST = hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]  # measurements of this kernel name its source
@@ -366,11 +387,13 @@ _FEW_TOKENS = CFunction("small_experts", _SOURCE, "few_tokens_f32",
                          *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 4, *[ctypes.c_void_p] * 2, *[ctypes.c_int] * 3))
 
 
+_ROUTE_ROWS = CFunction("small_experts", _SOURCE, "route_rows_f32",
+                        (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, *[ctypes.c_void_p] * 2, *[ctypes.c_int] * 2,
+                         *[ctypes.c_void_p] * 4, ctypes.c_int))
 _SILU_MUL = CFunction("small_experts", _SOURCE, "silu_mul_rows_f32",
                       (*[ctypes.c_void_p] * 2, ctypes.c_int64, *[ctypes.c_int] * 2))
 _SCATTER = CFunction("small_experts", _SOURCE, "scatter_rows_f32",
                      (*[ctypes.c_void_p] * 4, ctypes.c_int64, *[ctypes.c_int] * 2))
-THREAD_BYTES = 256 << 10  # of rows a pass of the GEMM path's glue reads: below, a second thread is not worth it
 
 
 def unavailable() -> str | None:
@@ -410,13 +433,34 @@ def fused_moe_cpu(
     w_gate_up, w_down = (w if w.stride(-1) == 1 else w.contiguous() for w in (w_gate_up, w_down))
     if x.shape[0] <= FEW_TOKENS:  # no expert can get more rows than there are tokens: all of them the kernel's
         return _few_tokens(x, w_gate_up, w_down, topk_weights, topk_ids)
-    rows = route_rows(x, topk_weights, topk_ids, num_experts)
+    rows = route_rows_cpu(x, topk_weights, topk_ids, num_experts)
     out = torch.zeros(x.shape, dtype=torch.float32)
     small = [e for e, count in enumerate(rows.counts) if 0 < count <= SMALL_ROWS]
     if small:
         small_experts(out, rows, small, w_gate_up, w_down, moe_crossover.dot_rows(dim, inter))
     large_experts(out, rows, [e for e, count in enumerate(rows.counts) if count > SMALL_ROWS], w_gate_up, w_down)
     return out.to(x.dtype)
+
+
+def route_rows_cpu(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
+                   ) -> RoutedRows:
+    """moe_torch.route_rows for float32 CPU tensors, in one C pass (a counting sort, then the rows copied): the
+    same rows in the same order, without the torch path's sort, count and gather calls per layer."""
+    tokens, top_k = topk_ids.shape
+    dim = x.shape[1]
+    x = x.contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    xs = torch.empty(tokens * top_k, dim, dtype=torch.float32)
+    token_rows = torch.empty(tokens * top_k, dtype=torch.int64)
+    row_weights = torch.empty(tokens * top_k, dtype=torch.float32)
+    starts = torch.empty(num_experts + 1, dtype=torch.int64)
+    _ROUTE_ROWS(x.data_ptr(), tokens, top_k, ids.data_ptr(), weights.data_ptr(), num_experts, dim, xs.data_ptr(),
+                token_rows.data_ptr(), row_weights.data_ptr(), starts.data_ptr(), torch.get_num_threads())
+    bounds = starts.tolist()
+    rows = bounds[-1]
+    return RoutedRows(xs[:rows], token_rows[:rows], row_weights[:rows], [b - a for a, b in zip(bounds, bounds[1:])],
+                      bounds)
 
 
 def small_experts(out: torch.Tensor, rows: RoutedRows, experts: list[int], w_gate_up: torch.Tensor,

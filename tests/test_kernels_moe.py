@@ -122,6 +122,27 @@ def test_cpu_c_groups_a_few_tokens_rows_in_the_kernel(tokens, path, monkeypatch)
     assert calls == (["_FEW_TOKENS"] if path == "few" else ["_KERNEL"])
 
 
+@pytest.mark.parametrize("tokens,threads", [(21, 1), (600, 2)])
+def test_cpu_c_routes_rows_as_the_torch_grouping_does(tokens, threads, monkeypatch):
+    """The C kernel's grouping by expert (a counting sort) yields torch's rows in torch's order: the same gathered
+    hidden states, output rows, weights and per-expert counts, ids of another rank (< 0) left out; 600 tokens copy
+    rows on two threads."""
+    from batchgen.kernels import moe_cpu
+    from batchgen.kernels.moe_torch import route_rows
+
+    if moe_cpu.unavailable():
+        pytest.skip(moe_cpu.unavailable())
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    x, _, _, weights, ids = make_moe(tokens, 112, 8, 9, 3, seed=tokens)
+    ids[::4, 1] = -1
+    ours, theirs = moe_cpu.route_rows_cpu(x, weights, ids, 9), route_rows(x, weights, ids, 9)
+    assert ours.counts == theirs.counts and ours.starts == theirs.starts
+    assert sum(ours.counts) == tokens * 3 - len(range(0, tokens, 4))
+    assert torch.equal(ours.token_rows, theirs.token_rows)
+    assert torch.equal(ours.weights, theirs.weights)
+    assert torch.equal(ours.xs, theirs.xs)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_cpu_c_takes_any_row_count_up_to_its_limit_and_sizes_off_the_vector_width(threads, monkeypatch):
     """Rows go eight at a time: expert 0 gets SMALL_ROWS rows (whole blocks), expert 3 all but nine of them (a
