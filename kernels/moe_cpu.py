@@ -18,9 +18,9 @@ instead of a padded block (in the same item, while its weight rows are in cache)
 16-expert 512 x 1024 layer at 8 / 16 / 20 / 24 rows per expert on average (random top-2 routing) took 3.2-3.6 /
 5.5-5.6 / 5.2-6.2 / 5.8-6.9 ms this way, 3.4-4.5 / 6.6-7.8 / 7.8-9.4 / 9.0-10.0 ms with every partial block padded,
 and 4.0 / 7.1 / - / 8.9 ms with the dot path up to 16 rows and oneDNN above. Experts with more rows than SMALL_ROWS
-are GEMMs oneDNN (MKL on Intel) runs faster (gemm_onednn.py), a pair of calls per expert (moe_torch.py). A call of
-at most FEW_TOKENS tokens (a decode step's tail) leaves the grouping of its rows by expert to the kernel as well (all
-of them on the dot-product path).
+are GEMMs oneDNN (MKL on Intel) runs faster (gemm_onednn.py), a pair of calls per expert (moe_torch.py). The rows are
+grouped by expert in C too (route_rows_cpu: a counting sort, torch's order); a call of at most FEW_TOKENS tokens (a
+decode step's tail) groups and runs them in one kernel call (all of them on the dot-product path).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from batchgen.kernels.moe_torch import RoutedRows
 # against 14.6 ms with oneDNN above 16)
 SMALL_ROWS = 64
 LANES = 16  # rows per vector of the blocked path
-FEW_TOKENS = 16  # tokens of a call up to which the kernel groups them by expert too (torch's sort wins above)
+FEW_TOKENS = 16  # tokens of a call up to which one kernel call groups and runs them (the dot path's row counts)
 THREAD_BYTES = 256 << 10  # bytes a pass of glue moves (row copies, silu, scatter): less is not worth a second thread
 
 _SOURCE = r"""
