@@ -154,3 +154,11 @@ def check_argmax_inputs(logits) -> None:
     _require(logits.dim() == 2 and logits.shape[1] > 0, op, lambda: f"logits must be [R, V] with V >= 1, got "
              f"{_shape(logits)}")
     _require(logits.is_floating_point(), op, lambda: f"logits must be floating point, got {logits.dtype}")
+
+
+def check_router_inputs(x, weight, top_k) -> None:
+    op = "router_topk"
+    _require(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], op,
+             lambda: f"x must be [T, D] and weight [E, D], got {_shape(x)} and {_shape(weight)}")
+    _require(1 <= top_k <= weight.shape[0], op, lambda: f"top_k must be in [1, E = {weight.shape[0]}], got {top_k}")
+    _require(x.dtype == weight.dtype, op, lambda: f"x ({x.dtype}) and weight ({weight.dtype}) must share a dtype")

@@ -12,6 +12,7 @@ from batchgen.kernels.checks import (
     check_prefill_inputs,
     check_rms_norm_inputs,
     check_rotary_inputs,
+    check_router_inputs,
     check_write_kv_inputs,
 )
 
@@ -108,3 +109,12 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     as the largest. logits [R, V], V >= 1. Returns [R] int64."""
     check_argmax_inputs(logits)
     return registry.dispatch("argmax", logits)(logits)
+
+
+def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A softmax router: softmax (in float32) of x @ weight.T over the experts, then the top_k, largest first;
+    `normalize` rescales the k weights to sum to one. x [T, D]; weight [E, D]; 1 <= top_k <= E. Returns float32
+    weights and int64 ids, [T, top_k] each."""
+    check_router_inputs(x, weight, top_k)
+    return registry.dispatch("router_topk", x)(x, weight, top_k, normalize)

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "BATCHGEN_KERNELS"
 OPS = ("fused_moe", "prefill_attention", "paged_decode_attention", "write_kv", "linear", "rms_norm", "rotary",
-       "argmax")
+       "argmax", "router_topk")
 HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
 # Distribution names to tell the user, keyed by the module that must import.
 PACKAGE_NAMES = {"triton": "triton", "flash_attn": "flash-attn"}
@@ -122,6 +122,8 @@ BACKENDS = (
     Backend("rotary", "torch", f"{_PKG}.rotary_torch:rotary_torch", _ANY),
     _c_kernel("argmax", "argmax_cpu", "argmax_cpu"),
     Backend("argmax", "torch", f"{_PKG}.argmax_torch:argmax_torch", _ANY),
+    _c_kernel("router_topk", "router_cpu", "router_topk_cpu"),
+    Backend("router_topk", "torch", f"{_PKG}.router_torch:router_topk_torch", _ANY),
 )
 
 

@@ -43,13 +43,14 @@ def test_auto_picks_cpu_backends_even_under_interpreter(monkeypatch):
         norm_cpu,
         prefill_cpu,
         rotary_cpu,
+        router_cpu,
         write_kv_cpu,
     )
 
     # the C kernels where a compiler built them: every op has one
     modules = {"paged_decode_attention": attention_cpu, "fused_moe": moe_cpu, "linear": linear_cpu,
                "rms_norm": norm_cpu, "rotary": rotary_cpu, "write_kv": write_kv_cpu, "prefill_attention": prefill_cpu,
-               "argmax": argmax_cpu}
+               "argmax": argmax_cpu, "router_topk": router_cpu}
     expected = {op: "torch" if module.unavailable() else "cpu_c" for op, module in modules.items()}
     assert set(modules) == set(registry.OPS)
     for op in registry.OPS:

@@ -160,13 +160,9 @@ class SoftmaxTopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> topk_weights [T, K], topk_ids [T, K] int64."""
-        logits = F.linear(x, self.weight)
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, ids = ops.router_topk(x, self.weight, self.top_k, self.normalize)
         if self.round_to_model_dtype:
-            weights = weights.to(logits.dtype)
+            weights = weights.to(x.dtype)
         return weights, ids
 
 
