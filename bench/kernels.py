@@ -27,13 +27,13 @@ import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from roofline import read_bandwidth
 
 from batchgen.engine.host_arena import host_arena
 from batchgen.kernels import moe_cpu, ops, registry
+from batchgen.kernels.cpu_identity import last_level_cache_bytes
 from batchgen.kernels.moe_torch import fused_moe_torch
 
 TOP_K = 2
@@ -89,19 +89,6 @@ def implementations(device: torch.device, w_gate_up, w_down) -> dict:
 
 
 COLD_CALLS = 5  # timed calls per point with --cold (each after a sweep of the cache)
-
-
-def last_level_cache_bytes() -> int:
-    """The largest cache of CPU 0 (Linux sysfs), or 512 MiB where none can be read."""
-    sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            text = (index / "size").read_text().strip()
-        except OSError:
-            continue
-        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KMG")) * unit)
-    return max(sizes, default=512 << 20)
 
 
 def cache_sweep(device: torch.device):

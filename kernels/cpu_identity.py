@@ -43,3 +43,17 @@ def this_cpu() -> str:
 def this_vendor() -> str:
     """The CPU's vendor id ("GenuineIntel", "AuthenticAMD", ...; empty where /proc/cpuinfo names none)."""
     return first_processor(cpuinfo()).get("vendor_id", "")
+
+
+@functools.cache
+def last_level_cache_bytes() -> int:
+    """The largest cache of CPU 0 (Linux sysfs), or 512 MiB where none can be read."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes, default=512 << 20)

@@ -7,8 +7,8 @@ crossover of 12 made decode-sized calls of those experts 2-7 % faster than 8, an
 (4096 x 14336, timed on a slice of its columns) 14-16 made them 12-17 % faster; on an Intel Xeon (family 6 model 207)
 the dot-product path won at every row count up to the kernel's limit, the decode steps' MoE 4 % faster in the engine
 at a crossover of 24 or 64 than at 16.
-So it is measured: once per CPU, thread count, expert shape and kernel source, on synthetic experts larger than
-the last-level cache under random routings, the candidates alternated; the result is kept under
+So it is measured: once per CPU, thread count, expert shape and kernel source, on synthetic layers of experts
+twice the last-level cache in all under random routings, the candidates alternated; the result is kept under
 $BATCHGEN_CACHE/calibration for every process of the machine. With BATCHGEN_PLAN=0 nothing is measured and the
 default applies."""
 
@@ -23,37 +23,46 @@ import time
 import torch
 
 from batchgen.kernels.calibration import cache_root, disk_cached, measuring
-from batchgen.kernels.cpu_identity import this_cpu
+from batchgen.kernels.cpu_identity import last_level_cache_bytes, this_cpu
 
 DEFAULT_DOT_ROWS = 8  # a half block: the blocked path would pad it to sixteen rows
 CANDIDATES = (8, 10, 12, 16, 24, 32, 64)  # the crossovers tried; 64 (moe_cpu.SMALL_ROWS): every expert on the dot path
 MEAN_ROWS = (8, 12, 16, 24, 32)  # rows per expert on average in the routings they are timed on: a decode step's range
-SAMPLE_BYTES = 64 << 20  # weights of the synthetic experts: past the last-level cache, as a model's layers are
+LAYER_BYTES = 64 << 20  # weights of one synthetic layer of experts
+# layers of them: twice the last-level cache in all, so each call reads its weights from memory as an engine's steps
+# do (an Intel Xeon's 300 MiB cache held one 64 MiB layer: the two paths timed level there, while the dot-product
+# path ran a model's decode steps 3 % faster than a crossover of 24, cold)
+MAX_LAYERS = 8
 MAX_EXPERT_BYTES = 16 << 20  # a larger expert is measured with fewer intermediate columns (the same row length)
 ROUNDS = 5
 TOLERANCE = 0.02
 
 
 def choose_dot_rows(seconds: dict[int, float]) -> int:
-    """The smallest crossover whose calls took at most TOLERANCE more than the fastest (`seconds` maps a crossover
-    to its time): a difference inside a shared machine's noise keeps the smaller one."""
+    """The largest crossover whose calls took at most TOLERANCE more than the fastest (`seconds` maps a crossover
+    to its time): a difference inside a shared machine's noise keeps more experts on the dot-product path, which
+    reads two weight rows at a time in order, as the memory's prefetchers follow (on an Intel Xeon the calibration
+    timed crossovers of 16-64 level, while bench-moe's engine ran 3 % faster at 64 than at 24, in 3 of 4 rounds of
+    an in-process A/B)."""
     fastest = min(seconds.values())
-    return min(crossover for crossover, time in seconds.items() if time <= fastest * (1 + TOLERANCE))
+    return max(crossover for crossover, time in seconds.items() if time <= fastest * (1 + TOLERANCE))
 
 
 def measure(dim: int, inter: int) -> dict[int, float]:
     """Median seconds, over ROUNDS rounds, of the kernel's calls on random top-2 routings of MEAN_ROWS rows per
-    expert on average, for each candidate crossover: the candidates alternate within a round, so a slow moment of a
-    shared machine hits them alike. Real routings matter: an expert's rows past its last whole block take the
-    dot-product path while its weights are in cache, which experts of exactly N rows would not show."""
+    expert on average (each routing through every synthetic layer), for each candidate crossover: the candidates
+    alternate within a round, so a slow moment of a shared machine hits them alike. Real routings matter: an expert's
+    rows past its last whole block take the dot-product path while its weights are in cache, which experts of exactly
+    N rows would not show."""
     from batchgen.kernels.moe_cpu import small_experts
     from batchgen.kernels.moe_torch import route_rows
 
     inter = min(inter, max(8, MAX_EXPERT_BYTES // (12 * dim) // 8 * 8))
-    experts = max(4, min(16, SAMPLE_BYTES // (12 * dim * inter)))
+    experts = max(4, min(16, LAYER_BYTES // (12 * dim * inter)))
+    layers = max(1, min(MAX_LAYERS, -(-2 * last_level_cache_bytes() // (12 * dim * inter * experts))))
     g = torch.Generator().manual_seed(0)
-    w_gate_up = torch.randn(experts, 2 * inter, dim, generator=g) / dim**0.5
-    w_down = torch.randn(experts, dim, inter, generator=g) / inter**0.5
+    weights_of = [(torch.randn(experts, 2 * inter, dim, generator=g) / dim**0.5,
+                   torch.randn(experts, dim, inter, generator=g) / inter**0.5) for _ in range(layers)]
     routings = []
     for mean in MEAN_ROWS:
         tokens = experts * mean // 2
@@ -64,7 +73,8 @@ def measure(dim: int, inter: int) -> dict[int, float]:
     def call(crossover: int) -> float:
         start = time.perf_counter()
         for tokens, rows, used in routings:
-            small_experts(torch.zeros(tokens, dim), rows, used, w_gate_up, w_down, crossover)
+            for w_gate_up, w_down in weights_of:
+                small_experts(torch.zeros(tokens, dim), rows, used, w_gate_up, w_down, crossover)
         return time.perf_counter() - start
 
     call(DEFAULT_DOT_ROWS)  # warm-up
@@ -84,7 +94,8 @@ def dot_rows(dim: int, inter: int) -> int:
     from batchgen.kernels import moe_cpu
 
     threads = torch.get_num_threads()
-    key = json.dumps([this_cpu(), threads, dim, inter, CANDIDATES, MEAN_ROWS, moe_cpu.SOURCE_DIGEST])
+    key = json.dumps([this_cpu(), threads, dim, inter, CANDIDATES, MEAN_ROWS, LAYER_BYTES, MAX_LAYERS,
+                      moe_cpu.SOURCE_DIGEST])
     path = cache_root() / "calibration" / f"moe-dot-rows-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
     def calibrate() -> dict:

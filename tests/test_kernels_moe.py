@@ -355,12 +355,12 @@ def test_triton_default_config_and_remote_experts_through_ops():
     torch.testing.assert_close(got.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
 
 
-def test_crossover_is_the_smallest_within_tolerance_of_the_fastest():
+def test_crossover_is_the_largest_within_tolerance_of_the_fastest():
     from batchgen.kernels.moe_crossover import TOLERANCE, choose_dot_rows
 
     assert choose_dot_rows({8: 1.2, 10: 1.1, 12: 1.0, 14: 1.3, 16: 1.4}) == 12
-    assert choose_dot_rows({16: 1.0, 14: 1.0, 12: 1.1, 10: 1.2, 8: 1.3}) == 14
-    assert choose_dot_rows({8: 1.0 + TOLERANCE / 2, 10: 1.0, 12: 1.05}) == 8  # inside the noise: the smaller
+    assert choose_dot_rows({16: 1.1, 14: 1.0, 12: 1.0, 10: 1.2, 8: 1.3}) == 14
+    assert choose_dot_rows({8: 1.05, 10: 1.0, 12: 1.0 + TOLERANCE / 2}) == 12  # inside the noise: the larger
 
 
 def test_crossover_is_measured_once_per_machine_and_not_at_all_under_fixed_settings(tmp_path, monkeypatch):
