@@ -4,14 +4,10 @@ path's greedy tokens."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-from tiny_models import prompts, save_tiny_checkpoint
+from tiny_models import engine_greedy_tokens, save_tiny_checkpoint
 
-from batchgen.connectors.checkpoint import load_model
-from batchgen.engine import Engine, Request, SamplingParams
 from batchgen.kernels import norm_cpu, ops, prefill_cpu, registry, rotary_cpu, write_kv_cpu
 from batchgen.kernels.norm_torch import rms_norm_torch
 from batchgen.kernels.rotary_torch import rotary_torch
@@ -82,20 +78,9 @@ def test_engine_runs_the_c_layer_ops_with_the_torch_paths_greedy_tokens(arch, tm
     for module in (norm_cpu, rotary_cpu, write_kv_cpu, prefill_cpu):
         needs(module)
     save_tiny_checkpoint(arch, tmp_path)
-    loaded = load_model(str(tmp_path))
-    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    requests = [Request(f"r{i}", prompt_token_ids=p, sampling=greedy)
-                for i, p in enumerate(prompts(vocab_size=loaded.model.vocab_size, lengths=(3, 9, 17)))]
-
-    def tokens(backend: str) -> list[list[int]]:
-        with contextlib.ExitStack() as forced:
-            for op in LAYER_OPS:
-                forced.enter_context(registry.use_backend(op, backend))
-            return [r.outputs[0].token_ids for r in Engine(loaded, page_size=4).generate(requests)]
-
-    expected = tokens("torch")
+    expected = engine_greedy_tokens(tmp_path, dict.fromkeys(LAYER_OPS, "torch"))
     registry.reset_usage()
-    assert tokens("cpu_c") == expected
+    assert engine_greedy_tokens(tmp_path, dict.fromkeys(LAYER_OPS, "cpu_c")) == expected
     counts = registry.usage_counts()
     for op in LAYER_OPS:
         assert counts.get((op, "cpu_c"), 0) > 0 and counts.get((op, "torch"), 0) == 0, (op, counts)

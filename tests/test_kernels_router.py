@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import prompts, save_tiny_checkpoint
+from tiny_models import engine_greedy_tokens, save_tiny_checkpoint
 
-from batchgen.connectors.checkpoint import load_model
-from batchgen.engine import Engine, Request, SamplingParams
 from batchgen.kernels import ops, registry, router_cpu
 from batchgen.kernels.router_torch import router_topk_torch
 
@@ -69,17 +67,8 @@ def test_ops_router_dispatches_the_c_kernel_and_checks_its_input():
 def test_moe_models_route_through_the_c_router_with_the_torch_paths_tokens(arch, tmp_path):
     needs_kernel()
     save_tiny_checkpoint(arch, tmp_path)
-    loaded = load_model(str(tmp_path))
-    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    requests = [Request(f"r{i}", prompt_token_ids=p, sampling=greedy)
-                for i, p in enumerate(prompts(vocab_size=loaded.model.vocab_size, lengths=(3, 9, 17)))]
-
-    def tokens(backend: str) -> list[list[int]]:
-        with registry.use_backend("router_topk", backend):
-            return [r.outputs[0].token_ids for r in Engine(loaded, page_size=4).generate(requests)]
-
-    expected = tokens("torch")
+    expected = engine_greedy_tokens(tmp_path, {"router_topk": "torch"})
     registry.reset_usage()
-    assert tokens("cpu_c") == expected
+    assert engine_greedy_tokens(tmp_path, {"router_topk": "cpu_c"}) == expected
     counts = registry.usage_counts()
     assert counts.get(("router_topk", "cpu_c"), 0) > 0 and counts.get(("router_topk", "torch"), 0) == 0

@@ -8,6 +8,7 @@ default, so greedy runs always produce max_new_tokens tokens (pass eos_token_id=
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import fsspec
@@ -117,3 +118,21 @@ def scheduler_config(**fields):
     from batchgen.engine import EngineConfig
 
     return EngineConfig(**{"max_num_seqs": 256, "refill_threshold": 0.5, "b_attn": 256, "b_moe": 8192, **fields})
+
+
+def engine_greedy_tokens(directory: str | Path, backends: dict[str, str]) -> list[list[int]]:
+    """Greedy tokens (6 each) of three seeded prompts through our engine on the checkpoint in `directory`, with
+    the kernel backends `backends` (op -> backend name) forced for the run: how a C kernel's test checks that a
+    model's tokens do not depend on which backend ran."""
+    from batchgen.connectors.checkpoint import load_model
+    from batchgen.engine import Engine, Request, SamplingParams
+    from batchgen.kernels import registry
+
+    loaded = load_model(str(directory))
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    requests = [Request(f"r{i}", prompt_token_ids=p, sampling=greedy)
+                for i, p in enumerate(prompts(vocab_size=loaded.model.vocab_size, lengths=(3, 9, 17)))]
+    with contextlib.ExitStack() as forced:
+        for op, backend in backends.items():
+            forced.enter_context(registry.use_backend(op, backend))
+        return [r.outputs[0].token_ids for r in Engine(loaded, page_size=4).generate(requests)]
