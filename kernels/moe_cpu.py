@@ -325,8 +325,8 @@ void scatter_rows_f32(const float *y, const int64_t *token, const float *weight,
    (experts on another rank) are skipped, and so is any id past the last expert, so no input writes outside the
    arrays. xs[r] = x[token[r]], copied over the team; starts [E + 1]: expert e's rows are [starts[e], starts[e + 1]).
    Returns the rows. */
-static int64_t group_rows(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E,
-                          int D, float *xs, int64_t *token, float *weight, int64_t *starts, int threads) {
+int64_t route_rows_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E, int D,
+                       float *xs, int64_t *token, float *weight, int64_t *starts, int threads) {
     int64_t pairs = T * K, *next = malloc((E + 1) * sizeof(int64_t));
     memset(starts, 0, (E + 1) * sizeof(int64_t));
     for (int64_t p = 0; p < pairs; p++)
@@ -345,11 +345,6 @@ static int64_t group_rows(const float *x, int64_t T, int K, const int64_t *ids, 
     return rows;
 }
 
-void route_rows_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E, int D,
-                    float *xs, int64_t *token, float *weight, int64_t *starts, int threads) {
-    group_rows(x, T, K, ids, topk_weight, E, D, xs, token, weight, starts, threads);
-}
-
 /* A few tokens (every expert then has at most T rows: all within this kernel): their rows grouped here, then every
    expert on the dot-product path, in one call. */
 void few_tokens_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E,
@@ -357,7 +352,7 @@ void few_tokens_f32(const float *x, int64_t T, int K, const int64_t *ids, const 
                     float *out, int D, int I, int threads) {
     int64_t pairs = T * K, *token = malloc((pairs + 1) * sizeof(int64_t)), *starts = malloc((E + 1) * sizeof(int64_t));
     float *xs = malloc((pairs * D + 1) * sizeof(float)), *weight = malloc((pairs + 1) * sizeof(float));
-    group_rows(x, T, K, ids, topk_weight, E, D, xs, token, weight, starts, 1);
+    route_rows_f32(x, T, K, ids, topk_weight, E, D, xs, token, weight, starts, 1);
     int64_t *spans = malloc((SPAN * E + 1) * sizeof(int64_t)), *experts = malloc((E + 1) * sizeof(int64_t));
     int A = 0;
     for (int e = 0; e < E; e++)
@@ -389,7 +384,7 @@ _FEW_TOKENS = CFunction("small_experts", _SOURCE, "few_tokens_f32",
 
 _ROUTE_ROWS = CFunction("small_experts", _SOURCE, "route_rows_f32",
                         (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, *[ctypes.c_void_p] * 2, *[ctypes.c_int] * 2,
-                         *[ctypes.c_void_p] * 4, ctypes.c_int))
+                         *[ctypes.c_void_p] * 4, ctypes.c_int), restype=ctypes.c_int64)
 _SILU_MUL = CFunction("small_experts", _SOURCE, "silu_mul_rows_f32",
                       (*[ctypes.c_void_p] * 2, ctypes.c_int64, *[ctypes.c_int] * 2))
 _SCATTER = CFunction("small_experts", _SOURCE, "scatter_rows_f32",
@@ -455,10 +450,10 @@ def route_rows_cpu(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     token_rows = torch.empty(tokens * top_k, dtype=torch.int64)
     row_weights = torch.empty(tokens * top_k, dtype=torch.float32)
     starts = torch.empty(num_experts + 1, dtype=torch.int64)
-    _ROUTE_ROWS(x.data_ptr(), tokens, top_k, ids.data_ptr(), weights.data_ptr(), num_experts, dim, xs.data_ptr(),
-                token_rows.data_ptr(), row_weights.data_ptr(), starts.data_ptr(), torch.get_num_threads())
+    rows = _ROUTE_ROWS(x.data_ptr(), tokens, top_k, ids.data_ptr(), weights.data_ptr(), num_experts, dim,
+                       xs.data_ptr(), token_rows.data_ptr(), row_weights.data_ptr(), starts.data_ptr(),
+                       torch.get_num_threads())
     bounds = starts.tolist()
-    rows = bounds[-1]
     return RoutedRows(xs[:rows], token_rows[:rows], row_weights[:rows], [b - a for a, b in zip(bounds, bounds[1:])],
                       bounds)
 
