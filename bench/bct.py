@@ -4,7 +4,7 @@ in one process and one run.
 
     python bench/bct.py [--quick] [--json] [--seed 0] [--num-prompts 128] [--experts 16] [--top-k 2]
                         [--sigma 0.8] [--kv-budget-mb MB | --budget-seqs 16] [--dtype float32] [--repeats 3]
-                        [--plan workload|generic] [--profile]
+                        [--transformers-repeats 1] [--plan workload|generic] [--profile]
 
 Workload "bench-moe": the bench-moe preset (Mixtral-style, random weights), prompts of random token ids
 with lengths uniform in [32, 256), output lengths lognormal(mu=3.5, sigma) + 1 capped at 512, fixed per
@@ -17,8 +17,10 @@ on a CPU-only torch it soft-resets (re-prefills) the requests it evicts.
 Each system first runs a few short warm-up requests (kept out of the timings); BCT runs from the first
 request submitted to the last result returned. The two engine modes run --repeats times each, interleaved, and
 report their median run (`bct_runs_s` lists every run): this machine's speed drifts by more than the gap
-between modes that run one schedule. Each engine mode's unset settings (max_num_seqs, b_attn, b_moe, refill) are
-planned for this workload's prompt and output lengths, as `batchgen run` plans a job's engines for its input
+between modes that run one schedule. transformers runs once, after them, or in each of the first
+--transformers-repeats rounds (its median run then reports). Each engine mode's unset settings (max_num_seqs,
+b_attn, b_moe, refill) are planned for this workload's prompt and output lengths, as `batchgen run` plans a job's
+engines for its input
 (`engine_settings` in the JSON); `--plan generic` leaves them to the engine's own plan for a generic workload.
 The roofline bound (bench/roofline.py) is measured in the same run, for the workload (the best schedule) and for
 each engine mode's steps as it ran them (Engine.observe_steps): `speedup_vs_lockstep_at_bounds` is the speedup the
@@ -181,7 +183,7 @@ def step_shape(plan: StepPlan) -> StepShape:
 
 def median_run(name: str, runs: list[SystemRun]) -> SystemRun:
     """The run of median BCT (the lower middle one of an even count); every run must have generated the same
-    tokens: the engine's outputs may not depend on when it ran."""
+    tokens: a system's outputs may not depend on when it ran."""
     for i, run in enumerate(runs[1:], 2):
         if run.tokens != runs[0].tokens:
             raise RuntimeError(f"{name}: run {i} generated other tokens than run 1")
@@ -444,6 +446,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of each engine mode per scenario, interleaved; BCT is their median (default 3; "
                              "transformers runs once)")
+    parser.add_argument("--transformers-repeats", type=int, default=1,
+                        help="runs of transformers per scenario, one in each of the first rounds of the engine modes "
+                             "(default 1: after them); its median run reports")
     parser.add_argument("--plan", choices=("workload", "generic"), default="workload",
                         help="plan both engine modes' unset settings for this workload (as a job plans for its input), "
                              "or leave them to the engine's plan for a generic workload")
@@ -456,7 +461,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget-seqs", type=int, default=None,
                         help="mean full contexts the constrained scenario's budget holds (default 16, 8 with --quick)")
     args = parser.parse_args(argv)
-    for name in ("num_prompts", "experts", "top_k", "budget_seqs", "repeats"):
+    for name in ("num_prompts", "experts", "top_k", "budget_seqs", "repeats", "transformers_repeats"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -525,17 +530,19 @@ def run(args: argparse.Namespace, log) -> dict:
         configs = {name: engine_config(mode, device_bytes, host_bytes) for name, mode in ENGINE_MODES.items()}
         if args.plan == "workload":
             configs = {name: planned_for(loaded, config, workload) for name, config in configs.items()}
-        repeated: dict[str, list[SystemRun]] = {name: [] for name in ENGINE_MODES}
-        for _ in range(args.repeats):  # interleaved: a drift of the machine's speed hits both engine modes alike
-            for name in ENGINE_MODES:
-                repeated[name].append(run_engine(loaded, configs[name], workload))
-        runs = {name: median_run(name, repeated[name]) for name in ENGINE_MODES}
-        runs["transformers"] = run_transformers(hf_model, workload, device_bytes, host_bytes,
-                                                shape.kv_bytes_per_token)
+        repeated: dict[str, list[SystemRun]] = {name: [] for name in SYSTEMS}
+        for round_ in range(max(args.repeats, args.transformers_repeats)):  # interleaved: a drift of the
+            for name in ENGINE_MODES:                                       # machine's speed hits all alike
+                if round_ < args.repeats:
+                    repeated[name].append(run_engine(loaded, configs[name], workload))
+            if round_ < args.transformers_repeats:
+                repeated["transformers"].append(run_transformers(hf_model, workload, device_bytes, host_bytes,
+                                                                 shape.kv_bytes_per_token))
+        runs = {name: median_run(name, repeated[name]) for name in SYSTEMS}
         for name in SYSTEMS:
-            each = ", ".join(f"{r.bct_s:.2f}" for r in repeated.get(name, ()))
+            each = ", ".join(f"{r.bct_s:.2f}" for r in repeated[name])
             log(f"{scenario:>13} {name:>12}: BCT {runs[name].bct_s:7.2f} s"
-                f"{f' (median of {each})' if args.repeats > 1 and each else ''}, "
+                f"{f' (median of {each})' if len(repeated[name]) > 1 else ''}, "
                 f"{output_tokens / runs[name].bct_s:7.1f} tok/s, "
                 f"mean expert batch {runs[name].mean_expert_batch:.2f}")
         if args.profile:
