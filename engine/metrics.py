@@ -68,7 +68,8 @@ class EngineMetrics:
     def record_route(self, topk_ids: torch.Tensor, num_experts: int) -> None:
         """Count one MoE call's routing. Its ids wait in a list, folded into the histogram by one bincount every
         ROUTES_PER_FOLD calls and before a summary, on their own device: a bincount and an add per layer cost
-        ~20 us of a CPU decode step, and on a GPU a copy to the host per layer would wait for the device."""
+        ~20 us of a CPU decode step, and on a GPU the copy to the host each layer made waited for the device
+        (a CUDA bincount still reads its input's maximum back: once per fold now)."""
         self.pending_routes.append(topk_ids.reshape(-1))
         self.pending_experts = max(self.pending_experts, num_experts)
         if len(self.pending_routes) >= ROUTES_PER_FOLD:
