@@ -531,10 +531,10 @@ def run(args: argparse.Namespace, log) -> dict:
         if args.plan == "workload":
             configs = {name: planned_for(loaded, config, workload) for name, config in configs.items()}
         repeated: dict[str, list[SystemRun]] = {name: [] for name in SYSTEMS}
-        for round_ in range(max(args.repeats, args.transformers_repeats)):  # interleaved: a drift of the
-            for name in ENGINE_MODES:                                       # machine's speed hits all alike
-                if round_ < args.repeats:
-                    repeated[name].append(run_engine(loaded, configs[name], workload))
+        # interleaved: a drift of the machine's speed hits every system alike
+        for round_ in range(max(args.repeats, args.transformers_repeats)):
+            for name in ENGINE_MODES if round_ < args.repeats else ():
+                repeated[name].append(run_engine(loaded, configs[name], workload))
             if round_ < args.transformers_repeats:
                 repeated["transformers"].append(run_transformers(hf_model, workload, device_bytes, host_bytes,
                                                                  shape.kv_bytes_per_token))

@@ -84,12 +84,11 @@ class EngineMetrics:
     def fold_routes(self) -> None:
         if not self.pending_routes:
             return
-        counts = torch.bincount(torch.cat(self.pending_routes), minlength=self.pending_experts)
+        previous = self.expert_histogram
+        length = self.pending_experts if previous is None else max(self.pending_experts, len(previous))
+        counts = torch.bincount(torch.cat(self.pending_routes), minlength=length)
         self.pending_routes.clear()
-        if self.expert_histogram is not None:
-            previous = self.expert_histogram.to(counts.device)
-            if len(previous) > len(counts):
-                previous, counts = counts, previous
+        if previous is not None:
             counts[: len(previous)] += previous
         self.expert_histogram = counts
 

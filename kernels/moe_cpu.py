@@ -443,9 +443,7 @@ def route_rows_cpu(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     same rows in the same order, without the torch path's sort, count and gather calls per layer."""
     tokens, top_k = topk_ids.shape
     dim = x.shape[1]
-    x = x.contiguous()
-    ids = topk_ids.to(torch.int64).contiguous()
-    weights = topk_weights.to(torch.float32).contiguous()
+    x, weights, ids = _routing_arrays(x, topk_weights, topk_ids)
     xs = torch.empty(tokens * top_k, dim, dtype=torch.float32)
     token_rows = torch.empty(tokens * top_k, dtype=torch.int64)
     row_weights = torch.empty(tokens * top_k, dtype=torch.float32)
@@ -500,12 +498,16 @@ def _few_tokens(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
                 topk_ids: torch.Tensor) -> torch.Tensor:
     """fused_moe_cpu for at most FEW_TOKENS tokens: the routing's grouping by expert done by the kernel too."""
     tokens, top_k = topk_ids.shape
-    x = x.contiguous()
-    ids = topk_ids.to(torch.int64).contiguous()
-    weights = topk_weights.to(torch.float32).contiguous()
+    x, weights, ids = _routing_arrays(x, topk_weights, topk_ids)
     out = torch.zeros(x.shape, dtype=torch.float32)
     h = torch.empty(tokens * top_k, w_down.shape[2], dtype=torch.float32)
     _FEW_TOKENS(x.data_ptr(), tokens, top_k, ids.data_ptr(), weights.data_ptr(), w_gate_up.shape[0],
                 w_gate_up.data_ptr(), w_down.data_ptr(), *w_gate_up.stride()[:2], *w_down.stride()[:2], h.data_ptr(),
                 out.data_ptr(), x.shape[1], w_down.shape[2], torch.get_num_threads())
     return out.to(x.dtype)
+
+
+def _routing_arrays(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, float32 routing weights and int64 expert ids, each dense, as the C grouping reads them."""
+    return x.contiguous(), topk_weights.to(torch.float32).contiguous(), topk_ids.to(torch.int64).contiguous()
