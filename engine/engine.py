@@ -485,7 +485,7 @@ class Engine(Generates):
         if state.pending:
             return
         del self._requests[seq.request_id]
-        samples = sorted(state.samples, key=lambda s: s.sample_index)
+        samples = state.samples if len(state.samples) == 1 else sorted(state.samples, key=lambda s: s.sample_index)
         outputs = [Completion(index=s.sample_index, token_ids=list(s.generated), text=output_text(s, self.tokenizer),
                               finish_reason=s.finish_reason, logprobs=s.logprobs) for s in samples]
         finished = max(s.finished_at for s in samples)

@@ -10,6 +10,7 @@ from itertools import chain
 import torch
 
 from batchgen.engine.attention_context import DecodeContext, PrefillContext, StagedDecodeContext
+from batchgen.engine.batch_index import index_tensor, new_token_slots, page_table, span_positions, token_slots
 from batchgen.engine.coroutine import CoroutineGroup, ProgramPoint, run_idle_layers, run_layers
 from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.kv_pool import KVPool
@@ -59,9 +60,8 @@ class ModelRunner:
         rows = None
         if chunks:  # pure decode reads every row
             prefill_tokens = ends[-1]
-            rows = torch.tensor([end - 1 for c, end in zip(chunks, ends) if c.completes]
-                                + list(range(prefill_tokens, prefill_tokens + decoding)),
-                                dtype=torch.long, device=self.device)
+            rows = index_tensor([end - 1 for c, end in zip(chunks, ends) if c.completes]
+                                + list(range(prefill_tokens, prefill_tokens + decoding)), self.device)
         tokens = (ends[-1] if chunks else 0) + decoding
         b_moe = self.limits.b_moe
         if self.phases is not None:
@@ -100,39 +100,42 @@ class ModelRunner:
 
     def _token_ids(self, token_ids: list[int]) -> torch.Tensor:
         """A micro-batch's input rows, embedded inside the forward (run_layers: one lookup for the whole step)."""
-        return torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        return index_tensor(token_ids, self.device)
 
     def _prefill_micro_batch(self, chunks: list[PrefillChunk]) -> CoroutineGroup:
         pool = self.kv.pool(chunks[0].seq.kv_location)
+        page_size = self.kv.page_size
         lengths = [c.end - c.start for c in chunks]
         tokens = list(chain.from_iterable(c.seq.prompt_ids[c.start : c.end] for c in chunks))
-        slots = list(chain.from_iterable(self.kv.slots(c.seq, c.start, c.end - c.start) for c in chunks))
-        cu_seqlens = torch.tensor([0, *_cumsum(lengths)], dtype=torch.int32, device=self.device)
+        table = page_table([self.kv.pages_of(c.seq) for c in chunks], pool.device)
+        rows, positions = span_positions([c.start for c in chunks], lengths, pool.device)
+        slots = token_slots(table, rows, positions, page_size)
+        cu_seqlens = index_tensor([0, *_cumsum(lengths)], self.device, torch.int32)
+        ends = [c.end for c in chunks]
         continued = any(c.start for c in chunks)  # then every chunk attends over its whole prefix in pages
+        if continued:
+            context_rows, context_positions = span_positions([0] * len(chunks), ends, pool.device)
         offloaded = pool is self.kv.host
         ctx = PrefillContext(
-            positions=torch.tensor(list(chain.from_iterable(range(c.start, c.end) for c in chunks)),
-                                   device=self.device),
+            positions=positions.to(self.device),
             cu_seqlens=cu_seqlens,
-            slots=torch.tensor(slots, dtype=torch.long, device=pool.device),
+            slots=slots,
             pool=pool,
-            cu_seqlens_k=torch.tensor([0, *_cumsum([c.end for c in chunks])], dtype=torch.int32,
-                                      device=self.device) if continued else cu_seqlens,
-            context_slots=torch.tensor(list(chain.from_iterable(self.kv.slots(c.seq, 0, c.end) for c in chunks)),
-                                       dtype=torch.long, device=pool.device) if continued else None,
+            cu_seqlens_k=index_tensor([0, *_cumsum(ends)], self.device, torch.int32) if continued else cu_seqlens,
+            context_slots=token_slots(table, context_rows, context_positions, page_size) if continued else None,
             offload=self.prefill_offload if offloaded else None,
-            offload_runs=slot_runs(slots) if offloaded else None,
+            offload_runs=slot_runs(slots.tolist()) if offloaded else None,
         )
         return CoroutineGroup([c.seq for c in chunks], self._token_ids(tokens), ProgramPoint(0, "embed"), ctx)
 
     def _decode_micro_batch(self, seqs: list[Sequence], pool: KVPool) -> CoroutineGroup:
         """Sequences attending over their pages in `pool` in place (device pages, or host pages when the
         host pool is in the device's own memory)."""
-        kv_lens = torch.tensor([s.kv_len for s in seqs], device=self.device)
-        table = _page_table([self.kv.pages_of(s) for s in seqs], self.device)
+        kv_lens = index_tensor([s.kv_len for s in seqs], self.device)
+        table = page_table([self.kv.pages_of(s) for s in seqs], self.device)
         ctx = DecodeContext(
             positions=kv_lens,
-            slots=_new_token_slots(table, kv_lens, self.kv.page_size),
+            slots=new_token_slots(table, kv_lens, self.kv.page_size),
             page_table=table,
             seq_lens=(kv_lens + 1).to(torch.int32),
             pool=pool,
@@ -151,18 +154,18 @@ class ModelRunner:
         for n in counts:
             tables.append(stage_pages[offset : offset + n])
             offset += n
-        kv_lens = torch.tensor([s.kv_len for s in seqs], device=self.device)
-        table = _page_table(tables, self.device)
+        kv_lens = index_tensor([s.kv_len for s in seqs], self.device)
+        table = page_table(tables, self.device)
         host = torch.device("cpu")
         ctx = StagedDecodeContext(
             positions=kv_lens,
             host=self.kv.host,
-            host_pages=torch.tensor([p for s, n in zip(seqs, counts) for p in s.host_pages[:n]]),
-            host_slots=_new_token_slots(_page_table([self.kv.pages_of(s) for s in seqs], host), kv_lens.to(host),
-                                        page_size),
+            host_pages=index_tensor([p for s, n in zip(seqs, counts) for p in s.host_pages[:n]], host),
+            host_slots=new_token_slots(page_table([self.kv.pages_of(s) for s in seqs], host), kv_lens.to(host),
+                                       page_size),
             stage=self.kv.stage,
-            stage_pages=torch.tensor(stage_pages, device=self.device),
-            stage_slots=_new_token_slots(table, kv_lens, page_size),
+            stage_pages=index_tensor(stage_pages, self.device),
+            stage_slots=new_token_slots(table, kv_lens, page_size),
             page_table=table,
             seq_lens=(kv_lens + 1).to(torch.int32),
         )
@@ -175,16 +178,4 @@ def _cumsum(values: list[int]) -> list[int]:
         total += v
         out.append(total)
     return out
-
-
-def _new_token_slots(table: torch.Tensor, kv_lens: torch.Tensor, page_size: int) -> torch.Tensor:
-    """The slot of each row's next token (at position kv_len): its page in the row's page table, its offset there."""
-    pages = table.gather(1, (kv_lens // page_size).unsqueeze(1)).squeeze(1).long()
-    return pages * page_size + kv_lens % page_size
-
-
-def _page_table(pages: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Rows of page ids, right-padded with 0 (never read past a row's seq_len): one tensor build."""
-    width = max(len(p) for p in pages)
-    return torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int32, device=device)
 

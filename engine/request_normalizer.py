@@ -59,7 +59,7 @@ class RequestNormalizer:
 
     def check_vocabulary(self, sampling: SamplingParams) -> None:
         """Token ids a request's sampling names (logit_bias, stop_token_ids) must be in the vocabulary."""
-        if self.vocab_size is None:
+        if self.vocab_size is None or not (sampling.logit_bias or sampling.stop_token_ids):
             return
         for name, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]),
                           ("stop_token_ids", sampling.stop_token_ids)):

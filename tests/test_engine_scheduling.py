@@ -6,6 +6,7 @@ import pytest
 import torch
 from tiny_models import scheduler_config
 
+from batchgen.engine.batch_index import index_tensor, new_token_slots, page_table, span_positions, token_slots
 from batchgen.engine.coroutine import CoroutineGroup, ProgramPoint, combine, partition
 from batchgen.engine.kv_manager import KVBudget, KVManager
 from batchgen.engine.kv_pool import slot_mapping, zeroed
@@ -186,3 +187,25 @@ def test_slot_mapping_is_each_positions_page_and_offset(start, count):
     pages = [7, 2, 9, 4]  # page ids in the sequence's order, not the pool's
     expected = [pages[p // PAGE] * PAGE + p % PAGE for p in range(start, start + count)]
     assert slot_mapping(pages, start, count, PAGE) == expected
+
+
+def test_a_steps_slot_tensors_equal_each_sequences_slot_mapping():
+    """The batched slots of spans [start, end) over rows of different page counts (one row padded, one span
+    empty, one starting mid-page) are the per-sequence slot_mapping laid end to end; likewise each row's next
+    token, and index_tensor is torch.tensor's."""
+    pages = [[7, 2, 9, 4], [3], [5, 8], [6, 1, 0]]
+    starts, ends = [3, 0, 4, 9], [15, 4, 4, 12]
+    device = torch.device("cpu")
+    table = page_table(pages, device)
+    assert table.tolist() == [[7, 2, 9, 4], [3, 0, 0, 0], [5, 8, 0, 0], [6, 1, 0, 0]] and table.dtype == torch.int32
+    rows, positions = span_positions(starts, [e - s for s, e in zip(starts, ends)], device)
+    assert positions.tolist() == [p for s, e in zip(starts, ends) for p in range(s, e)]
+    expected = [slot for p, s, e in zip(pages, starts, ends) for slot in slot_mapping(p, s, e - s, PAGE)]
+    assert token_slots(table, rows, positions, PAGE).tolist() == expected
+    kv_lens = torch.tensor([14, 3, 7, 11])
+    assert new_token_slots(table, kv_lens, PAGE).tolist() == [
+        slot_mapping(p, n, 1, PAGE)[0] for p, n in zip(pages, kv_lens.tolist())]
+    for dtype in (torch.int64, torch.int32):
+        built = index_tensor([5, 0, 2**31 - 1], device, dtype)
+        assert built.dtype == dtype and torch.equal(built, torch.tensor([5, 0, 2**31 - 1], dtype=dtype))
+    assert index_tensor([], device).shape == (0,)
