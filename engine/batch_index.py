@@ -34,10 +34,10 @@ def page_table(pages: list[list[int]], device: torch.device) -> torch.Tensor:
 
 def span_positions(starts: list[int], lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The spans [start, start + length) of rows 0, 1, ... laid end to end: each token's row and position."""
-    length = index_tensor(lengths, device)
-    rows = torch.repeat_interleave(torch.arange(len(lengths), device=device), length)
+    length, total = index_tensor(lengths, device), sum(lengths)  # the total known here: no device sync for it
+    rows = torch.repeat_interleave(torch.arange(len(lengths), device=device), length, output_size=total)
     shift = index_tensor(starts, device) - (torch.cumsum(length, 0) - length)  # position - token index, per row
-    return rows, torch.arange(rows.shape[0], device=device) + shift[rows]
+    return rows, torch.arange(total, device=device) + shift[rows]
 
 
 def token_slots(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
