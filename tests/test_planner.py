@@ -250,6 +250,22 @@ def test_batchgen_plan_prints_the_plan_and_the_split(loaded, tmp_path, capsys):
     assert "not a cost-curve file" in capsys.readouterr().err
 
 
+def test_the_feed_forward_is_timed_over_layers_whose_weights_leave_the_cache(loaded, monkeypatch):
+    """One layer timed again and again finds its weights in the last-level cache, where a forward over every layer
+    does not: the profile runs the MoE over as many layers as pass twice the cache (all when they all fit)."""
+    from batchgen.engine.planner import profiler
+
+    layers = list(loaded.model.layers)
+    moe = [layer for layer in layers if layer.is_moe]
+    per_layer = sum(p.numel() * p.element_size() for p in moe[0].ffn.parameters())
+    assert len(moe) >= 2
+    assert profiler._feed_forward_layers(loaded.model, moe[0], loaded.device) == moe  # the tiny model fits
+    monkeypatch.setattr(profiler.cpu_identity, "last_level_cache_bytes", lambda: per_layer // 2 + 1)
+    assert profiler._feed_forward_layers(loaded.model, moe[0], loaded.device) == moe[:2]
+    monkeypatch.setattr(profiler.cpu_identity, "last_level_cache_bytes", lambda: per_layer // 4)
+    assert profiler._feed_forward_layers(loaded.model, moe[0], loaded.device) == moe[:1]
+
+
 def test_a_changed_kernel_source_changes_the_profile_key(tmp_path, monkeypatch):
     """Cost curves are cached by profile key: measured with other kernels they would price steps wrongly."""
     import pathlib

@@ -4,7 +4,12 @@ work, then fit the cost curves the planner prices steps with.
 Modern models repeat one layer, so one layer's attention (decode over a grid of batch sizes and
 context lengths, prefill over prompt counts and lengths) and feed-forward (over token counts: the
 MoE's weight-read regime at a few tokens, its GEMM regime at thousands) stand for all of them. The
-engine's host work per step (scheduling, batch building, sampling) is measured on short real runs.
+feed-forward runs over several of the model's layers in turn, as a forward reads them: one layer timed
+again and again would find its weights in a last-level cache they do not stay in during a forward (a
+32-expert bench-moe layer's 200 MB in this CPU's 300 MiB L3), and a planner pricing warm calls cut the
+prefill's MoE batches into pieces that each read the weights again (b_moe 1024 against 16384: 6-21 %
+slower). The engine's host work per step (scheduling, batch building, sampling) is measured on short
+real runs.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ def profile_key(loaded: LoadedModel) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-PROFILE_VERSION = 9  # bump when what is measured changes
+PROFILE_VERSION = 10  # bump when what is measured changes
 # config entries that do not change what a layer costs (token ids, names, init and rope details)
 IGNORED_SUFFIXES = ("token_id", "_token_ids", "_range", "_eps", "_theta", "architectures", "torch_dtype",
                     "rope_scaling", "rope_parameters", "id2label", "label2id")
@@ -89,6 +94,7 @@ def profile_model(loaded: LoadedModel, progress: bool | None = None) -> CostCurv
     limit = loaded.max_model_len
     attn_layer = model.layers[0]
     ffn_layer = next((layer for layer in model.layers if getattr(layer, "is_moe", False)), attn_layer)
+    ffn_layers = _feed_forward_layers(model, ffn_layer, device)
     moe = getattr(ffn_layer.ffn.mlp, "num_experts", 0) if getattr(ffn_layer, "is_moe", False) else 0
     top_k = getattr(getattr(ffn_layer.ffn.mlp, "gate", None), "top_k", 1) if moe else 1
     spec = model.kv_spec()
@@ -122,7 +128,8 @@ def profile_model(loaded: LoadedModel, progress: bool | None = None) -> CostCurv
                    measure(lambda x=x, context=context: attn_layer.attn(x, context)))
         for tokens in FFN_GRID:
             x = torch.randn(tokens, hidden_size, dtype=loaded.dtype, device=device)
-            record("ffn", {"tokens": tokens}, measure(lambda x=x: ffn_layer.ffn(x)))
+            seconds = measure(lambda x=x: [layer.ffn(x) for layer in ffn_layers])
+            record("ffn", {"tokens": tokens}, seconds / len(ffn_layers))
         for n in HEAD_GRID:
             x = torch.randn(n, hidden_size, dtype=loaded.dtype, device=device)
             record("head", {"calls": 1, "rows": n}, measure(lambda x=x: model.head(x)))
@@ -144,6 +151,22 @@ def profile_model(loaded: LoadedModel, progress: bool | None = None) -> CostCurv
     curves = dataclasses.replace(curves, host=_host_cost(loaded, curves, bar))
     bar.close()
     return curves
+
+
+def _feed_forward_layers(model, first, device: torch.device) -> list:
+    """`first` and the layers of its kind (MoE or dense) after it, until their feed-forward weights pass twice the
+    device's last-level cache (all of them when the model's fit in it: then its forward finds them there too)."""
+    cache = (torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda"
+             else cpu_identity.last_level_cache_bytes())
+    layers, weight_bytes = [], 0
+    start = next(i for i, layer in enumerate(model.layers) if layer is first)
+    for layer in list(model.layers)[start:]:
+        if getattr(layer, "is_moe", False) == getattr(first, "is_moe", False):
+            layers.append(layer)
+            weight_bytes += sum(p.numel() * p.element_size() for p in layer.ffn.parameters())
+            if weight_bytes >= 2 * cache:
+                break
+    return layers
 
 
 class _Timer:
