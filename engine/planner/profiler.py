@@ -6,7 +6,7 @@ context lengths, prefill over prompt counts and lengths) and feed-forward (over 
 MoE's weight-read regime at a few tokens, its GEMM regime at thousands) stand for all of them. The
 feed-forward runs over several of the model's layers in turn, as a forward reads them: one layer timed
 again and again would find its weights in a last-level cache they do not stay in during a forward (a
-32-expert bench-moe layer's 200 MB in this CPU's 300 MiB L3), and a planner pricing warm calls cut the
+32-expert bench-moe layer's 200 MB in a 300 MiB L3), and a planner pricing warm calls cut the
 prefill's MoE batches into pieces that each read the weights again (b_moe 1024 against 16384: 6-21 %
 slower). The engine's host work per step (scheduling, batch building, sampling) is measured on short
 real runs.
