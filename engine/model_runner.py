@@ -110,19 +110,20 @@ class ModelRunner:
         table = page_table([self.kv.pages_of(c.seq) for c in chunks], pool.device)
         rows, positions = span_positions([c.start for c in chunks], lengths, pool.device)
         slots = token_slots(table, rows, positions, page_size)
-        cu_seqlens = index_tensor([0, *_cumsum(lengths)], self.device, torch.int32)
-        ends = [c.end for c in chunks]
-        continued = any(c.start for c in chunks)  # then every chunk attends over its whole prefix in pages
-        if continued:
-            context_rows, context_positions = span_positions([0] * len(chunks), ends, pool.device)
+        cu_seqlens = cu_seqlens_k = index_tensor([0, *_cumsum(lengths)], self.device, torch.int32)
+        context_slots = None
+        if any(c.start for c in chunks):  # a continued chunk: every chunk attends over its whole prefix in pages
+            ends = [c.end for c in chunks]
+            cu_seqlens_k = index_tensor([0, *_cumsum(ends)], self.device, torch.int32)
+            context_slots = token_slots(table, *span_positions([0] * len(chunks), ends, pool.device), page_size)
         offloaded = pool is self.kv.host
         ctx = PrefillContext(
             positions=positions.to(self.device),
             cu_seqlens=cu_seqlens,
             slots=slots,
             pool=pool,
-            cu_seqlens_k=index_tensor([0, *_cumsum(ends)], self.device, torch.int32) if continued else cu_seqlens,
-            context_slots=token_slots(table, context_rows, context_positions, page_size) if continued else None,
+            cu_seqlens_k=cu_seqlens_k,
+            context_slots=context_slots,
             offload=self.prefill_offload if offloaded else None,
             offload_runs=slot_runs(slots.tolist()) if offloaded else None,
         )
