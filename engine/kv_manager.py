@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.engine.kv_pool import KVPool, PoolGeometry, copy_pages, slot_mapping
+from batchgen.engine.kv_pool import KVPool, PoolGeometry, copy_pages, slot_mapping, tiers_in_one_storage
 from batchgen.engine.models.context import KVSpec
 from batchgen.engine.page_cache import ROOT, PageKey
 from batchgen.engine.sequence import KVLocation, Sequence
@@ -40,11 +40,16 @@ class KVManager:
         self.geometry = PoolGeometry(spec, page_size, dtype)
         self.page_size = page_size
         self.reserve_pages = reserve_pages
-        resident_bytes = budget.device_bytes - budget.staging_bytes
-        self.device = KVPool(self.geometry, self.geometry.pages_in_budget(resident_bytes), device,
-                             cache=prefix_caching)
-        self.host = KVPool(self.geometry, self.geometry.pages_in_budget(budget.host_bytes),
-                           host_device, pin=True, cache=prefix_caching)
+        resident_pages = self.geometry.pages_in_budget(budget.device_bytes - budget.staging_bytes)
+        host_pages = self.geometry.pages_in_budget(budget.host_bytes)
+        # host pages attended in place in the device's own memory: the tiers are page ranges of one storage
+        self.one_storage = not stream_host and host_device == device
+        if self.one_storage:
+            self.device, self.host = tiers_in_one_storage(self.geometry, resident_pages, host_pages, device,
+                                                          prefix_caching)
+        else:
+            self.device = KVPool(self.geometry, resident_pages, device, cache=prefix_caching)
+            self.host = KVPool(self.geometry, host_pages, host_device, pin=True, cache=prefix_caching)
         stage_geometry = PoolGeometry(KVSpec(1, spec.num_kv_heads, spec.k_dim, spec.v_dim), page_size, dtype)
         self.stage = KVPool(stage_geometry, stage_geometry.pages_in_budget(budget.staging_bytes), device)
         self.stream_host = stream_host  # host-resident KV decodes through `stage` (else on host pages in place)

@@ -2,7 +2,9 @@
 
 Pages are shared by all layers (a page id names the same slot in every layer's tensor), so a
 sequence has one page list per tier. Moving a sequence between tiers is one indexed copy per
-tensor, whatever the number of layers.
+tensor, whatever the number of layers. Where the host tier is the device's own memory (a CPU engine),
+both tiers are page ranges of one storage (`tiers_in_one_storage`): a page id then names one slot
+whichever pool holds it, and one page table can mix sequences of both tiers.
 """
 
 from __future__ import annotations
@@ -75,17 +77,18 @@ class KVPool:
     """
 
     def __init__(self, geometry: PoolGeometry, num_pages: int, device: torch.device, pin: bool = False,
-                 cache: bool = False):
-        spec = geometry.spec
+                 cache: bool = False, storage: tuple[torch.Tensor, torch.Tensor] | None = None, first_page: int = 0):
+        """`storage`: k/v tensors this pool shares with another, its pages being [first_page, first_page +
+        num_pages) of them (tiers_in_one_storage); by default a storage of its own."""
         self.geometry = geometry
         self.num_pages = num_pages
         self.device = device
-        shape = (spec.num_layers, num_pages, geometry.page_size, spec.num_kv_heads)
-        pin = pin and device.type == "cpu" and torch.cuda.is_available()
-        self.k = zeroed((*shape, spec.k_dim), geometry.dtype, device, pin)
-        self.v = zeroed((*shape, spec.v_dim), geometry.dtype, device, pin)
-        self._free = list(range(num_pages - 1, -1, -1))
-        self.holders = [0] * num_pages
+        if storage is None:
+            pin = pin and device.type == "cpu" and torch.cuda.is_available()
+            storage = _storage(geometry, num_pages, device, pin)
+        self.k, self.v = storage
+        self._free = list(range(first_page + num_pages - 1, first_page - 1, -1))
+        self.holders = [0] * (first_page + num_pages)
         self.cache = PageCache() if cache else None
 
     def release_storage(self) -> None:
@@ -136,6 +139,24 @@ class KVPool:
 
     def nbytes(self, num_pages: int) -> int:
         return num_pages * self.geometry.page_bytes
+
+
+def tiers_in_one_storage(geometry: PoolGeometry, device_pages: int, host_pages: int, device: torch.device,
+                         cache: bool) -> tuple[KVPool, KVPool]:
+    """A device pool and a host pool that are two page ranges of one storage, for host pages in the device's own
+    memory: the tiers keep their budgets and free lists, and a decode micro-batch attends over sequences of
+    both at once (engine/model_runner.py)."""
+    storage = _storage(geometry, device_pages + host_pages, device, pin=False)
+    return (KVPool(geometry, device_pages, device, cache=cache, storage=storage),
+            KVPool(geometry, host_pages, device, cache=cache, storage=storage, first_page=device_pages))
+
+
+def _storage(geometry: PoolGeometry, num_pages: int, device: torch.device, pin: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = geometry.spec
+    shape = (spec.num_layers, num_pages, geometry.page_size, spec.num_kv_heads)
+    return (zeroed((*shape, spec.k_dim), geometry.dtype, device, pin),
+            zeroed((*shape, spec.v_dim), geometry.dtype, device, pin))
 
 
 def copy_pages(src: KVPool, src_pages: list[int], dst: KVPool, dst_pages: list[int]) -> int:

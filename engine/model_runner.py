@@ -47,29 +47,35 @@ class ModelRunner:
     def step(self, chunks: list[PrefillChunk], resident: list[Sequence],
              staged_groups: list[list[Sequence]]) -> torch.Tensor:
         """One forward over prefill chunks (pages allocated) and decoding sequences (resident ones read
-        device pages, staged ones host pages), all COMBINE-d into the same MoE batches. Returns logits
-        [C + D, V]: the last position of each chunk that completes its prompt, then one row per decoding
-        sequence (resident, then staged)."""
+        device pages, staged ones host pages; both in the same micro-batches where the tiers are one storage),
+        all COMBINE-d into the same MoE batches. Returns logits [C + D, V]: the last position of each chunk that
+        completes its prompt, then one row per decoding sequence (resident, then staged)."""
         micro = [self._prefill_micro_batch(chunks[i : i + self.limits.b_attn])
                  for i in range(0, len(chunks), self.limits.b_attn)]
-        for start in range(0, len(resident), self.limits.b_attn):
-            micro.append(self._decode_micro_batch(resident[start : start + self.limits.b_attn], self.kv.device))
-        micro.extend(self._staged_micro_batch(group) for group in staged_groups)
+        decoding = resident
+        if self.kv.one_storage:  # host pages in the device's storage: their sequences join the resident batches
+            decoding = [*resident, *(s for group in staged_groups for s in group)]
+            staged_groups = []
+        decode = [self._decode_micro_batch(decoding[i : i + self.limits.b_attn], self.kv.device)
+                  for i in range(0, len(decoding), self.limits.b_attn)]
+        decode += [self._staged_micro_batch(group) for group in staged_groups]
+        self.stats.decode_micro_batches += len(decode)
+        micro += decode
         ends = _cumsum([c.end - c.start for c in chunks])
-        decoding = len(resident) + sum(len(g) for g in staged_groups)
+        decoded = len(decoding) + sum(len(g) for g in staged_groups)
         rows = None
         if chunks:  # pure decode reads every row
             prefill_tokens = ends[-1]
             rows = index_tensor([end - 1 for c, end in zip(chunks, ends) if c.completes]
-                                + list(range(prefill_tokens, prefill_tokens + decoding)), self.device)
-        tokens = (ends[-1] if chunks else 0) + decoding
+                                + list(range(prefill_tokens, prefill_tokens + decoded)), self.device)
+        tokens = (ends[-1] if chunks else 0) + decoded
         b_moe = self.limits.b_moe
         if self.phases is not None:
             b_moe = self.phases.enter(bool(chunks), bool(staged_groups), tokens)
         logits = self._forward(micro, rows, tokens, b_moe)
         for c in chunks:
             c.seq.kv_len = c.end
-        for s in [*resident, *(s for group in staged_groups for s in group)]:
+        for s in [*decoding, *(s for group in staged_groups for s in group)]:
             s.kv_len += 1
         return logits
 
@@ -130,8 +136,8 @@ class ModelRunner:
         return CoroutineGroup([c.seq for c in chunks], self._token_ids(tokens), ProgramPoint(0, "embed"), ctx)
 
     def _decode_micro_batch(self, seqs: list[Sequence], pool: KVPool) -> CoroutineGroup:
-        """Sequences attending over their pages in `pool` in place (device pages, or host pages when the
-        host pool is in the device's own memory)."""
+        """Sequences attending over their pages in `pool`'s storage in place (device pages, host pages where the
+        host pool is in the device's own memory, or both where the two are one storage)."""
         kv_lens = index_tensor([s.kv_len for s in seqs], self.device)
         table = page_table([self.kv.pages_of(s) for s in seqs], self.device)
         ctx = DecodeContext(
@@ -145,7 +151,7 @@ class ModelRunner:
 
     def _staged_micro_batch(self, seqs: list[Sequence]) -> CoroutineGroup:
         """Host-resident sequences: streamed layer by layer through the staging pool, or attending on the
-        host pages in place (the default on a CPU engine, whose host pages already are device memory)."""
+        host pages in place (host pages in memory the device reads)."""
         if not self.kv.stream_host:
             return self._decode_micro_batch(seqs, self.kv.host)
         page_size = self.kv.page_size

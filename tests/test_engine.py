@@ -89,6 +89,25 @@ def test_tight_kv_budget_evicts_and_restores_without_changing_tokens(moe_case, m
         assert metrics["staged_decode_batches"] > 0
 
 
+@pytest.mark.parametrize("stream_host_kv", [False, True])
+def test_host_resident_sequences_decode_in_the_resident_micro_batches_where_the_tiers_are_one_memory(
+        moe_case, stream_host_kv):
+    """A CPU engine's host pages are its device memory: sequences yielded to them decode in the same attention
+    micro-batches as the resident ones (one per step here), not in micro-batches of their own as when their KV
+    streams through the staging pool."""
+    loaded, batch, expected = moe_case
+    budget = kv_bytes_per_token(loaded) * 4 * 32
+    engine = Engine(loaded, page_size=4, kv_budget_bytes=budget, b_attn=len(batch), b_moe=64,
+                    stream_host_kv=stream_host_kv)
+    assert in_order(tokens_by_id(engine.generate(greedy_requests(batch))), len(batch)) == expected
+    metrics = engine.metrics()
+    assert metrics["yields"] > 0 and metrics["staged_decode_batches"] > 0
+    if stream_host_kv:
+        assert metrics["decode_micro_batches"] == metrics["decode_steps"] + metrics["staged_decode_batches"]
+    else:
+        assert metrics["decode_micro_batches"] == metrics["decode_steps"]
+
+
 def test_chunked_prefill_mixed_into_decode_steps_keeps_greedy_tokens(arch_case):
     loaded, batch, expected = arch_case
     # 7 prompt tokens per step: the 9-, 12-, 17- and 30-token prompts are prefilled in chunks, and at most 3

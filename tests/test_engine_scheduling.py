@@ -9,7 +9,7 @@ from tiny_models import scheduler_config
 from batchgen.engine.batch_index import index_tensor, new_token_slots, page_table, span_positions, token_slots
 from batchgen.engine.coroutine import CoroutineGroup, ProgramPoint, combine, partition
 from batchgen.engine.kv_manager import KVBudget, KVManager
-from batchgen.engine.kv_pool import slot_mapping, zeroed
+from batchgen.engine.kv_pool import OutOfPagesError, slot_mapping, zeroed
 from batchgen.engine.models.context import KVSpec
 from batchgen.engine.sampling_params import InvalidRequestError, SamplingParams
 from batchgen.engine.scheduler import DecodePlan, Scheduler
@@ -22,10 +22,10 @@ PAGE_BYTES = SPEC.num_layers * PAGE * (SPEC.k_dim + SPEC.v_dim) * 4
 
 
 def manager(device_pages: int, host_pages: int = 64, stage_pages: int = 0, reserve: int = 0,
-            prefix_caching: bool = False) -> KVManager:
+            prefix_caching: bool = False, stream_host: bool = True) -> KVManager:
     budget = KVBudget(device_bytes=(device_pages * PAGE_BYTES + stage_pages * PAGE_BYTES // SPEC.num_layers),
                       host_bytes=host_pages * PAGE_BYTES, staging_bytes=stage_pages * PAGE_BYTES // SPEC.num_layers)
-    return KVManager(SPEC, PAGE, torch.float32, budget, torch.device("cpu"), stream_host=True,
+    return KVManager(SPEC, PAGE, torch.float32, budget, torch.device("cpu"), stream_host=stream_host,
                      prefix_caching=prefix_caching, reserve_pages=reserve)
 
 
@@ -79,6 +79,32 @@ def test_migrate_round_trip_keeps_kv_bit_exact():
     kv.export(seq, exported)
     assert torch.equal(exported, packed)
     assert kv.migrations == {"to_host": 1, "to_device": 1}
+
+
+def test_tiers_in_one_storage_name_each_slot_by_one_page_id():
+    """Host pages attended in place on the device's memory: both pools are page ranges of one storage, so a page
+    table may mix sequences of both tiers; each tier keeps its own pages, and a MIGRATE still moves the KV."""
+    kv = manager(device_pages=4, host_pages=6, stream_host=False)
+    assert kv.one_storage and kv.device.k is kv.host.k and kv.device.v is kv.host.v
+    assert kv.device.k.shape[1] == 10
+    seq = sequence(0, prompt_len=6)
+    packed = torch.empty(kv.geometry.packed_nbytes(6), dtype=torch.uint8)
+    for part in kv.geometry.packed_views(packed, 6):
+        part.copy_(torch.randn(part.shape))
+    kv.load(seq, KVLocation.DEVICE, packed, 6)
+    device_pages = list(seq.device_pages)
+    kv.migrate(seq, KVLocation.HOST)
+    assert all(page >= 4 for page in seq.host_pages) and kv.device.free_pages == 4 and kv.host.free_pages == 4
+    k, _ = kv.geometry.packed_views(packed, 6)
+    assert torch.equal(kv.device.k[:, seq.host_pages[0]].flatten(1, 2), k[:, :PAGE].flatten(1, 2))
+    kv.migrate(seq, KVLocation.DEVICE)
+    assert all(page < 4 for page in seq.device_pages) and sorted(seq.device_pages) == sorted(device_pages)
+    exported = torch.empty_like(packed)
+    kv.export(seq, exported)
+    assert torch.equal(exported, packed)
+    with pytest.raises(OutOfPagesError):
+        kv.host.allocate(7)
+    assert sorted(kv.host.allocate(6)) == list(range(4, 10))
 
 
 def test_coroutine_mode_yields_the_most_progressed_sequence_first():

@@ -58,10 +58,13 @@ def replay_schedule(config: EngineConfig, budget: KVBudget, spec: KVSpec, dtype:
                               "small for this workload")
         chunks = plan.prefill.chunks if plan.prefill else []
         decode = plan.decode
+        resident, staged = (decode.resident, decode.staged_groups) if decode else ([], [])
+        if kv.one_storage:  # as the model runner cuts it: host-resident sequences in the resident micro-batches
+            resident, staged = [*resident, *(s for group in staged for s in group)], []
         steps.append(StepShape(
             prefill=tuple((c.start, c.end) for c in chunks),
-            resident=tuple(s.kv_len + 1 for s in decode.resident) if decode else (),
-            staged=tuple(tuple(s.kv_len + 1 for s in group) for group in decode.staged_groups) if decode else (),
+            resident=tuple(s.kv_len + 1 for s in resident),
+            staged=tuple(tuple(s.kv_len + 1 for s in group) for group in staged),
             completed=sum(c.completes for c in chunks),
             migrated_bytes=kv.bytes_moved - moved,
             streams_host=stream_host,
