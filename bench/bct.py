@@ -25,7 +25,8 @@ engines for its input
 The roofline bound (bench/roofline.py) is measured in the same run, for the workload (the best schedule) and for
 each engine mode's steps as it ran them (Engine.observe_steps): `speedup_vs_lockstep_at_bounds` is the speedup the
 two schedules would give if both ran every step at the roofline, `over_schedule_bound` how far each run is from its
-own schedule's bound. With --json the last line printed is one JSON object.
+own schedule's bound, and `step_classes` where that distance lies: each mode's steps by class (prefill, decode by
+sequences decoded), their wall time against their bound. With --json the last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from roofline import MachinePeaks, MoEShape, StepShape, measure_peaks, schedule_bound, workload_bound
+from roofline import MachinePeaks, MoEShape, StepShape, measure_peaks, schedule_bound, step_seconds, workload_bound
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.connectors.presets import build_preset
@@ -96,6 +97,7 @@ class SystemRun:
     mean_expert_batch: float
     engine_metrics: dict | None = None  # our engine's own counters
     steps: list[StepShape] | None = None  # our engine's schedule, step by step
+    step_seconds: list[float] | None = None  # each of those steps' wall time (host work between steps included)
 
 
 def make_workload(spec: WorkloadSpec, vocab_size: int) -> Workload:
@@ -154,7 +156,8 @@ def run_engine(loaded, config: EngineConfig, workload: Workload) -> SystemRun:
     gc.collect()
     engine = Engine(loaded, config)
     steps: list[StepShape] = []
-    engine.observe_steps(lambda plan: steps.append(step_shape(plan)))
+    ends: list[float] = []
+    engine.observe_steps(lambda plan: (steps.append(step_shape(plan)), ends.append(time.perf_counter())))
     start = time.perf_counter()
     results = engine.generate(requests_for(workload))
     bct = time.perf_counter() - start
@@ -166,7 +169,8 @@ def run_engine(loaded, config: EngineConfig, workload: Workload) -> SystemRun:
     gc.collect()
     return SystemRun(tokens=[r.outputs[0].token_ids for r in results], bct_s=bct,
                      completion_times=[r.finished_at - start for r in results],
-                     mean_expert_batch=metrics["mean_expert_batch"], engine_metrics=metrics, steps=steps)
+                     mean_expert_batch=metrics["mean_expert_batch"], engine_metrics=metrics, steps=steps,
+                     step_seconds=[end - begin for begin, end in zip([start, *ends], ends)])
 
 
 def step_shape(plan: StepPlan) -> StepShape:
@@ -179,6 +183,32 @@ def step_shape(plan: StepPlan) -> StepShape:
                      prompt_kv_read=sum(c.start for c in chunks),
                      prompts_completed=sum(c.completes for c in chunks),
                      decoded=len(decoded), decode_kv=sum(s.kv_len for s in decoded))
+
+
+def step_class(step: StepShape) -> str:
+    """A step's class for `step_classes`: "prefill" when it has prompt tokens (decodes COMBINE-d with them
+    included), else decode by how many sequences it decoded, in power-of-two bins from 1-8."""
+    if step.prompt_tokens:
+        return "prefill"
+    high = 8
+    while step.decoded > high:
+        high *= 2
+    return f"decode_{1 if high == 8 else high // 2 + 1}_{high}"
+
+
+def step_classes(shape: MoEShape, steps: list[StepShape], seconds: list[float], peaks: MachinePeaks) -> dict:
+    """Where a run's time went: per step class, its steps, their wall time, their roofline and the ratio of the
+    two (`over_bound`), so a gap to the schedule's bound shows at the batch sizes that make it."""
+    classes: dict[str, dict] = {}
+    for step, wall in zip(steps, seconds):
+        entry = classes.setdefault(step_class(step), {"steps": 0, "seconds": 0.0, "bound_s": 0.0})
+        entry["steps"] += 1
+        entry["seconds"] += wall
+        entry["bound_s"] += step_seconds(shape, step, peaks)[0]
+    for entry in classes.values():
+        entry["over_bound"] = entry["seconds"] / entry["bound_s"]
+    largest = {name: 0 if name == "prefill" else int(name.rsplit("_", 1)[1]) for name in classes}
+    return {name: classes[name] for name in sorted(classes, key=largest.get)}
 
 
 def median_run(name: str, runs: list[SystemRun]) -> SystemRun:
@@ -421,6 +451,8 @@ def scenario_summary(runs: dict[str, SystemRun], output_tokens: int, bound_s: fl
         "schedule_steps": {name: len(run.steps) for name, run in runs.items() if run.steps},
         "over_schedule_bound": {name: runs[name].bct_s / seconds for name, seconds in schedule.items()},
         "speedup_vs_lockstep_at_bounds": schedule["lockstep"] / schedule["batchgen"],
+        "step_classes": {name: step_classes(shape, run.steps, run.step_seconds, peaks)
+                         for name, run in runs.items() if run.steps},
         "scheduler_share": {name: run.engine_metrics["scheduler_share"] for name, run in runs.items()
                             if run.engine_metrics},
         "completion_time_s": {name: {f"p{q}": percentile(run.completion_times, q) for q in (50, 95, 99)}
@@ -586,6 +618,9 @@ def describe(scenario: str, summary: dict) -> str:
              + ", ".join(f"{k} {v:.2f} s ({summary['over_schedule_bound'][k]:.2f}x)"
                          for k, v in summary["schedule_bound_s"].items())
              + f"; speedup vs lockstep there {summary['speedup_vs_lockstep_at_bounds']:.2f}x"]
+    for name, classes in summary["step_classes"].items():
+        lines.append(f"  {name} by step class: " + ", ".join(
+            f"{k} {c['steps']} steps {c['seconds']:.2f} s ({c['over_bound']:.2f}x)" for k, c in classes.items()))
     for pair, match in summary["match"].items():
         line = (f"  outputs {pair}: {match['exact']}/{match['total']} identical, mean matching prefix "
                 f"{match['mean_prefix']:.1f} tokens ({match['mean_prefix_share']:.1%})")

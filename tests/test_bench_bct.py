@@ -35,6 +35,11 @@ def test_quick_json_report(monkeypatch, capsys):
             steps = engine["prefill_steps"] + engine["decode_steps"] - engine["mixed_steps"]
             assert scenario["schedule_steps"][mode] == steps, (name, mode, engine)
             assert scenario["schedule_bound_s"][mode] > 0
+            # the same steps by class: every step in one class, their wall time within the run's
+            classes = scenario["step_classes"][mode]
+            assert sum(c["steps"] for c in classes.values()) == steps and "prefill" in classes, classes
+            assert 0 < sum(c["seconds"] for c in classes.values()) <= scenario["bct_s"][mode] + 1e-9
+            assert sum(c["bound_s"] for c in classes.values()) == pytest.approx(scenario["schedule_bound_s"][mode])
         assert scenario["speedup_vs_lockstep_at_bounds"] == pytest.approx(
             scenario["schedule_bound_s"]["lockstep"] / scenario["schedule_bound_s"]["batchgen"])
         # both engine modes planned for the bench's 8 prompts: every prompt admitted at once
@@ -54,6 +59,27 @@ def test_quick_json_report(monkeypatch, capsys):
     assert constrained["kv_budget_bytes"] < report["scenarios"]["unconstrained"]["kv_budget_bytes"]
     # the budget holds half the sequences: BatchGen must have moved KV off the device to run them all
     assert constrained["engine"]["batchgen"]["peak_suspended"] > 0
+
+
+def test_steps_fall_in_classes_by_what_they_run(monkeypatch):
+    bct = import_bench(monkeypatch, "bct")
+    import roofline
+
+    decode = [roofline.StepShape(decoded=n, decode_kv=10 * n) for n in (1, 8, 9, 16, 17, 100, 128, 129)]
+    assert [bct.step_class(s) for s in decode] == ["decode_1_8", "decode_1_8", "decode_9_16", "decode_9_16",
+                                                   "decode_17_32", "decode_65_128", "decode_65_128",
+                                                   "decode_129_256"]
+    assert bct.step_class(roofline.StepShape(prompt_tokens=30, decoded=200)) == "prefill"
+    shape = roofline.MoEShape(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, experts=4, top_k=2,
+                              intermediate=64, dtype_bytes=4)
+    peaks = roofline.MachinePeaks(matmul_flops=1e9, read_bandwidth=1e9, copy_bandwidth=1e9)
+    steps = [decode[5], roofline.StepShape(prompt_tokens=30), decode[0], decode[1]]
+    classes = bct.step_classes(shape, steps, [0.5, 2.0, 0.25, 0.25], peaks)
+    assert list(classes) == ["prefill", "decode_1_8", "decode_65_128"]
+    assert classes["decode_1_8"]["steps"] == 2 and classes["decode_1_8"]["seconds"] == 0.5
+    bound = sum(roofline.step_seconds(shape, s, peaks)[0] for s in steps[2:])
+    assert classes["decode_1_8"]["bound_s"] == pytest.approx(bound)
+    assert classes["decode_1_8"]["over_bound"] == pytest.approx(0.5 / bound)
 
 
 def test_an_engine_mode_reports_its_median_run_and_must_repeat_its_tokens(monkeypatch):
