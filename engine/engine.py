@@ -376,8 +376,7 @@ class Engine(Generates):
             self.stats.prompt_tokens += chunk.end - chunk.start
         self.stats.chunked_prefills += sum(1 for c in chunks if not c.completes)
         self.stats.decoding = decode is not None
-        logits = self._timed(self.runner.step, chunks, decode.resident if decode else [],
-                             decode.staged_groups if decode else [])
+        logits = self._timed(self.runner.step, chunks, decode)
         for chunk in chunks:  # their pages now hold the KV: index the whole prompt pages for sharers
             self.kv.cache_prompt(chunk.seq, chunk.end)
         self.stats.decoding = False

@@ -17,7 +17,7 @@ from batchgen.engine.kv_pool import KVPool
 from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.offload.phase_switch import PhaseSwitch
 from batchgen.engine.prefill_offload import PrefillOffload, slot_runs
-from batchgen.engine.scheduler import PrefillChunk
+from batchgen.engine.scheduler import DecodePlan, PrefillChunk
 from batchgen.engine.sequence import Sequence
 
 
@@ -44,25 +44,23 @@ class ModelRunner:
         self.prefill_offload = PrefillOffload(kv.host, device)
         self.phases = phases  # memory-constrained mode: the staging pool lent to prefill steps' MoE batches
 
-    def step(self, chunks: list[PrefillChunk], resident: list[Sequence],
-             staged_groups: list[list[Sequence]]) -> torch.Tensor:
+    def step(self, chunks: list[PrefillChunk], decode: DecodePlan | None) -> torch.Tensor:
         """One forward over prefill chunks (pages allocated) and decoding sequences (resident ones read
         device pages, staged ones host pages; both in the same micro-batches where the tiers are one storage),
         all COMBINE-d into the same MoE batches. Returns logits [C + D, V]: the last position of each chunk that
         completes its prompt, then one row per decoding sequence (resident, then staged)."""
         micro = [self._prefill_micro_batch(chunks[i : i + self.limits.b_attn])
                  for i in range(0, len(chunks), self.limits.b_attn)]
-        decoding = resident
-        if self.kv.one_storage:  # host pages in the device's storage: their sequences join the resident batches
-            decoding = [*resident, *(s for group in staged_groups for s in group)]
-            staged_groups = []
-        decode = [self._decode_micro_batch(decoding[i : i + self.limits.b_attn], self.kv.device)
-                  for i in range(0, len(decoding), self.limits.b_attn)]
-        decode += [self._staged_micro_batch(group) for group in staged_groups]
-        self.stats.decode_micro_batches += len(decode)
-        micro += decode
+        plan = decode.attended(self.kv.one_storage) if decode else DecodePlan([])
+        resident, staged_groups = plan.resident, plan.staged_groups
+        decoding = [self._decode_micro_batch(resident[i : i + self.limits.b_attn], self.kv.device)
+                    for i in range(0, len(resident), self.limits.b_attn)]
+        decoding += [self._staged_micro_batch(group) for group in staged_groups]
+        self.stats.decode_micro_batches += len(decoding)
+        micro += decoding
         ends = _cumsum([c.end - c.start for c in chunks])
-        decoded = len(decoding) + sum(len(g) for g in staged_groups)
+        decoding_seqs = plan.seqs
+        decoded = len(decoding_seqs)
         rows = None
         if chunks:  # pure decode reads every row
             prefill_tokens = ends[-1]
@@ -75,7 +73,7 @@ class ModelRunner:
         logits = self._forward(micro, rows, tokens, b_moe)
         for c in chunks:
             c.seq.kv_len = c.end
-        for s in [*decoding, *(s for group in staged_groups for s in group)]:
+        for s in decoding_seqs:
             s.kv_len += 1
         return logits
 

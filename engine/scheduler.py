@@ -67,6 +67,11 @@ class DecodePlan:
     def seqs(self) -> list[Sequence]:
         return self.resident + [s for group in self.staged_groups for s in group]
 
+    def attended(self, one_storage: bool) -> DecodePlan:
+        """The plan as the model runner attends it: where the KV tiers are one storage (kv_pool.tiers_in_one_storage)
+        the host-resident sequences join the resident ones, in the same order."""
+        return DecodePlan(self.seqs) if one_storage and self.staged_groups else self
+
 
 @dataclass
 class StepPlan:

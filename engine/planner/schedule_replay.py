@@ -14,7 +14,7 @@ from batchgen.engine.models.context import KVSpec
 from batchgen.engine.planner.step_model import StepShape
 from batchgen.engine.planner.workload import WorkloadShape
 from batchgen.engine.sampling_params import SamplingParams
-from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.scheduler import DecodePlan, Scheduler
 from batchgen.engine.sequence import Phase, Sequence
 
 META = torch.device("meta")
@@ -58,13 +58,11 @@ def replay_schedule(config: EngineConfig, budget: KVBudget, spec: KVSpec, dtype:
                               "small for this workload")
         chunks = plan.prefill.chunks if plan.prefill else []
         decode = plan.decode
-        resident, staged = (decode.resident, decode.staged_groups) if decode else ([], [])
-        if kv.one_storage:  # as the model runner cuts it: host-resident sequences in the resident micro-batches
-            resident, staged = [*resident, *(s for group in staged for s in group)], []
+        attended = decode.attended(kv.one_storage) if decode else DecodePlan([])  # as the model runner cuts it
         steps.append(StepShape(
             prefill=tuple((c.start, c.end) for c in chunks),
-            resident=tuple(s.kv_len + 1 for s in resident),
-            staged=tuple(tuple(s.kv_len + 1 for s in group) for group in staged),
+            resident=tuple(s.kv_len + 1 for s in attended.resident),
+            staged=tuple(tuple(s.kv_len + 1 for s in group) for group in attended.staged_groups),
             completed=sum(c.completes for c in chunks),
             migrated_bytes=kv.bytes_moved - moved,
             streams_host=stream_host,
