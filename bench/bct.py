@@ -157,7 +157,12 @@ def run_engine(loaded, config: EngineConfig, workload: Workload) -> SystemRun:
     engine = Engine(loaded, config)
     steps: list[StepShape] = []
     ends: list[float] = []
-    engine.observe_steps(lambda plan: (steps.append(step_shape(plan)), ends.append(time.perf_counter())))
+
+    def observe(plan: StepPlan) -> None:
+        steps.append(step_shape(plan))
+        ends.append(time.perf_counter())
+
+    engine.observe_steps(observe)
     start = time.perf_counter()
     results = engine.generate(requests_for(workload))
     bct = time.perf_counter() - start
