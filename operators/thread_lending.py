@@ -4,11 +4,11 @@ Ray grants each engine actor a share of its node's CPUs for the whole job, but a
 the whole job: a disaggregated decode actor waits for the first prefilled block, the prefill actor has nothing
 left once the input is read, and in single mode an actor whose tail drained waits for the others. Meanwhile
 its cores idle. So each engine actor of a node keeps a small file (one directory per Ray job and node) saying
-how many threads it was granted and since when it is idle; a busy engine computes with its own grant plus an
-even share of the grants of the peers idle for at least IDLE_S, never with more threads than the node has
-cores; an actor that left while the others ran (its stage done) lends its grant for the rest of their run. A
-peer that gets work again takes its grant back at once; the borrowers give theirs back at their next recount
-(at most CHECK_S later, after the step in progress).
+how many threads it was granted, since when it is idle and when its process started (a pid alone may by now name
+another process); a busy engine computes with its own grant plus an even share of the grants of the peers idle for
+at least IDLE_S, never with more threads than the node has cores; an actor that left while the others ran (its
+stage done) lends its grant for the rest of their run. A peer that gets work again takes its grant back at once;
+the borrowers give theirs back at their next recount (at most CHECK_S later, after the step in progress).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from batchgen.engine import EngineConfig
 
 IDLE_S = 0.5  # a peer idle this long lends its threads: not one that is between two batches
 CHECK_S = 0.25  # a busy engine recounts its threads at most this often
+UNKNOWN_START = "?"  # a process's start time where /proc cannot tell it
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class ThreadLending:
         self.granted = granted
         self.cores = cores or os.cpu_count() or 1
         self.path = directory / str(os.getpid())
+        self.started = process_start(os.getpid())
         self.changes = 0  # thread-count changes made: how often threads were borrowed or given back
         self._idle_since: float | None = time.time()
         self._checked = 0.0
@@ -100,11 +102,11 @@ class ThreadLending:
             if entry.name == self.path.name or not entry.name.isdigit():
                 continue
             try:
-                granted, idle_since = Path(entry.path).read_text().split()
+                granted, idle_since, started = Path(entry.path).read_text().split()
             except (OSError, ValueError):  # being replaced
                 continue
             pid = int(entry.name)
-            if _alive(pid):
+            if _alive(pid, started):
                 self._met.add(pid)
                 found.append(Peer(int(granted), None if idle_since == "-" else float(idle_since)))
             elif pid in self._met:  # its stage is done while this one runs: its grant stays the job's to lend
@@ -120,7 +122,7 @@ class ThreadLending:
         """Write this engine's state; a reader sees the old file or the new one, never half of one."""
         since = "-" if self._idle_since is None else repr(self._idle_since)
         partial = self.path.with_suffix(".tmp")
-        partial.write_text(f"{self.granted} {since}")
+        partial.write_text(f"{self.granted} {since} {self.started}")
         os.replace(partial, self.path)
 
 
@@ -136,11 +138,25 @@ def lend_threads(granted: int, engine_options: dict[str, Any]) -> ThreadLending 
     return ThreadLending(Path(tempfile.gettempdir()) / name, granted)
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, started: str) -> bool:
+    """Whether the engine that wrote a file (its pid, its start) still runs. An engine killed while computing
+    leaves a file saying it computes; its pid, once the system reuses it, is another process's, which the start
+    time tells apart (else a peer computing for good would halve every engine's share of idle threads)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process
-        return True
-    return True
+        pass
+    now = process_start(pid)
+    return now == started or UNKNOWN_START in (now, started)
+
+
+def process_start(pid: int) -> str:
+    """When process `pid` started, in clock ticks since boot (the 22nd field of /proc/<pid>/stat; the command
+    name before it may hold spaces and parentheses), or UNKNOWN_START where that cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return UNKNOWN_START
+    return stat.rsplit(")", 1)[1].split()[19]

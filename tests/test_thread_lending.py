@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from pipeline_helpers import ENGINE, SAMPLING, workload
 
 from batchgen.engine import EngineLoop, Request, SamplingParams
 from batchgen.operators.engine_factory import load_engine
-from batchgen.operators.thread_lending import IDLE_S, Peer, ThreadLending, lent_threads
+from batchgen.operators.thread_lending import IDLE_S, Peer, ThreadLending, lent_threads, process_start
 
 NOW = 1000.0
 LONG_IDLE = NOW - IDLE_S - 1
@@ -52,8 +53,9 @@ def processes():
         live.wait()
 
 
-def peer_file(directory, pid, granted, idle_since):
-    (directory / str(pid)).write_text(f"{granted} {'-' if idle_since is None else idle_since}")
+def peer_file(directory, pid, granted, idle_since, started=None):
+    since = "-" if idle_since is None else idle_since
+    (directory / str(pid)).write_text(f"{granted} {since} {started or process_start(pid)}")
 
 
 def test_threads_follow_the_peers_files(tmp_path, processes, own_threads):
@@ -88,6 +90,18 @@ def test_a_peer_that_ended_lends_its_grant_only_if_it_ran_beside_this_engine(tmp
     assert lending.busy() == 2 and (tmp_path / str(live)).exists()
 
 
+def test_a_file_whose_pid_now_names_another_process_is_an_ended_engines(tmp_path, processes, own_threads):
+    live, _ = processes
+    torch.set_num_threads(1)
+    lending = ThreadLending(tmp_path, granted=1, cores=2)
+    peer_file(tmp_path, live, 1, time.time() - IDLE_S - 1)  # an idle peer lends its thread
+    # an engine killed while it computed left its file, and the system has since given its pid to another process
+    reused = os.getppid()
+    peer_file(tmp_path, reused, 1, None, started=str(int(process_start(reused)) + 1))
+    assert lending.busy() == 2  # counted as computing, it would take half of the idle peer's thread
+    assert not (tmp_path / str(reused)).exists()
+
+
 def test_the_engine_loop_says_when_it_computes_and_when_it_runs_out_of_work(tiny_moe_dir):
     states: list[bool] = []
     engine = load_engine(tiny_moe_dir, **ENGINE)
@@ -111,16 +125,23 @@ def test_the_engine_loop_says_when_it_computes_and_when_it_runs_out_of_work(tiny
     assert states[-1] is False
 
 
-def test_engine_actors_of_a_node_lend_their_threads(ray_cluster):
+def test_engine_actors_of_a_node_lend_their_threads(ray_cluster, tmp_path):
     import ray
 
     from batchgen.operators.thread_lending import lend_threads
 
     @ray.remote(num_cpus=0.5)
     class Actor:
-        def __init__(self):
+        def __init__(self, directory: str):
             torch.set_num_threads(1)
-            self.lending = lend_threads(1, {})
+            joined = lend_threads(1, {})
+            self.shared = joined.directory.name
+            joined.close()
+            # the lending itself in this test's own directory: the suite's other engine actors share the Ray job
+            self.lending = ThreadLending(Path(directory), 1)
+
+        def directory(self) -> str:
+            return self.shared
 
         def work(self, busy: bool) -> int:
             self.lending.on_work(busy)
@@ -133,7 +154,10 @@ def test_engine_actors_of_a_node_lend_their_threads(ray_cluster):
             self.lending._checked = 0.0
             return self.lending.busy()
 
-    first, second = Actor.remote(), Actor.remote()
+    first, second = Actor.remote(str(tmp_path)), Actor.remote(str(tmp_path))
+    # the engine actors of one Ray job and node meet in one directory
+    assert ray.get(first.directory.remote()) == ray.get(second.directory.remote())
+    assert ray.get_runtime_context().get_job_id() in ray.get(first.directory.remote())
     assert ray.get(second.work.remote(False)) == 1
     time.sleep(IDLE_S + 0.1)
     cores = min(2, os.cpu_count() or 1)
