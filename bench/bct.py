@@ -54,7 +54,7 @@ from batchgen.connectors.checkpoint import load_model
 from batchgen.connectors.presets import build_preset
 from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
 from batchgen.engine.planner import PLANNED_FIELDS, WorkloadShape, plan_engine
-from batchgen.engine.process_heap import keep_freed_memory
+from batchgen.engine.process_heap import freeze_heap, keep_freed_memory
 from batchgen.engine.scheduler import StepPlan
 
 SYSTEMS = ("batchgen", "lockstep", "transformers")
@@ -554,6 +554,9 @@ def run(args: argparse.Namespace, log) -> dict:
     loaded, hf_model = load_systems(model_dir, device, args.dtype)
 
     probe = reference_probe(hf_model, workload.prompts)
+    # what the imports and the models left frozen, as an engine actor freezes its imports (engine/process_heap.py):
+    # the collections between runs, and the collector's passes inside them, walk only what the runs create
+    freeze_heap()
 
     host_bytes = all_contexts_bytes(shape, workload)
     constrained = budget_bytes(shape, workload, spec.budget_seqs)
@@ -640,7 +643,10 @@ def describe(scenario: str, summary: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    report = run(args, log=lambda message: print(message, flush=True))
+    try:
+        report = run(args, log=lambda message: print(message, flush=True))
+    finally:
+        gc.unfreeze()  # run() froze the heap: thawed, as the caller (a test process) may build and drop engines
     if args.json:
         print(json.dumps(report))
 
