@@ -1,6 +1,7 @@
 """bench/bct.py --quick --json end to end (in this process: no second interpreter to start): report keys,
 BatchGen's greedy tokens equal lockstep's and transformers', and the KV budget really constrains."""
 
+import gc
 import json
 
 import pytest
@@ -15,6 +16,7 @@ PROMPTS = 8
 def test_quick_json_report(monkeypatch, capsys):
     bct = import_bench(monkeypatch, "bct")
     progress_bars = hf_logging.is_progress_bar_enabled()
+    frozen = gc.get_freeze_count()
     try:
         # half the --quick workload, with a KV budget of 4 mean contexts: still 2x over-subscribed
         bct.main(["--quick", "--json", "--num-prompts", str(PROMPTS), "--budget-seqs", "4", "--repeats", "2",
@@ -23,6 +25,8 @@ def test_quick_json_report(monkeypatch, capsys):
         if progress_bars:  # the bench turns transformers' progress bars off process-wide: put them back
             hf_logging.enable_progress_bar()
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # the bench froze the heap for its runs and thawed it: this process's later tests collect as before
+    assert gc.get_freeze_count() == frozen
 
     assert report["workload"]["num_prompts"] == PROMPTS
     for name in ("unconstrained", "kv_budget"):
@@ -32,6 +36,7 @@ def test_quick_json_report(monkeypatch, capsys):
         assert set(scenario["scheduler_share"]) == {"batchgen", "lockstep"}
         # each engine mode's schedule as observed step by step: every step once (a mixed one in both counts)
         for mode, engine in scenario["engine"].items():
+            assert engine["frozen_objects"] > 0, (name, mode)  # run in a frozen heap, as in an engine actor
             steps = engine["prefill_steps"] + engine["decode_steps"] - engine["mixed_steps"]
             assert scenario["schedule_steps"][mode] == steps, (name, mode, engine)
             assert scenario["schedule_bound_s"][mode] > 0
