@@ -1,0 +1,21 @@
+"""bench/roofline.py's C streaming read, which prices every bound's memory time: it must read every element
+once (a loop that skipped some would report a faster read and a looser bound)."""
+
+import pytest
+import torch
+from bench_helpers import import_bench
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 4096 + 17, 1_000_003])
+def test_read_sum_adds_every_element(monkeypatch, n):
+    roofline = import_bench(monkeypatch, "roofline")
+    x = torch.rand(n, generator=torch.Generator().manual_seed(n)) + 0.5  # positive: no cancellation
+    assert roofline.read_sum(x) == pytest.approx(x.double().sum().item(), rel=1e-5, abs=1e-6)
+
+
+def test_read_sum_refuses_what_it_cannot_stream(monkeypatch):
+    roofline = import_bench(monkeypatch, "roofline")
+    with pytest.raises(ValueError, match="dense float32 CPU tensor, got torch.float64"):
+        roofline.read_sum(torch.ones(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="not contiguous"):
+        roofline.read_sum(torch.ones(8, 2)[:, 0])
