@@ -14,11 +14,11 @@ fits in device KV) and a device KV budget holding 16 (--budget-seqs) sequences o
 transformers gets the same bytes as its cache size (num_blocks); its CPU swap pool needs pinned memory, so
 on a CPU-only torch it soft-resets (re-prefills) the requests it evicts.
 
-Each system first runs a few short warm-up requests (kept out of the timings); BCT runs from the first
-request submitted to the last result returned. The two engine modes run --repeats times each, interleaved, and
-report their median run (`bct_runs_s` lists every run): this machine's speed drifts by more than the gap
-between modes that run one schedule. transformers runs once, after them, or in each of the first
---transformers-repeats rounds (its median run then reports). Each engine mode's unset settings (max_num_seqs,
+Each system first runs a few short warm-up requests (kept out of the timings); BCT runs from the first request
+submitted to the last result returned. The two engine modes run --repeats times each, interleaved (which goes first
+alternates round by round), and report their median run (`bct_runs_s` lists every run): this machine's speed drifts
+by more than the gap between modes that run one schedule. transformers runs once, after them, or in each of the
+first --transformers-repeats rounds (its median run then reports). Each engine mode's unset settings (max_num_seqs,
 b_attn, b_moe, refill) are planned for this workload's prompt and output lengths, as `batchgen run` plans a job's
 engines for its input
 (`engine_settings` in the JSON); `--plan generic` leaves them to the engine's own plan for a generic workload.
@@ -573,7 +573,10 @@ def run(args: argparse.Namespace, log) -> dict:
         repeated: dict[str, list[SystemRun]] = {name: [] for name in SYSTEMS}
         # interleaved: a drift of the machine's speed hits every system alike
         for round_ in range(max(args.repeats, args.transformers_repeats)):
-            for name in ENGINE_MODES if round_ < args.repeats else ():
+            # the engine modes' order alternates round by round: neither always runs first (after transformers, or
+            # right after the set-up)
+            order = list(ENGINE_MODES) if round_ % 2 == 0 else list(reversed(ENGINE_MODES))
+            for name in order if round_ < args.repeats else ():
                 repeated[name].append(run_engine(loaded, configs[name], workload))
             if round_ < args.transformers_repeats:
                 repeated["transformers"].append(run_transformers(hf_model, workload, device_bytes, host_bytes,
