@@ -20,8 +20,8 @@ alternates round by round), and report their median run (`bct_runs_s` lists ever
 by more than the gap between modes that run one schedule. transformers runs once, after them, or in each of the
 first --transformers-repeats rounds (its median run then reports). Each engine mode's unset settings (max_num_seqs,
 b_attn, b_moe, refill) are planned for this workload's prompt and output lengths, as `batchgen run` plans a job's
-engines for its input
-(`engine_settings` in the JSON); `--plan generic` leaves them to the engine's own plan for a generic workload.
+engines for its input (`engine_settings` in the JSON); `--plan generic` leaves them to the engine's own plan for a
+generic workload.
 The roofline bound (bench/roofline.py) is measured in the same run, for the workload (the best schedule) and for
 each engine mode's steps as it ran them (Engine.observe_steps): `speedup_vs_lockstep_at_bounds` is the speedup the
 two schedules would give if both ran every step at the roofline, `over_schedule_bound` how far each run is from its
