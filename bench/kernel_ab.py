@@ -18,6 +18,7 @@ the last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import functools
 import itertools
@@ -58,7 +59,8 @@ def source_at(rev: str, path: str) -> str:
 
 
 def base_kernels(rev: str) -> dict[tuple[types.ModuleType, str], CFunction]:
-    """Each C function of this tree, rebuilt from its module's source at `rev` (which includes rev's c_library)."""
+    """Each C function of this tree, rebuilt from its module's source at `rev` (which includes rev's c_library); one
+    whose arguments changed since is left out (called through this tree's wrapper, rev's build would crash)."""
     c_library = types.ModuleType(BASE_C_LIBRARY)
     sys.modules[BASE_C_LIBRARY] = c_library
     exec(compile(source_at(rev, "kernels/c_library.py"), BASE_C_LIBRARY, "exec"), c_library.__dict__)
@@ -70,9 +72,26 @@ def base_kernels(rev: str) -> dict[tuple[types.ModuleType, str], CFunction]:
         text = source_at(rev, f"kernels/{name}.py").replace("batchgen.kernels.c_library", BASE_C_LIBRARY)
         exec(compile(text, old.__name__, "exec"), old.__dict__)
         for attr, function in vars(module).items():
-            if isinstance(function, CFunction) and hasattr(getattr(old, attr, None), "source"):
-                kernels[(module, attr)] = dataclasses.replace(function, source=getattr(old, attr).source)
+            before = getattr(old, attr, None)
+            if not isinstance(function, CFunction) or not hasattr(before, "source"):
+                continue
+            if _signature(before) != _signature(function):
+                # this tree's wrapper would call rev's build with other arguments than it takes
+                print(f"kernel_ab: {name}.{attr} takes other arguments at {rev}: its cases run this tree's build "
+                      "as both", file=sys.stderr)
+                continue
+            kernels[(module, attr)] = dataclasses.replace(function, source=before.source)
     return kernels
+
+
+def _signature(function: CFunction) -> tuple:
+    """A C function's ctypes argument and result types, structures by their fields (each module defines its own)."""
+    def shape(t):
+        if isinstance(t, type) and issubclass(t, ctypes.Structure):
+            return tuple((name, shape(field)) for name, field, *_ in t._fields_)
+        return t
+
+    return tuple(map(shape, function.argtypes)), shape(function.restype)
 
 
 @dataclasses.dataclass

@@ -59,6 +59,9 @@ class EngineConfig:
     # how streamed weights move: "expert" (each routed expert alone, when the step's MoE batch routes a token to
     # it) or "layer" (each attention block and whole feed-forward block: the FlexGen-style offloading baseline)
     weight_streaming: str = "expert"
+    # CPU: a pure decode step whose shape repeats the previous step's replays a recording of its forward's kernel
+    # calls instead of running the Python around them (engine/decode_graphs.py); False runs every step eagerly
+    decode_graphs: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -79,7 +82,7 @@ class EngineConfig:
         if self.ep_size > 1 and self.tp_size > 1:
             raise ValueError(f"engine options ep_size ({self.ep_size}) and tp_size ({self.tp_size}): one engine is "
                              "either expert parallel or tensor parallel, not both")
-        for name in ("mixed_steps", "prefix_caching", "partition_stragglers"):
+        for name in ("mixed_steps", "prefix_caching", "partition_stragglers", "decode_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"engine option {name} must be true or false, got {getattr(self, name)!r}")
         if self.weight_streaming not in WEIGHT_STREAMING:

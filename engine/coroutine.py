@@ -20,6 +20,7 @@ import torch
 
 from batchgen.engine.models.context import AttentionContext
 from batchgen.engine.sequence import Sequence
+from batchgen.kernels.capture import effect
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def run_layers(model: torch.nn.Module, micro_batches: list[CoroutineGroup], max_
         parts += [merged.hidden[:0]] * (ffn_calls - len(parts))
         outputs = []
         for rows in parts:
-            on_ffn(rows.shape[0])
+            effect(on_ffn, rows.shape[0])  # counted again when a recorded forward replays
             outputs.append(resume(model, CoroutineGroup(merged.seqs, rows, merged.point)).hidden)
         point = next_point(merged.point, len(model.layers))
         merged = CoroutineGroup(merged.seqs, torch.cat(outputs) if len(outputs) > 1 else outputs[0], point)

@@ -43,6 +43,10 @@ class EngineMetrics:
     # steps with no sequence of its own in which this rank of an expert-parallel engine served its experts
     expert_only_steps: int = 0
     partitioned_steps: int = 0  # steps of a straggler decoded over every rank of its group (PARTITION)
+    # decode steps whose forward was recorded, replayed from a recording, refused a recording (engine/decode_graphs)
+    decode_graph_captures: int = 0
+    decode_graph_replays: int = 0
+    decode_graph_refusals: int = 0
     model_seconds: float = 0.0  # in the model runner: batch building + forward
     forward_seconds: float = 0.0  # the forward alone (layers + LM head)
     step_seconds: float = 0.0
@@ -179,6 +183,9 @@ class EngineMetrics:
             "max_ffn_tokens": self.max_ffn_tokens,
             "expert_only_steps": self.expert_only_steps,
             "partitioned_steps": self.partitioned_steps,
+            "decode_graph_captures": self.decode_graph_captures,
+            "decode_graph_replays": self.decode_graph_replays,
+            "decode_graph_refusals": self.decode_graph_refusals,
             "peak_active": self.peak_active,
             "peak_suspended": self.peak_suspended,
         }

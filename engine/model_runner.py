@@ -12,6 +12,7 @@ import torch
 from batchgen.engine.attention_context import DecodeContext, PrefillContext, StagedDecodeContext
 from batchgen.engine.batch_index import index_tensor, new_token_slots, page_table, span_positions, token_slots
 from batchgen.engine.coroutine import CoroutineGroup, ProgramPoint, run_idle_layers, run_layers
+from batchgen.engine.decode_graphs import DecodeGraphs
 from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.kv_pool import KVPool
 from batchgen.engine.metrics import EngineMetrics
@@ -33,7 +34,7 @@ class MicroBatchLimits:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVManager, device: torch.device, limits: MicroBatchLimits,
                  stats: EngineMetrics, agree_ffn_calls: Callable[[int], int] | None = None,
-                 phases: PhaseSwitch | None = None):
+                 phases: PhaseSwitch | None = None, graphs: DecodeGraphs | None = None):
         self.model = model
         self.kv = kv
         self.device = device
@@ -43,6 +44,7 @@ class ModelRunner:
         self.agree_ffn_calls = agree_ffn_calls
         self.prefill_offload = PrefillOffload(kv.host, device)
         self.phases = phases  # memory-constrained mode: the staging pool lent to prefill steps' MoE batches
+        self.graphs = graphs  # pure decode steps of one resident micro-batch replayed from recordings
 
     def step(self, chunks: list[PrefillChunk], decode: DecodePlan | None) -> torch.Tensor:
         """One forward over prefill chunks (pages allocated) and decoding sequences (resident ones read
@@ -70,7 +72,12 @@ class ModelRunner:
         b_moe = self.limits.b_moe
         if self.phases is not None:
             b_moe = self.phases.enter(bool(chunks), bool(staged_groups), tokens)
-        logits = self._forward(micro, rows, tokens, b_moe)
+        start = time.perf_counter()
+        if self.graphs is not None and not chunks and len(decoding) == 1 and not staged_groups:
+            logits = self.graphs.forward(decoding[0], lambda batch: self._forward([batch], None, tokens, b_moe))
+        else:
+            logits = self._forward(micro, rows, tokens, b_moe)
+        self.stats.forward_seconds += time.perf_counter() - start
         for c in chunks:
             c.seq.kv_len = c.end
         for s in decoding_seqs:
@@ -92,15 +99,12 @@ class ModelRunner:
                  b_moe: int) -> torch.Tensor:
         """The model forward proper: every layer over the micro-batches (feed-forward batches of at most `b_moe`
         tokens), then the LM head on `rows`."""
-        start = time.perf_counter()
         calls = 0
         if self.agree_ffn_calls is not None:
             calls = self.agree_ffn_calls(-(-tokens // b_moe))
         hidden = run_layers(self.model, micro, b_moe, self.stats.record_ffn_batch, calls)
         self.prefill_offload.flush()
-        logits = self.model.head(hidden if rows is None else hidden[rows])
-        self.stats.forward_seconds += time.perf_counter() - start
-        return logits
+        return self.model.head(hidden if rows is None else hidden[rows])
 
     def _token_ids(self, token_ids: list[int]) -> torch.Tensor:
         """A micro-batch's input rows, embedded inside the forward (run_layers: one lookup for the whole step)."""

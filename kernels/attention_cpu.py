@@ -25,6 +25,8 @@ import torch
 
 from batchgen.kernels.c_library import EXP_NEG_SOURCE, ROW_MAX_SOURCE, VECTOR_SOURCE, CFunction
 
+THREAD_BYTES = 256 << 10  # of K/V: a team thread wakes in microseconds (2 x 256 tokens: 1 thread 26 us, 2 16 us)
+
 _SOURCE = r"""
 #include <math.h>
 #include <omp.h>
@@ -175,17 +177,26 @@ static int split_at(const int32_t *lens, int batch, int64_t total, int t, int n)
     return b;
 }
 
-/* Returns -1, or the first sequence whose length exceeds its page-table row (nothing computed then). */
+/* Threads worth waking for a call reading `bytes` of K/V, of `available`: each must have THREAD_BYTES to read, or
+   waking and joining it costs more than it saves. */
+int paged_decode_threads(int64_t bytes, int available) {
+    int64_t threads = bytes / @THREAD_BYTES@;
+    return threads < 1 ? 1 : threads > available ? available : (int)threads;
+}
+
+/* Returns -1, or the first sequence whose length exceeds its page-table row (nothing computed then). The threads
+   are chosen here, from the lengths (`token_bytes` of K/V a token), so the caller reads nothing back. */
 int paged_decode_f32(const float *q, const float *k, const float *v, const int32_t *table,
                      const int32_t *lens, float *out, int batch, int heads, int kv_heads, int dk, int dv,
-                     int page, int max_pages, float scale, int threads, const int64_t *ks, const int64_t *vs) {
+                     int page, int max_pages, float scale, int available, int64_t token_bytes, const int64_t *ks,
+                     const int64_t *vs) {
     int64_t total = 0;
     for (int b = 0; b < batch; b++) {
         if (lens[b] > (int64_t)max_pages * page) return b;
         total += lens[b];
     }
+    int threads = paged_decode_threads(total * token_bytes, available);
     if (threads > batch) threads = batch;
-    if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)  /* the OpenMP pool torch runs its own ops on */
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
@@ -197,13 +208,13 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int32
     return -1;
 }
 """.replace("EXP_NEG", EXP_NEG_SOURCE).replace("VECTORS", VECTOR_SOURCE).replace(
-    "ROW_MAX", ROW_MAX_SOURCE)
-
-THREAD_BYTES = 256 << 10  # of K/V: a team thread wakes in microseconds (2 x 256 tokens: 1 thread 26 us, 2 16 us)
+    "ROW_MAX", ROW_MAX_SOURCE).replace("@THREAD_BYTES@", str(THREAD_BYTES))
 
 _KERNEL = CFunction("paged_decode", _SOURCE, "paged_decode_f32",
-                    (*[ctypes.c_void_p] * 6, *[ctypes.c_int] * 7, ctypes.c_float, ctypes.c_int,
+                    (*[ctypes.c_void_p] * 6, *[ctypes.c_int] * 7, ctypes.c_float, ctypes.c_int, ctypes.c_int64,
                      *[ctypes.POINTER(ctypes.c_int64)] * 2), restype=ctypes.c_int)
+_THREADS = CFunction("paged_decode", _SOURCE, "paged_decode_threads", (ctypes.c_int64, ctypes.c_int),
+                     restype=ctypes.c_int)
 
 
 def unavailable() -> str | None:
@@ -230,10 +241,10 @@ def paged_decode_attention_cpu(
     table = page_table.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty(batch, heads, dim_v, dtype=q.dtype)
-    kv_bytes = int(lens.sum()) * kv_heads * (dim_k + dim_v) * k_cache.element_size() if batch else 0
     bad = _KERNEL(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), lens.data_ptr(),
                   out.data_ptr(), batch, heads, kv_heads, dim_k, dim_v, page_size, table.shape[1], float(scale),
-                  threads_for(kv_bytes, torch.get_num_threads()), _strides(k_cache), _strides(v_cache))
+                  torch.get_num_threads(), kv_heads * (dim_k + dim_v) * k_cache.element_size(), _strides(k_cache),
+                  _strides(v_cache))
     if bad >= 0:
         raise ValueError(f"paged_decode_attention: seq_lens[{bad}] = {int(lens[bad])} exceeds page_table capacity "
                          f"{table.shape[1]} pages x {page_size}")
@@ -241,9 +252,9 @@ def paged_decode_attention_cpu(
 
 
 def threads_for(kv_bytes: int, available: int) -> int:
-    """Threads worth waking for a call reading `kv_bytes`: each must have THREAD_BYTES to read, or waking and joining
-    it costs more than it saves."""
-    return max(1, min(available, kv_bytes // THREAD_BYTES))
+    """Threads the kernel wakes for a call reading `kv_bytes` of K/V: each must have THREAD_BYTES to read, or waking
+    and joining it costs more than it saves."""
+    return _THREADS(kv_bytes, available)
 
 
 def _strides(cache: torch.Tensor) -> ctypes.Array:

@@ -3,6 +3,8 @@
 import torch
 import torch.nn.functional as F
 
+from batchgen.kernels.capture import read_back
+
 # Upper bound on gathered K+V elements per decode chunk, so long contexts x large batches stay in memory.
 DECODE_GATHER_BUDGET = 1 << 24
 
@@ -27,7 +29,7 @@ def prefill_attention_torch(
     """Varlen causal attention. Whole-prompt sequences (len_q == len_k) run as a few padded batched SDPA
     calls over groups of similar length; sequences continuing a cached prefix run one call each."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    bounds_q, bounds_k = read_back(cu_seqlens_q), read_back(cu_seqlens_k)
     whole, continued = [], []
     for b in range(len(bounds_q) - 1):
         len_q, len_k = bounds_q[b + 1] - bounds_q[b], bounds_k[b + 1] - bounds_k[b]
@@ -107,7 +109,7 @@ def paged_decode_attention_torch(
     dim_v = v_cache.shape[-1]
     out = q.new_empty(batch, heads, dim_v)
     lens = seq_lens.to(device=q.device, dtype=torch.long)
-    lengths = seq_lens.tolist()
+    lengths = read_back(seq_lens)
     if lengths and max(lengths) > page_table.shape[1] * page_size:
         row = max(range(batch), key=lengths.__getitem__)
         raise ValueError(

@@ -9,6 +9,7 @@ OpenMP threads still spinning on the cores after each torch op (libgomp's defaul
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -17,7 +18,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -257,4 +259,22 @@ class CFunction:
         loaded = self._loaded()
         if isinstance(loaded, str):
             raise RuntimeError(loaded)
-        return loaded(*args)
+        result = loaded(*args)
+        observer = getattr(_observers, "observer", None)
+        if observer is not None:
+            observer(loaded, args, result)
+        return result
+
+
+_observers = threading.local()  # `observer`: told of every kernel call on this thread (kernels/capture.py)
+
+
+@contextlib.contextmanager
+def observe_calls(observer: Callable[[Callable, tuple, object], None]) -> Iterator[None]:
+    """Inside the block, `observer(function, args, result)` sees every kernel call this thread makes."""
+    previous = getattr(_observers, "observer", None)
+    _observers.observer = observer
+    try:
+        yield
+    finally:
+        _observers.observer = previous

@@ -32,6 +32,7 @@ import torch
 
 from batchgen.kernels import gemm_onednn, moe_crossover
 from batchgen.kernels.c_library import DOT_PAIRS_SOURCE, EXP_NEG_SOURCE, CFunction
+from batchgen.kernels.capture import read_back
 from batchgen.kernels.moe_torch import RoutedRows
 
 # rows per expert up to which this kernel beats oneDNN's GEMMs (a layer of 16 512 x 1024 experts, cold, 2 threads of
@@ -451,7 +452,7 @@ def route_rows_cpu(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     rows = _ROUTE_ROWS(x.data_ptr(), tokens, top_k, ids.data_ptr(), weights.data_ptr(), num_experts, dim,
                        xs.data_ptr(), token_rows.data_ptr(), row_weights.data_ptr(), starts.data_ptr(),
                        torch.get_num_threads())
-    bounds = starts.tolist()
+    bounds = read_back(starts)
     return RoutedRows(xs[:rows], token_rows[:rows], row_weights[:rows], [b - a for a, b in zip(bounds, bounds[1:])],
                       bounds)
 

@@ -10,6 +10,8 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from batchgen.kernels.capture import read_back
+
 
 def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
     """Flat (token * K + k) indices sorted by expert, and the row count of each expert.
@@ -20,7 +22,7 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids.clamp(min=-1) + 1, minlength=num_experts + 1)
     skipped = int(counts[0])
-    return order[skipped:], counts[1:].tolist()
+    return order[skipped:], read_back(counts[1:])
 
 
 @dataclass

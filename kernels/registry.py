@@ -18,12 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.kernels import capture
+
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "BATCHGEN_KERNELS"
 OPS = ("fused_moe", "prefill_attention", "paged_decode_attention", "write_kv", "linear", "rms_norm", "rotary",
        "argmax", "router_topk")
 HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
+# Backends whose work a recorded forward replays (kernels/capture.py): torch ops and the C kernels.
+REPLAYABLE = frozenset({"torch", "cpu_c"})
 # Distribution names to tell the user, keyed by the module that must import.
 PACKAGE_NAMES = {"triton": "triton", "flash_attn": "flash-attn"}
 
@@ -133,6 +137,7 @@ class _State:
     resolved: dict[tuple, tuple[str, Callable]]
     last: dict[str, str]
     counts: Counter
+    generation: int = 0  # set_backend calls so far
 
 
 _state = _State(forced={}, resolved={}, last={}, counts=Counter())
@@ -175,6 +180,13 @@ def set_backend(op: str, name: str | None) -> None:
     else:
         _state.forced[op] = _backend(op, name, "set_backend").name
     _state.resolved.clear()
+    _state.generation += 1
+
+
+def configuration() -> tuple[int, str]:
+    """What decides the backends besides the tensors (the forced ones, the environment): recorded forwards made
+    under another configuration call other backends than it would pick now."""
+    return _state.generation, os.environ.get(ENV_VAR, "")
 
 
 @contextlib.contextmanager
@@ -224,6 +236,8 @@ def resolve(op: str, device_type: str, dtype: torch.dtype) -> tuple[str, Callabl
 def dispatch(op: str, tensor: torch.Tensor) -> Callable:
     """Implementation of op for the tensor's device and dtype; records it as the last one used."""
     name, fn = resolve(op, tensor.device.type, tensor.dtype)
+    if name not in REPLAYABLE:
+        capture.refuse_if_recording(f"{op} runs on the {name} backend, whose work a recording does not see")
     _state.last[op] = name
     _state.counts[(op, name)] += 1
     return fn

@@ -134,8 +134,9 @@ def test_chat_batch_matches_the_engine_backend(engine_server, ray_server):
 
 def test_cancel_stops_the_job_and_keeps_finished_rows(ray_server):
     client = ray_server.client()
-    lines = [_line(f"long-{i}", {"prompt": PROMPTS[i % 4], "max_tokens": 24, "temperature": 0,
-                                     "ignore_eos": True}) for i in range(24)]
+    # enough rows that the job is still running when the cancel arrives after the first two
+    lines = [_line(f"long-{i}", {"prompt": PROMPTS[i % 4], "max_tokens": 32, "temperature": 0,
+                                     "ignore_eos": True}) for i in range(48)]
     created = _submit(client, lines)
     running = _wait(client, created.id, until=lambda b: b.request_counts.completed >= 2, timeout=300)
     assert running.status == "in_progress"  # request_counts move while the job runs

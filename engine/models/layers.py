@@ -17,6 +17,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchgen.engine.models.context import AttentionContext
 from batchgen.kernels import ops
+from batchgen.kernels.capture import effect
 from batchgen.kernels.expert_parallel import LocalDispatcher
 
 # Rope types whose frequencies depend only on the config. "dynamic" and "longrope" re-derive them from
@@ -232,7 +233,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
         if self.on_route is not None:
-            self.on_route(topk_ids)
+            effect(self.on_route, topk_ids)  # counted again when a recorded forward replays
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)

@@ -1,0 +1,203 @@
+"""Recording a forward's kernel calls and torch ops once, then replaying them without the Python around them: the
+CPU counterpart of a CUDA graph.
+
+A decode step of a few sequences spends a quarter of its time in Python between its C kernels (module calls, input
+checks, backend dispatch, wrappers building ctypes arguments: bench/RESULTS.md). None of it depends on the values in
+the tensors, only on their shapes, so a step whose shapes repeat can run the same sequence of calls again on new
+values: `record` runs a function once, noting every C kernel call (kernels/c_library.py: the function and its
+arguments, pointers included) and every torch op that computes (through a TorchDispatchMode), in program order;
+`Recording.replay` makes the same calls again. Every tensor the recording touched is kept alive, so the pointers
+stay valid, and new inputs are copied into the recorded input tensors before a replay.
+
+What a recording cannot hold refuses it (CaptureRefused) while recording: a value read back to the host (`.item()`,
+a data-dependent shape, `read_back`'s lists), whose Python decisions would be replayed frozen, and a kernel backend
+that runs outside both (Triton, flash-attn: kernels/registry.py asks `recording()`). A replayed C kernel that returns
+another status than it did when recorded (an error code) raises ReplayDiverged: the caller runs the step eagerly.
+Side effects a replay must repeat (engine counters) go through `effect`.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from batchgen.kernels import c_library
+
+aten = torch.ops.aten
+_ALLOCATIONS = frozenset({aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
+                          aten.new_empty.default, aten.new_empty_strided.default})
+# ops whose output shape depends on the values in their input: a replay would need another shape
+_DATA_SHAPED = frozenset({aten.nonzero.default, aten.masked_select.default, aten.bincount.default,
+                          aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
+                          aten.repeat_interleave.Tensor, aten.resize_.default, aten.set_.source_Storage})
+
+_state = threading.local()  # `recorder`: the Recorder of a capture in progress on this thread
+
+
+class CaptureRefused(RuntimeError):
+    """The recorded function did something a replay cannot repeat; the message says what."""
+
+
+class ReplayDiverged(RuntimeError):
+    """A replayed kernel reported another status than when it was recorded (an error on the new inputs)."""
+
+
+@dataclass
+class Recording:
+    """The calls of one recorded run, in order, and every tensor they touched (kept alive for their pointers)."""
+
+    calls: list[Callable[[], object]] = field(default_factory=list)
+    tensors: list = field(default_factory=list)
+    kernel_calls: int = 0  # C kernel calls among `calls`
+    torch_ops: int = 0  # torch ops among `calls`
+
+    def replay(self) -> None:
+        for call in self.calls:
+            call()
+
+
+def recording() -> bool:
+    """Whether a capture is in progress on this thread."""
+    return getattr(_state, "recorder", None) is not None
+
+
+def refuse_if_recording(reason: str) -> None:
+    if recording():
+        raise CaptureRefused(reason)
+
+
+def read_back(tensor: torch.Tensor) -> list:
+    """`tensor.tolist()`: values read back to the host, where Python decides on them; refused while recording (a
+    replay would repeat the decisions these values made)."""
+    refuse_if_recording(f"a tensor of shape {list(tensor.shape)} is read back to the host")
+    return tensor.tolist()
+
+
+def effect(fn: Callable[..., object], *args) -> None:
+    """fn(*args), a host side effect (a counter) that a replay must repeat. While recording it runs when the recording
+    completes (a refused one leaves no effect behind: its caller runs the work again), and on every replay; both with
+    copies of its tensor arguments, which the next replay overwrites."""
+    recorder = getattr(_state, "recorder", None)
+    if recorder is None:
+        fn(*args)
+        return
+
+    def repeated() -> None:
+        fn(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+
+    recorder.recording.calls.append(repeated)
+    recorder.effects.append(repeated)
+
+
+@contextmanager
+def record() -> Iterator[Recording]:
+    """Record what runs inside the block (on this thread) into the Recording yielded; CaptureRefused leaves it."""
+    if recording():
+        raise CaptureRefused("a capture is already in progress on this thread")
+    recorder = _Recorder()
+    _state.recorder = recorder
+    try:
+        with recorder, c_library.observe_calls(recorder.kernel_call):
+            yield recorder.recording
+    finally:
+        _state.recorder = None
+    for repeated in recorder.effects:
+        repeated()
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.recording = Recording()
+        self.effects: list[Callable[[], None]] = []  # run once the recording completes
+
+    def kernel_call(self, fn: Callable, args: tuple, result: object) -> None:
+        self.recording.kernel_calls += 1
+        if result is None:
+            self.recording.calls.append(functools.partial(fn, *args))
+            return
+
+        def checked() -> None:
+            status = fn(*args)
+            if status != result:
+                raise ReplayDiverged(f"kernel {getattr(fn, '__name__', fn)} returned {status}, recorded {result}")
+
+        self.recording.calls.append(checked)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DATA_SHAPED or (func is aten.index.Tensor and _boolean_index(args)):
+            raise CaptureRefused(f"{func} gives an output whose shape depends on the input's values")
+        out = func(*args, **kwargs)
+        self.recording.tensors.append((args, kwargs, out))
+        if func in _ALLOCATIONS:
+            return out
+        if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+            self._append(functools.partial(func, *args, **kwargs))  # in place: the same call again
+            return out
+        outputs = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, (tuple, list)) else None
+        if outputs is None or not all(isinstance(t, torch.Tensor) for t in outputs):
+            raise CaptureRefused(f"{func} returns {type(out).__name__}: a value read back to the host")
+        aliased = [_aliases(t, args) for t in outputs]
+        if all(aliased):  # a view of its input: it follows whatever is written there
+            return out
+        if any(aliased):
+            raise CaptureRefused(f"{func} returns views and new tensors together")
+        self._append(_computed(func, args, kwargs, out))
+        return out
+
+    def _append(self, call: Callable[[], object]) -> None:
+        self.recording.calls.append(call)
+        self.recording.torch_ops += 1
+
+
+def _computed(func, args: tuple, kwargs: dict, out) -> Callable[[], object]:
+    """A replay of an op that returns new tensors: into the recorded outputs (its out= overload where it has one
+    taking the same arguments, else computed anew and copied)."""
+    out_op = _out_overload(func) if isinstance(out, torch.Tensor) else None
+    if out_op is not None:
+        return functools.partial(out_op, *args, **kwargs, out=out)
+
+    def copied() -> None:
+        result = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            out.copy_(result)
+        else:
+            for target, value in zip(out, result):
+                target.copy_(value)
+
+    return copied
+
+
+@functools.cache
+def _out_overload(func):
+    names = [a.name for a in func._schema.arguments]
+    for overload in func.overloadpacket.overloads():
+        candidate = getattr(func.overloadpacket, overload)
+        arguments = candidate._schema.arguments
+        if [a.name for a in arguments] == [*names, "out"] and arguments[-1].alias_info is not None:
+            return candidate
+    return None
+
+
+def _tensors_in(args) -> Iterator[torch.Tensor]:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (t for t in a if isinstance(t, torch.Tensor))
+
+
+def _aliases(tensor: torch.Tensor, args: tuple) -> bool:
+    storage = tensor.untyped_storage().data_ptr()
+    return any(t.untyped_storage().data_ptr() == storage for t in _tensors_in(args))
+
+
+def _boolean_index(args: tuple) -> bool:
+    return any(t.dtype in (torch.bool, torch.uint8) for t in _tensors_in(args[1:]))

@@ -1,0 +1,85 @@
+"""Decode steps replayed from recordings of their forward (engine/decode_graphs.py): transformers' greedy tokens
+whatever is replayed, counters equal to an engine that runs every step eagerly, refusals that fall back."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import hf_greedy, prompts, save_tiny_checkpoint
+
+from batchgen.connectors.checkpoint import load_model
+from batchgen.engine import Engine, Request, SamplingParams
+from batchgen.kernels import attention_cpu, registry
+
+COUNTERS = ("moe_calls", "mean_expert_batch", "expert_histogram", "max_ffn_tokens", "decode_steps", "generated_tokens")
+
+
+@pytest.fixture(autouse=True)
+def _c_kernels():
+    if attention_cpu.unavailable():
+        pytest.skip(attention_cpu.unavailable())
+
+
+def _requests(vocab_size: int, max_tokens: tuple[int, ...]) -> list[Request]:
+    batch = prompts(vocab_size=vocab_size, lengths=tuple(5 + 3 * i for i in range(len(max_tokens))))
+    return [Request(f"r{i}", prompt_token_ids=p, sampling=SamplingParams(temperature=0.0, max_tokens=n,
+                                                                          ignore_eos=True))
+            for i, (p, n) in enumerate(zip(batch, max_tokens))]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "llama"])
+def test_replayed_steps_give_transformers_greedy_tokens_and_the_eager_engines_counters(arch, tmp_path):
+    """Four sequences finishing one after another: batches of 4, 3, 2 and 1 each repeat, pages of 4 tokens carry the
+    page tables through several recorded widths."""
+    hf = save_tiny_checkpoint(arch, tmp_path)
+    loaded = load_model(str(tmp_path))
+    requests = _requests(loaded.model.vocab_size, (6, 12, 20, 30))
+    engines, tokens = {}, {}
+    for flag in (True, False):  # one after the other: the model feeds its routing counts to the newest engine
+        engines[flag] = Engine(loaded, page_size=4, decode_graphs=flag)
+        tokens[flag] = [r.outputs[0].token_ids for r in engines[flag].generate(requests)]
+    expected = [hf_greedy(hf, r.prompt_token_ids, r.sampling.max_tokens) for r in requests]
+    assert tokens[True] == expected and tokens[False] == expected
+    replayed, eager = engines[True].metrics(), engines[False].metrics()
+    # every batch size is recorded, and most steps replay (a new shape costs an eager step and a recorded one)
+    assert replayed["decode_graph_captures"] >= 4, replayed
+    assert replayed["decode_graph_replays"] >= replayed["decode_steps"] // 2, replayed
+    assert replayed["decode_graph_refusals"] == 0
+    assert eager["decode_graph_captures"] == eager["decode_graph_replays"] == 0
+    assert {k: replayed[k] for k in COUNTERS} == {k: eager[k] for k in COUNTERS}
+
+
+def test_a_batch_whose_forward_reads_values_back_runs_eagerly_and_is_not_recorded_again(tmp_path):
+    """Twenty tokens a MoE call group by expert through counts read back to the host (moe_cpu's path past
+    FEW_TOKENS): the recording is refused once, and that batch size is not tried again."""
+    hf = save_tiny_checkpoint("mixtral", tmp_path)
+    loaded = load_model(str(tmp_path))
+    requests = _requests(loaded.model.vocab_size, (8,) * 20)
+    engine = Engine(loaded, page_size=4)
+    tokens = [r.outputs[0].token_ids for r in engine.generate(requests)]
+    assert tokens == [hf_greedy(hf, r.prompt_token_ids, 8) for r in requests]
+    metrics = engine.metrics()
+    assert metrics["decode_graph_refusals"] == 1 and metrics["decode_graph_replays"] == 0, metrics
+
+
+def test_a_backend_forced_midway_drops_the_recordings(tmp_path):
+    """Steps replayed on the C attention kernel, then the torch backend forced: it runs (a stale recording would
+    keep calling the C kernel), refusing recordings of its own (it reads the lengths back to the host)."""
+    hf = save_tiny_checkpoint("mixtral", tmp_path)
+    loaded = load_model(str(tmp_path))
+    requests = _requests(loaded.model.vocab_size, (30, 30))
+    engine = Engine(loaded, page_size=4)
+    for request in requests:
+        engine.add_request(request)
+    results = []
+    while engine.metrics()["decode_graph_replays"] < 5:
+        results += engine.step()
+    registry.reset_usage()
+    with registry.use_backend("paged_decode_attention", "torch"):
+        while engine.has_unfinished():
+            results += engine.step()
+        counts = registry.usage_counts()
+    assert counts.get(("paged_decode_attention", "torch"), 0) > 0, counts
+    assert counts.get(("paged_decode_attention", "cpu_c"), 0) == 0, counts
+    by_id = {r.request_id: r.outputs[0].token_ids for r in results}
+    assert [by_id[r.request_id] for r in requests] == [hf_greedy(hf, r.prompt_token_ids, 30) for r in requests]
+    assert engine.metrics()["decode_graph_refusals"] == 1
