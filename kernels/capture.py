@@ -53,6 +53,7 @@ class Recording:
     """The calls of one recorded run, in order, and every tensor they touched (kept alive for their pointers)."""
 
     calls: list[Callable[[], object]] = field(default_factory=list)
+    effects: list[Callable[[], object]] = field(default_factory=list)  # host side effects, after the calls
     tensors: list = field(default_factory=list)
     kernel_calls: int = 0  # C kernel calls among `calls`
     torch_ops: int = 0  # torch ops among `calls`
@@ -60,6 +61,8 @@ class Recording:
     def replay(self) -> None:
         for call in self.calls:
             call()
+        for effect_ in self.effects:
+            effect_()
 
 
 def recording() -> bool:
@@ -81,18 +84,15 @@ def read_back(tensor: torch.Tensor) -> list:
 
 def effect(fn: Callable[..., object], *args) -> None:
     """fn(*args), a host side effect (a counter) that a replay must repeat. While recording it runs when the recording
-    completes (a refused one leaves no effect behind: its caller runs the work again), and on every replay; both with
-    copies of its tensor arguments, which the next replay overwrites."""
+    completes (a refused one leaves no effect behind: its caller runs the work again), and at the end of every
+    replay, after the kernels: with copies of its tensor arguments, which the next replay overwrites, as they are at
+    the end of the recorded function. (Between the kernels, the few Python calls of a counter took 10-40 us each on the
+    dev box: a decode step's expert weights streamed through the caches evict the interpreter's own memory.)"""
     recorder = getattr(_state, "recorder", None)
     if recorder is None:
         fn(*args)
         return
-
-    def repeated() -> None:
-        fn(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
-
-    recorder.recording.calls.append(repeated)
-    recorder.effects.append(repeated)
+    recorder.recording.effects.append(lambda: fn(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args)))
 
 
 @contextmanager
@@ -107,15 +107,14 @@ def record() -> Iterator[Recording]:
             yield recorder.recording
     finally:
         _state.recorder = None
-    for repeated in recorder.effects:
-        repeated()
+    for effect_ in recorder.recording.effects:
+        effect_()
 
 
 class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.recording = Recording()
-        self.effects: list[Callable[[], None]] = []  # run once the recording completes
 
     def kernel_call(self, fn: Callable, args: tuple, result: object) -> None:
         self.recording.kernel_calls += 1

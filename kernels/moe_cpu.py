@@ -347,12 +347,14 @@ int64_t route_rows_f32(const float *x, int64_t T, int K, const int64_t *ids, con
 }
 
 /* A few tokens (every expert then has at most T rows: all within this kernel): their rows grouped here, then every
-   expert on the dot-product path, in one call. */
+   expert on the dot-product path, in one call; `out` is zeroed here first (a caller's fill would be a torch op more
+   per layer, each paying its dispatch and the activations' trip between the cores). */
 void few_tokens_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E,
                     const float *wgu, const float *wd, int64_t gu0, int64_t gu1, int64_t d0, int64_t d1, float *h,
                     float *out, int D, int I, int threads) {
     int64_t pairs = T * K, *token = malloc((pairs + 1) * sizeof(int64_t)), *starts = malloc((E + 1) * sizeof(int64_t));
     float *xs = malloc((pairs * D + 1) * sizeof(float)), *weight = malloc((pairs + 1) * sizeof(float));
+    memset(out, 0, T * D * sizeof(float));
     route_rows_f32(x, T, K, ids, topk_weight, E, D, xs, token, weight, starts, 1);
     int64_t *spans = malloc((SPAN * E + 1) * sizeof(int64_t)), *experts = malloc((E + 1) * sizeof(int64_t));
     int A = 0;
@@ -500,7 +502,7 @@ def _few_tokens(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     """fused_moe_cpu for at most FEW_TOKENS tokens: the routing's grouping by expert done by the kernel too."""
     tokens, top_k = topk_ids.shape
     x, weights, ids = _routing_arrays(x, topk_weights, topk_ids)
-    out = torch.zeros(x.shape, dtype=torch.float32)
+    out = torch.empty(x.shape, dtype=torch.float32)
     h = torch.empty(tokens * top_k, w_down.shape[2], dtype=torch.float32)
     _FEW_TOKENS(x.data_ptr(), tokens, top_k, ids.data_ptr(), weights.data_ptr(), w_gate_up.shape[0],
                 w_gate_up.data_ptr(), w_down.data_ptr(), *w_gate_up.stride()[:2], *w_down.stride()[:2], h.data_ptr(),

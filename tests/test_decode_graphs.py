@@ -26,7 +26,7 @@ def _requests(vocab_size: int, max_tokens: tuple[int, ...]) -> list[Request]:
             for i, (p, n) in enumerate(zip(batch, max_tokens))]
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "llama"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "llama", "deepseek_v3"])
 def test_replayed_steps_give_transformers_greedy_tokens_and_the_eager_engines_counters(arch, tmp_path):
     """Four sequences finishing one after another: batches of 4, 3, 2 and 1 each repeat, pages of 4 tokens carry the
     page tables through several recorded widths."""
