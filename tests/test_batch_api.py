@@ -622,7 +622,7 @@ def test_completion_window_expires_unfinished_requests(client):
     # the first requests in flight take one token, so some finish inside the window (as short as 1 s: the
     # timestamps are whole seconds) however loaded the machine; the long ones cannot all finish in it
     quick = [_line(f"quick-{i}", {"prompt": PROMPTS[i], "max_tokens": 1}) for i in range(4)]
-    lines = quick + _long_lines(96, tokens=32)
+    lines = quick + _long_lines(128, tokens=64)
     created = _submit(client, lines, window="2s")
     assert created.expires_at - created.created_at == 2
     batch = _wait(client, created.id)
