@@ -1,10 +1,10 @@
 """Decode steps replayed from a recording of their forward (kernels/capture.py) when their shape repeats.
 
-In the tail of a batch a few sequences decode step after step at one batch size with nearly the same page table,
-and the forward's Python (module calls, input checks, backend dispatch, kernel arguments) repeats unchanged: ~3 ms
-of a ~17 ms bench-moe step of three sequences on the dev box, a quarter of it (bench/RESULTS.md). A pure decode step
-of one resident micro-batch whose shape (sequences, page-table width rounded up to a power of two, KV pool) is the
-previous step's records its forward; the later steps of that shape copy their inputs (token ids, positions, KV
+In the tail of a batch a few sequences decode step after step at one batch size with nearly the same page table, and
+the forward's Python (module calls, input checks, backend dispatch, kernel arguments) repeats unchanged: ~4.5 ms of
+every bench-moe decode step on the dev box, a quarter of a step of three sequences (bench/RESULTS.md). A pure decode
+step of one resident micro-batch whose shape (sequences, page-table width rounded up to a power of two, KV pool) is
+the previous step's records its forward; the later steps of that shape copy their inputs (token ids, positions, KV
 slots, page table, lengths) into the recorded tensors and replay it. A shape seen once runs eagerly, so steps whose
 batch shrinks every step (sequences finishing all the time) record nothing.
 
