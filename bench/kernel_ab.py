@@ -45,7 +45,6 @@ from batchgen.kernels import (
     write_kv_cpu,
 )
 from batchgen.kernels.c_library import CFunction
-from batchgen.kernels.moe_torch import route_rows
 
 C_MODULES = (attention_cpu, linear_cpu, moe_cpu, norm_cpu, prefill_cpu, rotary_cpu, write_kv_cpu)
 REPO = Path(__file__).resolve().parent.parent
@@ -134,15 +133,11 @@ def kernel_cases() -> dict[str, Callable[[], torch.Tensor]]:
     for mean in (4, 8, 16, 32):
         tokens = experts * mean // 2
         weights, ids = torch.randn(tokens, experts, generator=g).softmax(-1).topk(2)
-        rows = route_rows(torch.randn(tokens, dim, generator=g), weights, ids, experts)
-        used = [e for e, count in enumerate(rows.counts) if count]
+        x = torch.randn(tokens, dim, generator=g)
 
-        def moe(weights: list, tokens=tokens, rows=rows, used=used) -> torch.Tensor:
-            outs = []
-            for w_gate_up, w_down in weights:
-                outs.append(torch.zeros(tokens, dim))
-                moe_cpu.small_experts(outs[-1], rows, used, w_gate_up, w_down, dot_rows)
-            return torch.stack(outs)
+        def moe(layer_weights: list, x=x, weights=weights, ids=ids) -> torch.Tensor:
+            return torch.stack([moe_cpu.grouped_experts(x, w_gate_up, w_down, weights, ids, dot_rows).out
+                                for w_gate_up, w_down in layer_weights])
 
         cases[f"moe_{mean}_rows_per_expert"] = functools.partial(moe, layers[:1] * COLD_LAYERS)
         cases[f"moe_{mean}_rows_per_expert_cold"] = functools.partial(moe, layers)

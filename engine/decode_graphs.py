@@ -3,21 +3,26 @@
 In the tail of a batch a few sequences decode step after step at one batch size with nearly the same page table, and
 the forward's Python (module calls, input checks, backend dispatch, kernel arguments) repeats unchanged: ~4.5 ms of
 every bench-moe decode step on the dev box, a quarter of a step of three sequences (bench/RESULTS.md). A pure decode
-step of one resident micro-batch whose shape (sequences, page-table width rounded up to a power of two, KV pool) is
-the previous step's records its forward; the later steps of that shape copy their inputs (token ids, positions, KV
-slots, page table, lengths) into the recorded tensors and replay it. A shape seen once runs eagerly, so steps whose
-batch shrinks every step (sequences finishing all the time) record nothing.
+step of one resident micro-batch whose shape (rows, page-table width rounded up to a power of two, KV pool) is the
+previous step's records its forward; the later steps of that shape copy their inputs (token ids, positions, KV
+slots, page table, lengths) into the recorded tensors and replay it. A shape seen once runs eagerly.
+
+A batch of more than EXACT_SIZES sequences shrinks by a few sequences every few steps, so it would rarely meet its
+own shape again: its rows are padded up to a multiple of PAD_ROWS with copies of its first sequence (the same token,
+position, KV slot and pages: each row's sums are its own, so the copies compute that row's values again and write
+the same bytes to its slot), recorded on its first step, and the steps of a batch shrinking from 128 to 17 sequences
+replay ~14 recordings. The counters a replay feeds (kernels/capture.py's effects) see the real rows only.
 
 What a recording refuses runs eagerly, and no batch of that size or larger is recorded again: the paths that read
-values back to the host (the MoE's grouping of more than a few tokens by expert, the torch attention) are the
-larger batches' or another backend's. A replay whose kernel reports an error runs the step again eagerly, which
-raises the error with its message. A change of kernel backends (registry.set_backend, BATCHGEN_KERNELS) drops every
-recording. CPU only: on a GPU the kernels run on a stream a recording does not see (a CUDA graph is the GPU's
-counterpart).
+values back to the host (a MoE expert of more rows than the C kernel takes, the torch attention) are the larger
+batches' or another backend's. A replay whose kernel reports an error runs the step again eagerly, which raises the
+error with its message. A change of kernel backends (registry.set_backend, BATCHGEN_KERNELS) drops every recording.
+CPU only: on a GPU the kernels run on a stream a recording does not see (a CUDA graph is the GPU's counterpart).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -33,6 +38,8 @@ from batchgen.kernels import capture, registry
 logger = logging.getLogger(__name__)
 
 CAPACITY = 32  # recordings kept (least recently replayed dropped first); a few sequences' activations each
+EXACT_SIZES = 16  # batches of up to this many sequences are recorded at their own size (a tail's sizes repeat)
+PAD_ROWS = 8  # larger ones are padded up to a multiple of this many rows
 
 
 @dataclass
@@ -51,8 +58,10 @@ class DecodeGraphs:
         self._refused_from: int | None = None  # the smallest batch size whose recording was refused
         self._configuration = registry.configuration()
 
-    def forward(self, batch: CoroutineGroup, run: Callable[[CoroutineGroup], torch.Tensor]) -> torch.Tensor:
-        """`run(batch)`'s logits for a pure decode micro-batch: replayed, recorded, or run eagerly."""
+    def forward(self, batch: CoroutineGroup, run: Callable[[CoroutineGroup], torch.Tensor],
+                max_rows: int) -> torch.Tensor:
+        """`run(batch)`'s logits for a pure decode micro-batch: replayed, recorded, or run eagerly. `run` computes
+        every row in one feed-forward call up to `max_rows` rows: padding stops there."""
         if not isinstance(batch.ctx, DecodeContext):
             raise ValueError(f"decode graphs replay resident decode micro-batches, got {type(batch.ctx).__name__}")
         configuration = registry.configuration()
@@ -60,44 +69,72 @@ class DecodeGraphs:
             self._graphs.clear()
             self._refused_from, self._configuration = None, configuration
         size, ctx = len(batch.seqs), batch.ctx
-        key = (size, _bucket(ctx.page_table.shape[1]), ctx.pool.k.data_ptr())
+        rows = padded_rows(size, max_rows)
+        key = (rows, _bucket(ctx.page_table.shape[1]), ctx.pool.k.data_ptr())
         graph = self._graphs.get(key)
         if graph is not None:
             return self._replay(key, graph, batch, run)
         repeated, self._previous = key == self._previous, key
-        if not repeated or (self._refused_from is not None and size >= self._refused_from):
+        # a padded shape is recorded on first sight: the next few steps of a shrinking batch share it
+        if not (repeated or rows > EXACT_SIZES) or (self._refused_from is not None and rows >= self._refused_from):
             return run(batch)
-        ctx.page_table = _widened(ctx.page_table, key[1])
+        padded = _padded(batch, rows, key[1])
         try:
-            with capture.record() as recording:
-                logits = run(batch)
+            with capture.record(rows=rows, real_rows=size) as recording:
+                logits = run(padded)
         except capture.CaptureRefused as refused:
-            self._refused_from = min(size, self._refused_from or size)
+            self._refused_from = min(rows, self._refused_from or rows)
             self.stats.decode_graph_refusals += 1
             logger.debug("decode step of %d sequences runs eagerly: %s", size, refused)
             return run(batch)
-        self._graphs[key] = DecodeGraph(batch, recording, logits)
+        self._graphs[key] = DecodeGraph(padded, recording, logits)
         if len(self._graphs) > self.capacity:
             self._graphs.popitem(last=False)
         self.stats.decode_graph_captures += 1
-        return logits.clone()
+        return logits[:size].clone()
 
     def _replay(self, key: tuple, graph: DecodeGraph, batch: CoroutineGroup,
                 run: Callable[[CoroutineGroup], torch.Tensor]) -> torch.Tensor:
         self._graphs.move_to_end(key)
         recorded, new = graph.batch.ctx, batch.ctx
-        graph.batch.hidden.copy_(batch.hidden)
-        recorded.positions.copy_(new.positions)
-        recorded.slots.copy_(new.slots)
-        recorded.seq_lens.copy_(new.seq_lens)
-        recorded.page_table[:, : new.page_table.shape[1]].copy_(new.page_table)
+        size = len(batch.seqs)
+        _fill(graph.batch.hidden, batch.hidden)
+        _fill(recorded.positions, new.positions)
+        _fill(recorded.slots, new.slots)
+        _fill(recorded.seq_lens, new.seq_lens)
+        _fill(recorded.page_table[:, : new.page_table.shape[1]], new.page_table)
         try:
-            graph.recording.replay()
+            graph.recording.replay(rows=size)
         except capture.ReplayDiverged:
             del self._graphs[key]
             return run(batch)
         self.stats.decode_graph_replays += 1
-        return graph.logits.clone()
+        return graph.logits[:size].clone()
+
+
+def padded_rows(size: int, max_rows: int) -> int:
+    """The rows a batch of `size` sequences is recorded and replayed at."""
+    if size <= EXACT_SIZES:
+        return size
+    return max(size, min(-(-size // PAD_ROWS) * PAD_ROWS, max_rows))
+
+
+def _fill(recorded: torch.Tensor, new: torch.Tensor) -> None:
+    """`new`'s rows into the first rows of `recorded`, its first row into the rest (the padding)."""
+    recorded[: new.shape[0]].copy_(new)
+    recorded[new.shape[0] :].copy_(new[:1])
+
+
+def _padded(batch: CoroutineGroup, rows: int, width: int) -> CoroutineGroup:
+    """The batch as a recording takes it: its page table `width` columns wide, its rows padded to `rows` with copies
+    of the first."""
+    ctx = batch.ctx
+    index = torch.cat([torch.arange(len(batch.seqs)), torch.zeros(rows - len(batch.seqs), dtype=torch.int64)])
+    index = index.to(batch.hidden.device)
+    padded_ctx = dataclasses.replace(ctx, positions=ctx.positions[index], slots=ctx.slots[index],
+                                     seq_lens=ctx.seq_lens[index], page_table=_widened(ctx.page_table[index], width))
+    seqs = batch.seqs + [batch.seqs[0]] * (rows - len(batch.seqs))
+    return CoroutineGroup(seqs, batch.hidden[index], batch.point, padded_ctx)
 
 
 def _bucket(width: int) -> int:

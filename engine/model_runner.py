@@ -74,7 +74,8 @@ class ModelRunner:
             b_moe = self.phases.enter(bool(chunks), bool(staged_groups), tokens)
         start = time.perf_counter()
         if self.graphs is not None and not chunks and len(decoding) == 1 and not staged_groups:
-            logits = self.graphs.forward(decoding[0], lambda batch: self._forward([batch], None, tokens, b_moe))
+            logits = self.graphs.forward(
+                decoding[0], lambda batch: self._forward([batch], None, batch.num_tokens, b_moe), max_rows=b_moe)
         else:
             logits = self._forward(micro, rows, tokens, b_moe)
         self.stats.forward_seconds += time.perf_counter() - start

@@ -53,16 +53,22 @@ class Recording:
     """The calls of one recorded run, in order, and every tensor they touched (kept alive for their pointers)."""
 
     calls: list[Callable[[], object]] = field(default_factory=list)
-    effects: list[Callable[[], object]] = field(default_factory=list)  # host side effects, after the calls
+    effects: list[tuple[Callable[..., object], tuple]] = field(default_factory=list)  # host side effects, after them
     tensors: list = field(default_factory=list)
     kernel_calls: int = 0  # C kernel calls among `calls`
     torch_ops: int = 0  # torch ops among `calls`
+    rows: int | None = None  # the rows the recorded run computed (`record(rows=...)`), for replays on fewer
 
-    def replay(self) -> None:
+    def replay(self, rows: int | None = None) -> None:
+        """The recorded calls again, then the effects. `rows`: only the first `rows` of the recorded rows are real
+        (the others pad the inputs to the recorded shape), so the effects see only those (see `effect`)."""
         for call in self.calls:
             call()
-        for effect_ in self.effects:
-            effect_()
+        self.run_effects(rows)
+
+    def run_effects(self, rows: int | None = None) -> None:
+        for fn, args in self.effects:
+            fn(*(_effect_argument(a, self.rows, rows) for a in args))
 
 
 def recording() -> bool:
@@ -87,28 +93,32 @@ def effect(fn: Callable[..., object], *args) -> None:
     completes (a refused one leaves no effect behind: its caller runs the work again), and at the end of every
     replay, after the kernels: with copies of its tensor arguments, which the next replay overwrites, as they are at
     the end of the recorded function. (Between the kernels, the few Python calls of a counter took 10-40 us each on the
-    dev box: a decode step's expert weights streamed through the caches evict the interpreter's own memory.)"""
+    dev box: a decode step's expert weights streamed through the caches evict the interpreter's own memory.)
+    Effects count rows: a replay on the first n of a recording's N rows (`record(rows=N)`, `replay(rows=n)`) gives
+    fn the first n rows of each tensor argument of N rows and n for an int argument equal to N."""
     recorder = getattr(_state, "recorder", None)
     if recorder is None:
         fn(*args)
         return
-    recorder.recording.effects.append(lambda: fn(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args)))
+    recorder.recording.effects.append((fn, args))
 
 
 @contextmanager
-def record() -> Iterator[Recording]:
-    """Record what runs inside the block (on this thread) into the Recording yielded; CaptureRefused leaves it."""
+def record(rows: int | None = None, real_rows: int | None = None) -> Iterator[Recording]:
+    """Record what runs inside the block (on this thread) into the Recording yielded; CaptureRefused leaves it.
+    `rows`: the rows the block computes, where a replay may pad fewer real ones to them (Recording.replay);
+    `real_rows`: how many of them are real in the recorded run itself (the effects run when it completes)."""
     if recording():
         raise CaptureRefused("a capture is already in progress on this thread")
     recorder = _Recorder()
+    recorder.recording.rows = rows
     _state.recorder = recorder
     try:
         with recorder, c_library.observe_calls(recorder.kernel_call):
             yield recorder.recording
     finally:
         _state.recorder = None
-    for effect_ in recorder.recording.effects:
-        effect_()
+    recorder.recording.run_effects(real_rows)
 
 
 class _Recorder(TorchDispatchMode):
@@ -183,6 +193,17 @@ def _out_overload(func):
         if [a.name for a in arguments] == [*names, "out"] and arguments[-1].alias_info is not None:
             return candidate
     return None
+
+
+def _effect_argument(value, recorded: int | None, rows: int | None):
+    """An effect's argument on a replay of `rows` real rows of the `recorded` ones: a tensor copied (the next replay
+    overwrites it), its real rows only; a row count of the recording, the real one."""
+    narrowed = rows is not None and rows != recorded
+    if isinstance(value, torch.Tensor):
+        return (value[:rows] if narrowed and value.dim() and value.shape[0] == recorded else value).clone()
+    if narrowed and type(value) is int and value == recorded:
+        return rows
+    return value
 
 
 def _tensors_in(args) -> Iterator[torch.Tensor]:

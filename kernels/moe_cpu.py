@@ -18,15 +18,18 @@ instead of a padded block (in the same item, while its weight rows are in cache)
 16-expert 512 x 1024 layer at 8 / 16 / 20 / 24 rows per expert on average (random top-2 routing) took 3.2-3.6 /
 5.5-5.6 / 5.2-6.2 / 5.8-6.9 ms this way, 3.4-4.5 / 6.6-7.8 / 7.8-9.4 / 9.0-10.0 ms with every partial block padded,
 and 4.0 / 7.1 / - / 8.9 ms with the dot path up to 16 rows and oneDNN above. Experts with more rows than SMALL_ROWS
-are GEMMs oneDNN (MKL on Intel) runs faster (gemm_onednn.py), a pair of calls per expert (moe_torch.py). The rows are
-grouped by expert in C too (route_rows_cpu: a counting sort, torch's order); a call of at most FEW_TOKENS tokens (a
-decode step's tail) groups and runs them in one kernel call (all of them on the dot-product path).
+are GEMMs oneDNN (MKL on Intel) runs faster (gemm_onednn.py), a pair of calls per expert (moe_torch.py). The kernel
+groups a call's rows by expert itself (a counting sort, torch's order) and runs the small experts in the same call, so
+a call reads nothing back to the host unless an expert got more than SMALL_ROWS rows: a decode step's forward of any
+batch size can be recorded and replayed (kernels/capture.py). A call of at most FEW_TOKENS tokens (a decode step's
+tail) runs every expert on the dot-product path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+from dataclasses import dataclass
 
 import torch
 
@@ -288,14 +291,6 @@ static void run(Job base, int threads) {
     parallel(down, base, (base.D + OUTPUT_BLOCK - 1) / OUTPUT_BLOCK, threads);
 }
 
-void small_experts_f32(const float *x, const int64_t *spans, const int64_t *experts, int A, const float *wgu,
-                       const float *wd, const int64_t *strides, float *h, float *xt, const int64_t *token,
-                       const float *weight, float *out, int D, int I, int threads) {
-    Job base = {x, spans, experts, wgu, wd, strides[0], strides[1], strides[2], strides[3], h, xt, token, weight,
-                out, A, D, I, 0, 0};
-    run(base, threads);
-}
-
 /* The GEMM path's experts (more than SMALL_ROWS rows: oneDNN's GEMMs) leave two passes to this library instead of
    seven torch ops: h = silu(gate) * up over the gate_up GEMM's rows, and the down GEMM's rows weighted into their
    tokens' output rows. One expert's rows belong to distinct tokens, so rows split over the team without two
@@ -324,10 +319,9 @@ void scatter_rows_f32(const float *y, const int64_t *token, const float *weight,
 /* The (token, k) pairs grouped by expert, as rows: a stable counting sort by id (the order of the torch path's
    stable argsort, so the same sums in the same order) instead of a handful of torch calls per layer. ids < 0
    (experts on another rank) are skipped, and so is any id past the last expert, so no input writes outside the
-   arrays. xs[r] = x[token[r]], copied over the team; starts [E + 1]: expert e's rows are [starts[e], starts[e + 1]).
-   Returns the rows. */
-int64_t route_rows_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E, int D,
-                       float *xs, int64_t *token, float *weight, int64_t *starts, int threads) {
+   arrays. xs[r] = x[token[r]], copied over the team; starts [E + 1]: expert e's rows are [starts[e], starts[e + 1]). */
+static void route_rows_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E, int D,
+                           float *xs, int64_t *token, float *weight, int64_t *starts, int threads) {
     int64_t pairs = T * K, *next = malloc((E + 1) * sizeof(int64_t));
     memset(starts, 0, (E + 1) * sizeof(int64_t));
     for (int64_t p = 0; p < pairs; p++)
@@ -343,51 +337,67 @@ int64_t route_rows_f32(const float *x, int64_t T, int K, const int64_t *ids, con
     int64_t rows = starts[E];
 #pragma omp parallel for num_threads(threads) if (threads > 1 && rows * D * 4 >= THREAD_BYTES) schedule(static)
     for (int64_t r = 0; r < rows; r++) memcpy(xs + r * D, x + token[r] * D, D * sizeof(float));
-    return rows;
 }
 
-/* A few tokens (every expert then has at most T rows: all within this kernel): their rows grouped here, then every
-   expert on the dot-product path, in one call; `out` is zeroed here first (a caller's fill would be a torch op more
-   per layer, each paying its dispatch and the activations' trip between the cores). */
-void few_tokens_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E,
-                    const float *wgu, const float *wd, int64_t gu0, int64_t gu1, int64_t d0, int64_t d1, float *h,
-                    float *out, int D, int I, int threads) {
-    int64_t pairs = T * K, *token = malloc((pairs + 1) * sizeof(int64_t)), *starts = malloc((E + 1) * sizeof(int64_t));
-    float *xs = malloc((pairs * D + 1) * sizeof(float)), *weight = malloc((pairs + 1) * sizeof(float));
+/* An expert's rows on the blocked path: none up to dot_rows; past it whole blocks of LANES, and a last partial block
+   too unless it has at most dot_rows rows (those take the dot-product path while the weights are in cache: a padded
+   block would cost a whole one). */
+static int64_t blocked_rows(int64_t count, int dot_rows) {
+    int64_t whole = count / LANES, rest = count % LANES;
+    if (count <= dot_rows) return 0;
+    return rest > dot_rows || whole == 0 ? count : whole * LANES;
+}
+
+/* A whole MoE call: the (token, k) pairs grouped by expert (route_rows_f32), then every expert of at most small_rows
+   rows computed here, in one call; `out` is zeroed first (a caller's fill would be a torch op more per layer, each
+   paying its dispatch and the activations' trip between the cores). Nothing is read back to the host in between, so
+   a recorded forward (kernels/capture.py) can replay a call of any size. Returns how many experts got more rows than
+   small_rows: the GEMM path's, left for the caller in xs, token, weight and starts. spans [E, SPAN] and experts [E]
+   receive the layout of the experts run here (experts[a] = -1 past the last). */
+int64_t grouped_experts_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E,
+                            const float *wgu, const float *wd, const int64_t *strides, int dot_rows, int small_rows,
+                            float *xs, int64_t *token, float *weight, int64_t *starts, int64_t *spans,
+                            int64_t *experts, float *out, int D, int I, int threads) {
     memset(out, 0, T * D * sizeof(float));
-    route_rows_f32(x, T, K, ids, topk_weight, E, D, xs, token, weight, starts, 1);
-    int64_t *spans = malloc((SPAN * E + 1) * sizeof(int64_t)), *experts = malloc((E + 1) * sizeof(int64_t));
+    route_rows_f32(x, T, K, ids, topk_weight, E, D, xs, token, weight, starts, threads);
+    int64_t h_size = 0, xt_size = 0, large = 0;
     int A = 0;
-    for (int e = 0; e < E; e++)
-        if (starts[e + 1] > starts[e]) {
-            spans[SPAN * A] = starts[e];
-            spans[SPAN * A + 1] = starts[e + 1];
-            spans[SPAN * A + 2] = starts[e] * I;
-            spans[SPAN * A + 3] = -1;  /* a few rows: the dot-product path */
-            spans[SPAN * A + 4] = 0;
-            experts[A++] = e;
-        }
-    if (A) {
-        Job base = {xs, spans, experts, wgu, wd, gu0, gu1, d0, d1, h, NULL, token, weight, out, A, D, I, 0, 0};
-        run(base, threads);
+    for (int e = 0; e < E; e++) {
+        int64_t count = starts[e + 1] - starts[e];
+        if (count > small_rows) large++;
+        if (count == 0 || count > small_rows) continue;
+        int64_t blocked = blocked_rows(count, dot_rows), padded = (blocked + LANES - 1) / LANES * LANES;
+        int64_t *span = spans + SPAN * A;
+        span[0] = starts[e];
+        span[1] = starts[e + 1];
+        span[2] = h_size;
+        span[3] = blocked ? xt_size : -1;
+        span[4] = blocked;
+        h_size += (padded + count - blocked) * I;
+        xt_size += padded * D;
+        experts[A++] = e;
     }
-    free(token); free(starts); free(spans); free(experts); free(xs); free(weight);
+    for (int a = A; a < E; a++) experts[a] = -1;
+    if (A) {
+        float *h = malloc((h_size + 1) * sizeof(float)), *xt = malloc((xt_size + 1) * sizeof(float));
+        Job base = {xs, spans, experts, wgu, wd, strides[0], strides[1], strides[2], strides[3], h, xt, token, weight,
+                    out, A, D, I, 0, 0};
+        run(base, threads);
+        free(h);
+        free(xt);
+    }
+    return large;
 }
 """.replace("EXP_NEG", EXP_NEG_SOURCE).replace("DOT_PAIRS", DOT_PAIRS_SOURCE).replace("@THREAD_BYTES@",
                                                                                     str(THREAD_BYTES))
 
 
 SOURCE_DIGEST = hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]  # measurements of this kernel name its source
-_KERNEL = CFunction("small_experts", _SOURCE, "small_experts_f32",
-                    (*[ctypes.c_void_p] * 3, ctypes.c_int, *[ctypes.c_void_p] * 8, *[ctypes.c_int] * 3))
-_FEW_TOKENS = CFunction("small_experts", _SOURCE, "few_tokens_f32",
-                        (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, *[ctypes.c_void_p] * 2, ctypes.c_int,
-                         *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 4, *[ctypes.c_void_p] * 2, *[ctypes.c_int] * 3))
-
-
-_ROUTE_ROWS = CFunction("small_experts", _SOURCE, "route_rows_f32",
-                        (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, *[ctypes.c_void_p] * 2, *[ctypes.c_int] * 2,
-                         *[ctypes.c_void_p] * 4, ctypes.c_int), restype=ctypes.c_int64)
+SPAN = 5  # int64s per expert in a GroupedCall's layout (the C source's SPAN)
+_GROUPED = CFunction("small_experts", _SOURCE, "grouped_experts_f32",
+                     (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, *[ctypes.c_void_p] * 2, ctypes.c_int,
+                      *[ctypes.c_void_p] * 3, *[ctypes.c_int] * 2, *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 3),
+                     restype=ctypes.c_int64)
 _SILU_MUL = CFunction("small_experts", _SOURCE, "silu_mul_rows_f32",
                       (*[ctypes.c_void_p] * 2, ctypes.c_int64, *[ctypes.c_int] * 2))
 _SCATTER = CFunction("small_experts", _SOURCE, "scatter_rows_f32",
@@ -396,26 +406,55 @@ _SCATTER = CFunction("small_experts", _SOURCE, "scatter_rows_f32",
 
 def unavailable() -> str | None:
     """Why this backend cannot run here, or None (compiles the kernel on first call)."""
-    return _KERNEL.unavailable()
+    return _GROUPED.unavailable()
 
 
-def expert_spans(starts: list[int], experts: list[int], inter: int, dim: int,
-                 dot_rows: int) -> tuple[list[tuple], int, int]:
-    """Per expert (rows `starts[e]` to `starts[e + 1]`): (first row, end row, offset of its h, offset of its
-    transposed rows or -1, rows on the blocked path), and the floats of h and of the transposed rows. An expert of
-    more than `dot_rows` rows puts them in blocks of LANES, except a last partial block of at most `dot_rows` rows,
-    which goes to the dot-product path (a padded block would cost a whole one); its h is [blocks, inter, LANES], then
-    [dot-product rows, inter]."""
-    spans, h_size, xt_size = [], 0, 0
-    for e in experts:
-        count = starts[e + 1] - starts[e]
-        whole, rest = divmod(count, LANES)
-        blocked = 0 if count <= dot_rows else count if rest > dot_rows or whole == 0 else whole * LANES
-        padded = -(-blocked // LANES) * LANES
-        spans.append((starts[e], starts[e + 1], h_size, xt_size if blocked else -1, blocked))
-        h_size += (padded + count - blocked) * inter
-        xt_size += padded * dim
-    return spans, h_size, xt_size
+@dataclass
+class GroupedCall:
+    """One call of the kernel: its output (the experts of at most SMALL_ROWS rows summed in), the rows it grouped by
+    expert, and the layout it ran them in."""
+
+    out: torch.Tensor  # [T, D]
+    xs: torch.Tensor  # [T * K, D] the routed rows, by expert (the first starts[E] of them)
+    token_rows: torch.Tensor  # [T * K] int64 output row of each
+    weights: torch.Tensor  # [T * K] float32 routing weight of each
+    starts: torch.Tensor  # [E + 1] int64: expert e's rows are [starts[e], starts[e + 1])
+    # [E, SPAN] per expert run here: first row, end row, offset of its h, offset of its transposed rows (-1: none),
+    # rows on the blocked path; `experts` [E] their ids, -1 past the last
+    layout: torch.Tensor
+    experts: torch.Tensor
+    large: int  # experts of more than SMALL_ROWS rows, left out
+
+    def routed(self) -> RoutedRows:
+        """The grouped rows as moe_torch.route_rows gives them (read back to the host)."""
+        bounds = read_back(self.starts)
+        rows = bounds[-1]
+        return RoutedRows(self.xs[:rows], self.token_rows[:rows], self.weights[:rows],
+                          [b - a for a, b in zip(bounds, bounds[1:])], bounds)
+
+
+def grouped_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, dot_rows: int) -> GroupedCall:
+    """The C kernel on a whole call: the routing's rows grouped by expert and every expert of at most SMALL_ROWS rows
+    computed (those of at most `dot_rows` on the dot-product path, the others blocked), in one call that reads
+    nothing back to the host."""
+    tokens, top_k = topk_ids.shape
+    num_experts, dim, inter = w_gate_up.shape[0], x.shape[1], w_down.shape[2]
+    x, weights, ids = x.contiguous(), topk_weights.to(torch.float32).contiguous(), topk_ids.to(torch.int64).contiguous()
+    strides = torch.tensor([*w_gate_up.stride()[:2], *w_down.stride()[:2]], dtype=torch.int64)
+    call = GroupedCall(out=torch.empty(tokens, dim, dtype=torch.float32),
+                       xs=torch.empty(tokens * top_k, dim, dtype=torch.float32),
+                       token_rows=torch.empty(tokens * top_k, dtype=torch.int64),
+                       weights=torch.empty(tokens * top_k, dtype=torch.float32),
+                       starts=torch.empty(num_experts + 1, dtype=torch.int64),
+                       layout=torch.empty(num_experts, SPAN, dtype=torch.int64),
+                       experts=torch.empty(num_experts, dtype=torch.int64), large=0)
+    call.large = _GROUPED(x.data_ptr(), tokens, top_k, ids.data_ptr(), weights.data_ptr(), num_experts,
+                          w_gate_up.data_ptr(), w_down.data_ptr(), strides.data_ptr(), dot_rows, SMALL_ROWS,
+                          call.xs.data_ptr(), call.token_rows.data_ptr(), call.weights.data_ptr(),
+                          call.starts.data_ptr(), call.layout.data_ptr(), call.experts.data_ptr(), call.out.data_ptr(),
+                          dim, inter, torch.get_num_threads())
+    return call
 
 
 def fused_moe_cpu(
@@ -426,53 +465,16 @@ def fused_moe_cpu(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """Same contract as kernels.ops.fused_moe, for float32 CPU tensors."""
-    num_experts, two_i, dim = w_gate_up.shape
-    inter = two_i // 2
+    dim, inter = w_down.shape[1], w_down.shape[2]
     w_gate_up, w_down = (w if w.stride(-1) == 1 else w.contiguous() for w in (w_gate_up, w_down))
-    if x.shape[0] <= FEW_TOKENS:  # no expert can get more rows than there are tokens: all of them the kernel's
-        return _few_tokens(x, w_gate_up, w_down, topk_weights, topk_ids)
-    rows = route_rows_cpu(x, topk_weights, topk_ids, num_experts)
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    small = [e for e, count in enumerate(rows.counts) if 0 < count <= SMALL_ROWS]
-    if small:
-        small_experts(out, rows, small, w_gate_up, w_down, moe_crossover.dot_rows(dim, inter))
-    large_experts(out, rows, [e for e, count in enumerate(rows.counts) if count > SMALL_ROWS], w_gate_up, w_down)
-    return out.to(x.dtype)
-
-
-def route_rows_cpu(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
-                   ) -> RoutedRows:
-    """moe_torch.route_rows for float32 CPU tensors, in one C pass (a counting sort, then the rows copied): the
-    same rows in the same order, without the torch path's sort, count and gather calls per layer."""
-    tokens, top_k = topk_ids.shape
-    dim = x.shape[1]
-    x, weights, ids = _routing_arrays(x, topk_weights, topk_ids)
-    xs = torch.empty(tokens * top_k, dim, dtype=torch.float32)
-    token_rows = torch.empty(tokens * top_k, dtype=torch.int64)
-    row_weights = torch.empty(tokens * top_k, dtype=torch.float32)
-    starts = torch.empty(num_experts + 1, dtype=torch.int64)
-    rows = _ROUTE_ROWS(x.data_ptr(), tokens, top_k, ids.data_ptr(), weights.data_ptr(), num_experts, dim,
-                       xs.data_ptr(), token_rows.data_ptr(), row_weights.data_ptr(), starts.data_ptr(),
-                       torch.get_num_threads())
-    bounds = read_back(starts)
-    return RoutedRows(xs[:rows], token_rows[:rows], row_weights[:rows], [b - a for a, b in zip(bounds, bounds[1:])],
-                      bounds)
-
-
-def small_experts(out: torch.Tensor, rows: RoutedRows, experts: list[int], w_gate_up: torch.Tensor,
-                  w_down: torch.Tensor, dot_rows: int) -> None:
-    """out[token] += weight * expert(x) for the rows of each of `experts` (at most SMALL_ROWS each) in the C kernel:
-    experts of at most `dot_rows` rows on the dot-product path, the others blocked."""
-    inter, dim = w_down.shape[2], w_down.shape[1]
-    spans, h_size, xt_size = expert_spans(rows.starts, experts, inter, dim, dot_rows)
-    spans_t, ids = torch.tensor(spans, dtype=torch.int64), torch.tensor(experts, dtype=torch.int64)
-    strides = torch.tensor([w_gate_up.stride(0), w_gate_up.stride(1), w_down.stride(0), w_down.stride(1)],
-                           dtype=torch.int64)
-    h, xt = torch.empty(h_size, dtype=torch.float32), torch.empty(max(xt_size, 1), dtype=torch.float32)
-    xs, token_rows, weights = (t.contiguous() for t in (rows.xs, rows.token_rows, rows.weights))
-    _KERNEL(xs.data_ptr(), spans_t.data_ptr(), ids.data_ptr(), len(experts),
-            w_gate_up.data_ptr(), w_down.data_ptr(), strides.data_ptr(), h.data_ptr(), xt.data_ptr(),
-            token_rows.data_ptr(), weights.data_ptr(), out.data_ptr(), dim, inter, torch.get_num_threads())
+    # a few tokens: no expert can get more rows than there are tokens, all of them on the dot-product path
+    dot_rows = SMALL_ROWS if x.shape[0] <= FEW_TOKENS else moe_crossover.dot_rows(dim, inter)
+    call = grouped_experts(x, w_gate_up, w_down, topk_weights, topk_ids, dot_rows)
+    if call.large:
+        rows = call.routed()
+        large_experts(call.out, rows, [e for e, count in enumerate(rows.counts) if count > SMALL_ROWS], w_gate_up,
+                      w_down)
+    return call.out.to(x.dtype)
 
 
 def large_experts(out: torch.Tensor, rows: RoutedRows, experts: list[int], w_gate_up: torch.Tensor,
@@ -495,22 +497,3 @@ def large_experts(out: torch.Tensor, rows: RoutedRows, experts: list[int], w_gat
 
 def _threads(nbytes: int, available: int) -> int:
     return max(1, min(available, nbytes // THREAD_BYTES))
-
-
-def _few_tokens(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
-    """fused_moe_cpu for at most FEW_TOKENS tokens: the routing's grouping by expert done by the kernel too."""
-    tokens, top_k = topk_ids.shape
-    x, weights, ids = _routing_arrays(x, topk_weights, topk_ids)
-    out = torch.empty(x.shape, dtype=torch.float32)
-    h = torch.empty(tokens * top_k, w_down.shape[2], dtype=torch.float32)
-    _FEW_TOKENS(x.data_ptr(), tokens, top_k, ids.data_ptr(), weights.data_ptr(), w_gate_up.shape[0],
-                w_gate_up.data_ptr(), w_down.data_ptr(), *w_gate_up.stride()[:2], *w_down.stride()[:2], h.data_ptr(),
-                out.data_ptr(), x.shape[1], w_down.shape[2], torch.get_num_threads())
-    return out.to(x.dtype)
-
-
-def _routing_arrays(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x, float32 routing weights and int64 expert ids, each dense, as the C grouping reads them."""
-    return x.contiguous(), topk_weights.to(torch.float32).contiguous(), topk_ids.to(torch.int64).contiguous()

@@ -54,8 +54,7 @@ def measure(dim: int, inter: int) -> dict[int, float]:
     alternate within a round, so a slow moment of a shared machine hits them alike. Real routings matter: an expert's
     rows past its last whole block take the dot-product path while its weights are in cache, which experts of exactly
     N rows would not show."""
-    from batchgen.kernels.moe_cpu import small_experts
-    from batchgen.kernels.moe_torch import route_rows
+    from batchgen.kernels.moe_cpu import grouped_experts
 
     inter = min(inter, max(8, MAX_EXPERT_BYTES // (12 * dim) // 8 * 8))
     experts = max(4, min(16, LAYER_BYTES // (12 * dim * inter)))
@@ -67,14 +66,13 @@ def measure(dim: int, inter: int) -> dict[int, float]:
     for mean in MEAN_ROWS:
         tokens = experts * mean // 2
         weights, ids = torch.randn(tokens, experts, generator=g).softmax(-1).topk(2)
-        rows = route_rows(torch.randn(tokens, dim, generator=g), weights, ids, experts)
-        routings.append((tokens, rows, [e for e, count in enumerate(rows.counts) if count]))
+        routings.append((torch.randn(tokens, dim, generator=g), weights, ids))
 
     def call(crossover: int) -> float:
         start = time.perf_counter()
-        for tokens, rows, used in routings:
+        for x, weights, ids in routings:
             for w_gate_up, w_down in weights_of:
-                small_experts(torch.zeros(tokens, dim), rows, used, w_gate_up, w_down, crossover)
+                grouped_experts(x, w_gate_up, w_down, weights, ids, crossover)
         return time.perf_counter() - start
 
     call(DEFAULT_DOT_ROWS)  # warm-up

@@ -31,9 +31,9 @@ def test_a_commits_kernels_are_its_sources_and_take_turns_with_this_trees(bench,
             assert function.source == getattr(module, attr).source
     builds = bench.Builds(head={key: getattr(*key) for key in base}, base=base)
     seen = []
-    bench.alternate(builds, {"which": lambda: seen.append(moe_cpu._KERNEL) or torch.zeros(1)}, rounds=1)
-    assert seen == [builds.head[(moe_cpu, "_KERNEL")], base[(moe_cpu, "_KERNEL")]] * 2
-    assert moe_cpu._KERNEL is builds.head[(moe_cpu, "_KERNEL")]  # this tree's kernels back in place
+    bench.alternate(builds, {"which": lambda: seen.append(moe_cpu._GROUPED) or torch.zeros(1)}, rounds=1)
+    assert seen == [builds.head[(moe_cpu, "_GROUPED")], base[(moe_cpu, "_GROUPED")]] * 2
+    assert moe_cpu._GROUPED is builds.head[(moe_cpu, "_GROUPED")]  # this tree's kernels back in place
 
 
 def test_json_report_of_every_kernel_case(bench, capsys):

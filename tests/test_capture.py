@@ -67,6 +67,22 @@ def test_effects_run_once_when_recorded_then_on_every_replay_with_copies():
     assert all(t.data_ptr() != y.data_ptr() for t in seen)  # copies: the next replay overwrites y
 
 
+def test_a_replay_on_fewer_real_rows_gives_effects_those_rows_and_their_count():
+    """A recording of 4 rows (3 real when recorded) replayed with only 2 real (the rest padding): an effect's tensor
+    of 4 rows comes narrowed to 2, a count of 4 as 2; a tensor of another length and another int pass as they are."""
+    seen = []
+    x = torch.arange(8.0).reshape(4, 2)
+    with capture.record(rows=4, real_rows=3) as recording:
+        capture.effect(lambda *args: seen.append(args), x * 1, 4, 7, torch.ones(3))
+    assert seen[0][0].shape[0] == 3 and seen[0][1:3] == (3, 7)  # the recorded run's own real rows
+    x.copy_(-x)
+    recording.replay(rows=2)
+    (rows, count, other, ones), = seen[1:]
+    assert rows.tolist() == [[0.0, -1.0], [-2.0, -3.0]] and (count, other, ones.shape[0]) == (2, 7, 3)
+    recording.replay(rows=4)
+    assert seen[-1][0].shape[0] == 4 and seen[-1][1] == 4
+
+
 def test_a_refused_recording_leaves_no_effect():
     seen: list[int] = []
     with pytest.raises(capture.CaptureRefused):

@@ -8,15 +8,15 @@ from tiny_models import hf_greedy, prompts, save_tiny_checkpoint
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, Request, SamplingParams
-from batchgen.kernels import attention_cpu, registry
+from batchgen.kernels import attention_cpu, capture, moe_cpu, registry
 
 COUNTERS = ("moe_calls", "mean_expert_batch", "expert_histogram", "max_ffn_tokens", "decode_steps", "generated_tokens")
 
 
 @pytest.fixture(autouse=True)
 def _c_kernels():
-    if attention_cpu.unavailable():
-        pytest.skip(attention_cpu.unavailable())
+    if attention_cpu.unavailable() or moe_cpu.unavailable():
+        pytest.skip(attention_cpu.unavailable() or moe_cpu.unavailable())
 
 
 def _requests(vocab_size: int, max_tokens: tuple[int, ...]) -> list[Request]:
@@ -48,9 +48,35 @@ def test_replayed_steps_give_transformers_greedy_tokens_and_the_eager_engines_co
     assert {k: replayed[k] for k in COUNTERS} == {k: eager[k] for k in COUNTERS}
 
 
-def test_a_batch_whose_forward_reads_values_back_runs_eagerly_and_is_not_recorded_again(tmp_path):
-    """Twenty tokens a MoE call group by expert through counts read back to the host (moe_cpu's path past
-    FEW_TOKENS): the recording is refused once, and that batch size is not tried again."""
+@pytest.mark.parametrize("arch", ["mixtral", "llama"])
+def test_larger_batches_replay_padded_to_a_recorded_size(arch, tmp_path, monkeypatch):
+    """21 sequences finishing in three waves (21, 19, 17 decoding): each batch is padded to 24 rows with copies of
+    its first sequence, recorded once and replayed at every size; transformers' greedy tokens, and counters equal to
+    an eager engine's (the padding's routing and rows not counted)."""
+    replays = []
+    replay = capture.Recording.replay
+    monkeypatch.setattr(capture.Recording, "replay",
+                        lambda self, rows=None: replays.append((rows, self.rows)) or replay(self, rows))
+    hf = save_tiny_checkpoint(arch, tmp_path)
+    loaded = load_model(str(tmp_path))
+    requests = _requests(loaded.model.vocab_size, (5, 5, 7, 7) + (10,) * 17)
+    engines, tokens = {}, {}
+    for flag in (True, False):
+        engines[flag] = Engine(loaded, page_size=4, decode_graphs=flag)
+        tokens[flag] = [r.outputs[0].token_ids for r in engines[flag].generate(requests)]
+    expected = [hf_greedy(hf, r.prompt_token_ids, r.sampling.max_tokens) for r in requests]
+    assert tokens[True] == expected and tokens[False] == expected
+    replayed, eager = engines[True].metrics(), engines[False].metrics()
+    assert {rows for rows, recorded in replays} >= {21, 19, 17} and {recorded for _, recorded in replays} == {24}
+    assert replayed["decode_graph_refusals"] == 0, replayed
+    assert {k: replayed[k] for k in COUNTERS} == {k: eager[k] for k in COUNTERS}
+
+
+def test_a_batch_whose_forward_reads_values_back_runs_eagerly_and_is_not_recorded_again(tmp_path, monkeypatch):
+    """With the MoE kernel's row limit at 2, a step of twenty tokens leaves experts to the GEMM path, whose per-expert
+    calls need the rows' counts read back to the host: the recording is refused once, and that batch size is not
+    tried again."""
+    monkeypatch.setattr(moe_cpu, "SMALL_ROWS", 2)
     hf = save_tiny_checkpoint("mixtral", tmp_path)
     loaded = load_model(str(tmp_path))
     requests = _requests(loaded.model.vocab_size, (8,) * 20)

@@ -103,23 +103,67 @@ def test_cpu_c_matches_naive(tokens, top_k, threads, monkeypatch):
         assert 5 in by_blas  # picked by every token: more rows than the kernel takes
 
 
-@pytest.mark.parametrize("tokens,path", [(1, "few"), (FEW_TOKENS, "few"), (FEW_TOKENS + 1, "grouped")])
-def test_cpu_c_groups_a_few_tokens_rows_in_the_kernel(tokens, path, monkeypatch):
-    """Up to FEW_TOKENS tokens (no expert can get more rows than the kernel takes) the kernel groups the (token, k)
-    pairs by expert itself (one call); more tokens go through torch's grouping. Same sums either way."""
+def grouped_calls(monkeypatch) -> list:
+    """Every moe_cpu.grouped_experts call's GroupedCall, in order."""
     from batchgen.kernels import moe_cpu
+
+    calls = []
+    grouped = moe_cpu.grouped_experts
+    monkeypatch.setattr(moe_cpu, "grouped_experts", lambda *args: calls.append(grouped(*args)) or calls[-1])
+    return calls
+
+
+def layout_rows(call) -> list[list[int]]:
+    """The experts a GroupedCall ran in the kernel: [first row, end row, h offset, xt offset or -1, blocked rows]."""
+    return call.layout[: int((call.experts >= 0).sum())].tolist()
+
+
+@pytest.mark.parametrize("tokens", [1, FEW_TOKENS, FEW_TOKENS + 1, 40])
+def test_cpu_c_groups_and_runs_a_call_in_one_kernel_call_reading_nothing_back(tokens, monkeypatch):
+    """While no expert gets more than SMALL_ROWS rows, one kernel call groups the (token, k) pairs by expert and runs
+    every expert, and nothing is read back to the host (inside a recording, a read-back would be refused): a recorded
+    forward can replay a call of any size. Up to FEW_TOKENS tokens every expert takes the dot-product path, past it
+    experts of more than the crossover's rows the blocked one."""
+    from batchgen.kernels import capture, moe_cpu, moe_crossover
 
     if moe_cpu.unavailable():
         pytest.skip(moe_cpu.unavailable())
-    calls = []
-    for name in ("_FEW_TOKENS", "_KERNEL"):
-        kernel = getattr(moe_cpu, name)
-        monkeypatch.setattr(moe_cpu, name, lambda *a, k=kernel, n=name: calls.append(n) or k(*a))
-    x, w13, w2, weights, ids = make_moe(tokens, 40, 24, 6, 2, seed=tokens)
+    kernel_calls = []
+    kernel = moe_cpu._GROUPED
+    monkeypatch.setattr(moe_cpu, "_GROUPED", lambda *a: kernel_calls.append(a) or kernel(*a))
+    monkeypatch.setattr(moe_crossover, "dot_rows", lambda dim, inter: 8)
+    calls = grouped_calls(monkeypatch)
+    x, w13, w2, weights, ids = make_moe(tokens, 40, 24, 3, 2, seed=tokens)
     ids[::3, 0] = -1  # an expert of another rank
-    out = moe_cpu.fused_moe_cpu(x, w13, w2, weights, ids.to(torch.int32))
+    with capture.record():
+        out = moe_cpu.fused_moe_cpu(x, w13, w2, weights, ids.to(torch.int32))
     torch.testing.assert_close(out.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
-    assert calls == (["_FEW_TOKENS"] if path == "few" else ["_KERNEL"])
+    (call,) = calls
+    assert len(kernel_calls) == 1 and call.large == 0
+    counts = torch.bincount(ids[ids >= 0], minlength=3).tolist()
+    assert [row[1] - row[0] for row in layout_rows(call)] == [c for c in counts if c]
+    blocked = [row[4] for row in layout_rows(call)]
+    assert blocked == [0] * len(blocked) if tokens <= FEW_TOKENS else any(blocked)
+
+
+def test_cpu_c_leaves_experts_past_its_row_limit_to_the_gemm_path_which_a_recording_refuses(monkeypatch):
+    """An expert of more than SMALL_ROWS rows is left out of the kernel call (counted in `large`) for the GEMM path,
+    whose per-expert calls need the rows' counts on the host: a recording refuses that read-back."""
+    from batchgen.kernels import capture, moe_cpu
+
+    if moe_cpu.unavailable():
+        pytest.skip(moe_cpu.unavailable())
+    calls = grouped_calls(monkeypatch)
+    x, w13, w2, _, _ = make_moe(moe_cpu.SMALL_ROWS + 1, 16, 24, 3, 1)
+    ids = torch.zeros(moe_cpu.SMALL_ROWS + 1, 2, dtype=torch.int64)
+    ids[:, 1] = 1 + torch.arange(moe_cpu.SMALL_ROWS + 1) % 2  # expert 0 gets every token, 1 and 2 half each
+    weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(4))
+    out = moe_cpu.fused_moe_cpu(x, w13, w2, weights, ids)
+    torch.testing.assert_close(out.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+    assert calls[-1].large == 1 and [row[0] for row in layout_rows(calls[-1])] == [moe_cpu.SMALL_ROWS + 1,
+                                                                                 moe_cpu.SMALL_ROWS + 34]
+    with pytest.raises(capture.CaptureRefused, match="read back"), capture.record():
+        moe_cpu.fused_moe_cpu(x, w13, w2, weights, ids)
 
 
 @pytest.mark.parametrize("tokens,threads", [(21, 1), (600, 2)])
@@ -133,9 +177,9 @@ def test_cpu_c_routes_rows_as_the_torch_grouping_does(tokens, threads, monkeypat
     if moe_cpu.unavailable():
         pytest.skip(moe_cpu.unavailable())
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    x, _, _, weights, ids = make_moe(tokens, 112, 8, 9, 3, seed=tokens)
+    x, w13, w2, weights, ids = make_moe(tokens, 112, 8, 9, 3, seed=tokens)
     ids[::4, 1] = -1
-    ours, theirs = moe_cpu.route_rows_cpu(x, weights, ids, 9), route_rows(x, weights, ids, 9)
+    ours, theirs = moe_cpu.grouped_experts(x, w13, w2, weights, ids, 8).routed(), route_rows(x, weights, ids, 9)
     assert ours.counts == theirs.counts and ours.starts == theirs.starts
     assert sum(ours.counts) == tokens * 3 - len(range(0, tokens, 4))
     assert torch.equal(ours.token_rows, theirs.token_rows)
@@ -173,20 +217,19 @@ def test_cpu_c_blocked_path_takes_partial_blocks_and_tails_of_every_dimension(th
 
     if moe_cpu.unavailable():
         pytest.skip(moe_cpu.unavailable())
-    layouts = []
-    spans = moe_cpu.expert_spans
-    monkeypatch.setattr(moe_cpu, "expert_spans", lambda *args: layouts.append(spans(*args)) or layouts[-1])
+    calls = grouped_calls(monkeypatch)
     x, w13, w2, _, _ = make_moe(45, 21, 42, 5, 1)
     ids = torch.zeros((45, 2), dtype=torch.int64)
     ids[:9, 1], ids[9:17, 1], ids[17:37, 1], ids[37:, 1] = 1, 2, 3, 4
     weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(2))
     out, by_blas = cpu_c_moe(monkeypatch, threads, x, w13, w2, weights, ids)
     torch.testing.assert_close(out.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
-    (layout, h_size, xt_size), = layouts
+    layout = layout_rows(calls[-1])
     assert not by_blas and [row[1] - row[0] for row in layout] == [45, 9, 8, 20, 8]
     assert [row[4] for row in layout] == [45, 9, 0, 16, 0]  # rows on the blocked path
-    assert [row[3] >= 0 for row in layout] == [True, True, False, True, False]
-    assert h_size == (48 + 16 + 8 + 16 + 4 + 8) * 42 and xt_size == (48 + 16 + 16) * 21
+    # h: padded blocks, then the dot-product rows; transposed rows only for the blocked experts' padded blocks
+    assert [row[2] for row in layout] == [0, 48 * 42, 64 * 42, 72 * 42, (72 + 16 + 4) * 42]
+    assert [row[3] for row in layout] == [0, 48 * 21, -1, 64 * 21, -1]
 
 
 def test_engine_moe_on_both_c_paths_decodes_transformers_greedy_tokens(tmp_path, monkeypatch):
@@ -200,9 +243,7 @@ def test_engine_moe_on_both_c_paths_decodes_transformers_greedy_tokens(tmp_path,
 
     if moe_cpu.unavailable():
         pytest.skip(moe_cpu.unavailable())
-    layouts = []
-    spans = moe_cpu.expert_spans
-    monkeypatch.setattr(moe_cpu, "expert_spans", lambda *args: layouts.append(spans(*args)) or layouts[-1])
+    calls = grouped_calls(monkeypatch)
     hf_model = save_tiny_checkpoint("mixtral", tmp_path)
     batch = prompts(lengths=(3, 9, 17))
     expected = hf_greedy_batch(hf_model, batch, 10)
@@ -210,7 +251,7 @@ def test_engine_moe_on_both_c_paths_decodes_transformers_greedy_tokens(tmp_path,
                 for i, p in enumerate(batch)]
     results = Engine(load_model(str(tmp_path)), kv_budget_bytes=8 << 20).generate(requests)
     assert [r.outputs[0].token_ids for r in results] == expected
-    assert any(row[3] >= 0 for layout, _, _ in layouts for row in layout)  # a blocked expert ran
+    assert any(row[3] >= 0 for call in calls for row in layout_rows(call))  # a blocked expert ran
 
 
 def test_cpu_c_reads_strided_expert_views():
@@ -395,14 +436,12 @@ def test_cpu_c_kernel_takes_the_crossover_for_its_expert_shape(monkeypatch):
 
     if moe_cpu.unavailable():
         pytest.skip(moe_cpu.unavailable())
-    layouts = []
-    spans = moe_cpu.expert_spans
-    monkeypatch.setattr(moe_cpu, "expert_spans", lambda *args: layouts.append(spans(*args)) or layouts[-1])
-    x, w13, w2, _, _ = make_moe(52, 16, 24, 2, 1)  # more tokens than FEW_TOKENS: the routed path
+    calls = grouped_calls(monkeypatch)
+    x, w13, w2, _, _ = make_moe(52, 16, 24, 2, 1)  # more tokens than FEW_TOKENS: the crossover applies
     ids = (torch.arange(52) >= 12).to(torch.int64).unsqueeze(1)  # 12 rows for expert 0, 40 for expert 1
     weights = torch.rand(52, 1, generator=torch.Generator().manual_seed(3))
     for crossover, blocked in ((moe_crossover.DEFAULT_DOT_ROWS, [12, 32]), (16, [0, 32]), (moe_cpu.SMALL_ROWS, [0, 0])):
         monkeypatch.setattr(moe_crossover, "dot_rows", lambda dim, inter, value=crossover: value)
         out, by_blas = cpu_c_moe(monkeypatch, 2, x, w13, w2, weights, ids)
         torch.testing.assert_close(out.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
-        assert not by_blas and [row[4] for row in layouts[-1][0]] == blocked
+        assert not by_blas and [row[4] for row in layout_rows(calls[-1])] == blocked
