@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 
 import pyarrow as pa
@@ -15,7 +16,7 @@ from tiny_models import prompts, save_tiny_checkpoint
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
-from batchgen.engine.kv_budget import MemoryLimits, plan_kv_budget
+from batchgen.engine.kv_budget import MemoryLimits, available_memory_bytes, meminfo_available_bytes, plan_kv_budget
 from batchgen.engine.planner import PLANNED_FIELDS, CostCurves, LinearCost, WorkloadShape, plan_engine
 from batchgen.engine.planner.cost_curves import HOST, TabulatedCost, nnls
 from batchgen.engine.planner.layer_dag import LayerDag
@@ -168,6 +169,20 @@ def test_replay_is_the_engines_schedule_step_by_step(loaded, budget_tokens):
         # the replay yielded to host pages too; those sequences decode in the resident micro-batches (one storage)
         assert engine.scheduler.yields > 0 and engine.stats.staged_decode_batches > 0
         assert any(s.migrated_bytes for s in steps) and not any(s.staged for s in steps)
+
+
+def test_host_memory_available_counts_what_the_kernel_reclaims_not_only_free_pages():
+    """The planner's memory limits on CPU come from MemAvailable (free pages plus reclaimable page cache): a machine
+    whose files are cached has little free memory but much available."""
+    meminfo = "MemTotal:       24731400 kB\nMemFree:         8042796 kB\nMemAvailable:   24089992 kB\n"
+    assert meminfo_available_bytes(meminfo) == 24089992 * 1024
+    assert meminfo_available_bytes("MemTotal: 1 kB\nMemFree: 1 kB\n") is None  # a kernel before 3.14
+    with open("/proc/meminfo") as f:
+        reported = meminfo_available_bytes(f.read())
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    measured = available_memory_bytes(torch.device("cpu"))
+    assert reported is not None and measured >= free * 0.9  # every free page counts as available
+    assert abs(measured - reported) < 0.1 * reported  # read a moment apart
 
 
 def test_planner_respects_memory_limits_and_keeps_explicit_values(loaded):
