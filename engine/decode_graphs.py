@@ -15,9 +15,11 @@ replay ~14 recordings. The counters a replay feeds (kernels/capture.py's effects
 
 What a recording refuses runs eagerly, and no batch of that size or larger is recorded again: the paths that read
 values back to the host (a MoE expert of more rows than the C kernel takes, the torch attention) are the larger
-batches' or another backend's. A replay whose kernel reports an error runs the step again eagerly, which raises the
-error with its message. A change of kernel backends (registry.set_backend, BATCHGEN_KERNELS) drops every recording.
-CPU only: on a GPU the kernels run on a stream a recording does not see (a CUDA graph is the GPU's counterpart).
+batches' or another backend's, and so is a recording holding more memory than MAX_BYTES alone (the recordings kept
+stay within it, the least recently replayed dropped first). A replay whose kernel reports an error runs the step
+again eagerly, which raises the error with its message. A change of kernel backends (registry.set_backend,
+BATCHGEN_KERNELS) drops every recording. CPU only: on a GPU the kernels run on a stream a recording does not see (a
+CUDA graph is the GPU's counterpart).
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ from batchgen.kernels import capture, registry
 
 logger = logging.getLogger(__name__)
 
-CAPACITY = 32  # recordings kept (least recently replayed dropped first); a few sequences' activations each
+CAPACITY = 32  # recordings kept (least recently replayed dropped first)
+# memory the recordings may hold (their activations and logits, ~160 KB a row on bench-moe, tens of MB a row on a
+# large model): a recording past it alone is not kept, nor is any larger batch recorded again
+MAX_BYTES = 256 << 20
 EXACT_SIZES = 16  # batches of up to this many sequences are recorded at their own size (a tail's sizes repeat)
 PAD_ROWS = 8  # larger ones are padded up to a multiple of this many rows
 
@@ -50,9 +55,8 @@ class DecodeGraph:
 
 
 class DecodeGraphs:
-    def __init__(self, stats: EngineMetrics, capacity: int = CAPACITY):
+    def __init__(self, stats: EngineMetrics):
         self.stats = stats  # counts captures, replays and refusals
-        self.capacity = capacity
         self._graphs: OrderedDict[tuple, DecodeGraph] = OrderedDict()
         self._previous: tuple | None = None  # the last step's shape
         self._refused_from: int | None = None  # the smallest batch size whose recording was refused
@@ -83,15 +87,25 @@ class DecodeGraphs:
             with capture.record(rows=rows, real_rows=size) as recording:
                 logits = run(padded)
         except capture.CaptureRefused as refused:
-            self._refused_from = min(rows, self._refused_from or rows)
-            self.stats.decode_graph_refusals += 1
-            logger.debug("decode step of %d sequences runs eagerly: %s", size, refused)
+            self._refuse(rows, size, str(refused))
             return run(batch)
+        if recording.nbytes > MAX_BYTES:
+            self._refuse(rows, size, f"its recording holds {recording.nbytes} bytes, over {MAX_BYTES}")
+            return logits[:size].clone()
         self._graphs[key] = DecodeGraph(padded, recording, logits)
-        if len(self._graphs) > self.capacity:
+        while len(self._graphs) > CAPACITY or self.held_bytes() > MAX_BYTES:
             self._graphs.popitem(last=False)
         self.stats.decode_graph_captures += 1
         return logits[:size].clone()
+
+    def held_bytes(self) -> int:
+        """Memory the kept recordings hold."""
+        return sum(graph.recording.nbytes for graph in self._graphs.values())
+
+    def _refuse(self, rows: int, size: int, reason: str) -> None:
+        self._refused_from = min(rows, self._refused_from or rows)
+        self.stats.decode_graph_refusals += 1
+        logger.debug("decode step of %d sequences runs eagerly: %s", size, reason)
 
     def _replay(self, key: tuple, graph: DecodeGraph, batch: CoroutineGroup,
                 run: Callable[[CoroutineGroup], torch.Tensor]) -> torch.Tensor:

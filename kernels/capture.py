@@ -58,6 +58,7 @@ class Recording:
     kernel_calls: int = 0  # C kernel calls among `calls`
     torch_ops: int = 0  # torch ops among `calls`
     rows: int | None = None  # the rows the recorded run computed (`record(rows=...)`), for replays on fewer
+    nbytes: int = 0  # memory the recording holds of its own: the tensors its ops allocated or computed
 
     def replay(self, rows: int | None = None) -> None:
         """The recorded calls again, then the effects. `rows`: only the first `rows` of the recorded rows are real
@@ -125,6 +126,7 @@ class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.recording = Recording()
+        self._held: set[int] = set()  # storages counted in recording.nbytes
 
     def kernel_call(self, fn: Callable, args: tuple, result: object) -> None:
         self.recording.kernel_calls += 1
@@ -146,6 +148,7 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.recording.tensors.append((args, kwargs, out))
         if func in _ALLOCATIONS:
+            self._hold(out)
             return out
         if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
             self._append(functools.partial(func, *args, **kwargs))  # in place: the same call again
@@ -158,12 +161,21 @@ class _Recorder(TorchDispatchMode):
             return out
         if any(aliased):
             raise CaptureRefused(f"{func} returns views and new tensors together")
+        for t in outputs:
+            self._hold(t)
         self._append(_computed(func, args, kwargs, out))
         return out
 
     def _append(self, call: Callable[[], object]) -> None:
         self.recording.calls.append(call)
         self.recording.torch_ops += 1
+
+    def _hold(self, tensor: torch.Tensor) -> None:
+        """Count a new tensor's storage (once) in the memory the recording keeps alive."""
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self._held:
+            self._held.add(storage.data_ptr())
+            self.recording.nbytes += storage.nbytes()
 
 
 def _computed(func, args: tuple, kwargs: dict, out) -> Callable[[], object]:

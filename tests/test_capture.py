@@ -83,6 +83,16 @@ def test_a_replay_on_fewer_real_rows_gives_effects_those_rows_and_their_count():
     assert seen[-1][0].shape[0] == 4 and seen[-1][1] == 4
 
 
+def test_a_recording_counts_the_memory_it_holds_of_its_own():
+    """What its ops allocated or computed, once per storage: not its inputs, views or in-place results."""
+    x = torch.zeros(1000)
+    with capture.record() as recording:
+        y = x * 2  # computed: 4,000 bytes
+        y[:10].add_(1)  # a view, written in place: nothing new
+        torch.empty(250)  # allocated: 1,000 bytes
+    assert recording.nbytes == 5000
+
+
 def test_a_refused_recording_leaves_no_effect():
     seen: list[int] = []
     with pytest.raises(capture.CaptureRefused):

@@ -7,7 +7,7 @@ import pytest
 from tiny_models import hf_greedy, prompts, save_tiny_checkpoint
 
 from batchgen.connectors.checkpoint import load_model
-from batchgen.engine import Engine, Request, SamplingParams
+from batchgen.engine import Engine, Request, SamplingParams, decode_graphs
 from batchgen.kernels import attention_cpu, capture, moe_cpu, registry
 
 COUNTERS = ("moe_calls", "mean_expert_batch", "expert_histogram", "max_ffn_tokens", "decode_steps", "generated_tokens")
@@ -85,6 +85,35 @@ def test_a_batch_whose_forward_reads_values_back_runs_eagerly_and_is_not_recorde
     assert tokens == [hf_greedy(hf, r.prompt_token_ids, 8) for r in requests]
     metrics = engine.metrics()
     assert metrics["decode_graph_refusals"] == 1 and metrics["decode_graph_replays"] == 0, metrics
+
+
+def test_recordings_stay_within_their_memory_and_one_past_it_alone_is_not_kept(tmp_path, monkeypatch):
+    """Recordings hold a step's activations and logits: with room for the two-sequence recording but not the
+    three-sequence one, the batches of 4 and 3 are refused once each, the kept recordings stay within the room (the
+    two-sequence one dropped when the one-sequence one comes), and the tokens are transformers' either way."""
+    hf = save_tiny_checkpoint("mixtral", tmp_path)
+    loaded = load_model(str(tmp_path))
+    requests = _requests(loaded.model.vocab_size, (6, 12, 20, 30))
+    expected = [hf_greedy(hf, r.prompt_token_ids, r.sampling.max_tokens) for r in requests]
+    held = []
+    forward = decode_graphs.DecodeGraphs.forward
+    monkeypatch.setattr(decode_graphs.DecodeGraphs, "forward",
+                        lambda self, *a, **k: (forward(self, *a, **k), held.append(self.held_bytes()))[0])
+    sizes = {}
+    for limit in (1 << 30, None):
+        if limit is None:
+            limit = (sizes[2] + sizes[3]) // 2
+        monkeypatch.setattr(decode_graphs, "MAX_BYTES", limit)
+        engine = Engine(loaded, page_size=4)
+        assert [r.outputs[0].token_ids for r in engine.generate(requests)] == expected
+        graphs = engine.runner.graphs._graphs
+        sizes = sizes or {key[0]: graph.recording.nbytes for key, graph in graphs.items()}
+        assert max(held) <= limit
+        held.clear()
+    metrics = engine.metrics()
+    assert sizes[1] < sizes[2] < sizes[3] < sizes[4] and sizes[1] + sizes[2] > limit, sizes
+    assert metrics["decode_graph_refusals"] == 2 and metrics["decode_graph_replays"] > 0, metrics
+    assert [key[0] for key in graphs] == [1]
 
 
 def test_a_backend_forced_midway_drops_the_recordings(tmp_path):
