@@ -59,8 +59,9 @@ class EngineConfig:
     # how streamed weights move: "expert" (each routed expert alone, when the step's MoE batch routes a token to
     # it) or "layer" (each attention block and whole feed-forward block: the FlexGen-style offloading baseline)
     weight_streaming: str = "expert"
-    # CPU: a pure decode step whose shape repeats the previous step's replays a recording of its forward's kernel
-    # calls instead of running the Python around them (engine/decode_graphs.py); False runs every step eagerly
+    # a pure decode step whose shape repeats the previous step's replays a recording of its forward instead of
+    # running the Python around its kernels: the kernel calls on a CPU, a CUDA graph on a GPU
+    # (engine/decode_graphs.py); False runs every step eagerly
     decode_graphs: bool = True
     seed: int = 0
 

@@ -18,8 +18,8 @@ values back to the host (a MoE expert of more rows than the C kernel takes, the 
 batches' or another backend's, and so is a recording holding more memory than MAX_BYTES alone (the recordings kept
 stay within it, the least recently replayed dropped first). A replay whose kernel reports an error runs the step
 again eagerly, which raises the error with its message. A change of kernel backends (registry.set_backend,
-BATCHGEN_KERNELS) drops every recording. CPU only: on a GPU the kernels run on a stream a recording does not see (a
-CUDA graph is the GPU's counterpart).
+BATCHGEN_KERNELS) drops every recording. On a GPU the same steps are captured as CUDA graphs (kernels/cuda_graph.py:
+the kernels run on a stream a CPU recording does not see), with the same shapes, padding and bounds.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 from batchgen.engine.attention_context import DecodeContext
 from batchgen.engine.coroutine import CoroutineGroup
 from batchgen.engine.metrics import EngineMetrics
-from batchgen.kernels import capture, registry
+from batchgen.kernels import capture, cuda_graph, registry
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +50,20 @@ PAD_ROWS = 8  # larger ones are padded up to a multiple of this many rows
 @dataclass
 class DecodeGraph:
     batch: CoroutineGroup  # the recorded inputs: token ids as `hidden`, the DecodeContext's tensors
-    recording: capture.Recording
+    recording: capture.Recording | cuda_graph.CudaGraphRecording
     logits: torch.Tensor  # the recorded output, rewritten by every replay
+
+
+def record_on_cpu(fn: Callable[[], torch.Tensor], rows: int, real_rows: int,
+                  device: torch.device) -> tuple[capture.Recording, torch.Tensor, torch.Tensor]:
+    """kernels/capture.py's recording of `fn` on the CPU `device`: (recording, the output its replays rewrite, this
+    run's output)."""
+    with capture.record(rows=rows, real_rows=real_rows) as recording:
+        logits = fn()
+    return recording, logits, logits
+
+
+RECORDERS = {"cpu": record_on_cpu, "cuda": cuda_graph.record}  # by device type
 
 
 class DecodeGraphs:
@@ -84,15 +96,15 @@ class DecodeGraphs:
             return run(batch)
         padded = _padded(batch, rows, key[1])
         try:
-            with capture.record(rows=rows, real_rows=size) as recording:
-                logits = run(padded)
+            device = batch.hidden.device
+            recording, recorded, logits = RECORDERS[device.type](lambda: run(padded), rows, size, device)
         except capture.CaptureRefused as refused:
             self._refuse(rows, size, str(refused))
             return run(batch)
         if recording.nbytes > MAX_BYTES:
             self._refuse(rows, size, f"its recording holds {recording.nbytes} bytes, over {MAX_BYTES}")
             return logits[:size].clone()
-        self._graphs[key] = DecodeGraph(padded, recording, logits)
+        self._graphs[key] = DecodeGraph(padded, recording, recorded)
         while len(self._graphs) > CAPACITY or self.held_bytes() > MAX_BYTES:
             self._graphs.popitem(last=False)
         self.stats.decode_graph_captures += 1

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.decode_graphs import DecodeGraphs
+from batchgen.engine.decode_graphs import RECORDERS, DecodeGraphs
 from batchgen.engine.engine_load import EngineLoad
 from batchgen.engine.generation import Generates
 from batchgen.engine.grammar import GrammarBackend
@@ -96,9 +96,9 @@ class Engine(Generates):
         phases = None
         if self.streamer is not None and self.kv.stage.num_pages:
             phases = PhaseSwitch(self.kv.stage, limits.b_moe, self.streamer.activation_bytes_per_token)
-        # a recording replays C kernels and torch ops on one CPU process: not a GPU's stream, not a rank group's
-        # collectives, not weights streamed in as they compute
-        replayable = group is None and self.device.type == "cpu" and self.streamer is None
+        # a recording (a CPU's, or a GPU's CUDA graph) replays one process's kernels: not a rank group's collectives,
+        # not weights streamed in as they compute
+        replayable = group is None and self.device.type in RECORDERS and self.streamer is None
         graphs = DecodeGraphs(self.stats) if self.config.decode_graphs and replayable else None
         self.runner = ModelRunner(self.model, self.kv, self.device, limits, self.stats, agree, phases, graphs)
         self.model.observe_routing(self.stats.record_route)

@@ -32,12 +32,14 @@ from batchgen.kernels import c_library
 aten = torch.ops.aten
 _ALLOCATIONS = frozenset({aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
                           aten.new_empty.default, aten.new_empty_strided.default})
-# ops whose output shape depends on the values in their input: a replay would need another shape
+# ops whose output shape depends on the values in their input: a replay would need another shape (and on a GPU the
+# host waits for the device to size the output)
 _DATA_SHAPED = frozenset({aten.nonzero.default, aten.masked_select.default, aten.bincount.default,
                           aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
-                          aten.repeat_interleave.Tensor, aten.resize_.default, aten.set_.source_Storage})
+                          aten.repeat_interleave.Tensor})
+_RESHAPING = frozenset({aten.resize_.default, aten.set_.source_Storage})  # a tensor given another storage or shape
 
-_state = threading.local()  # `recorder`: the Recorder of a capture in progress on this thread
+_state = threading.local()  # `capture`: the capture in progress on this thread (_Recorder or _EffectsCollector)
 
 
 class CaptureRefused(RuntimeError):
@@ -73,8 +75,13 @@ class Recording:
 
 
 def recording() -> bool:
-    """Whether a capture is in progress on this thread."""
-    return getattr(_state, "recorder", None) is not None
+    """Whether a capture is in progress on this thread: `record`'s, or a CUDA graph's (`collect_effects`)."""
+    return getattr(_state, "capture", None) is not None
+
+
+def recording_calls() -> bool:
+    """Whether `record` is in progress on this thread: a replay repeats only the torch ops and C kernels it saw."""
+    return isinstance(getattr(_state, "capture", None), _Recorder)
 
 
 def refuse_if_recording(reason: str) -> None:
@@ -97,11 +104,11 @@ def effect(fn: Callable[..., object], *args) -> None:
     dev box: a decode step's expert weights streamed through the caches evict the interpreter's own memory.)
     Effects count rows: a replay on the first n of a recording's N rows (`record(rows=N)`, `replay(rows=n)`) gives
     fn the first n rows of each tensor argument of N rows and n for an int argument equal to N."""
-    recorder = getattr(_state, "recorder", None)
-    if recorder is None:
+    capture = getattr(_state, "capture", None)
+    if capture is None:
         fn(*args)
         return
-    recorder.recording.effects.append((fn, args))
+    capture.recording.effects.append((fn, args))
 
 
 @contextmanager
@@ -109,17 +116,50 @@ def record(rows: int | None = None, real_rows: int | None = None) -> Iterator[Re
     """Record what runs inside the block (on this thread) into the Recording yielded; CaptureRefused leaves it.
     `rows`: the rows the block computes, where a replay may pad fewer real ones to them (Recording.replay);
     `real_rows`: how many of them are real in the recorded run itself (the effects run when it completes)."""
-    if recording():
-        raise CaptureRefused("a capture is already in progress on this thread")
     recorder = _Recorder()
     recorder.recording.rows = rows
-    _state.recorder = recorder
-    try:
-        with recorder, c_library.observe_calls(recorder.kernel_call):
-            yield recorder.recording
-    finally:
-        _state.recorder = None
+    with _capturing(recorder), recorder, c_library.observe_calls(recorder.kernel_call):
+        yield recorder.recording
     recorder.recording.run_effects(real_rows)
+
+
+@contextmanager
+def collect_effects(rows: int | None = None) -> Iterator[Recording]:
+    """Keep the effects of the block in the Recording yielded (its `effects` only) instead of running them: what a
+    CUDA graph's capture needs (kernels/cuda_graph.py), whose kernels compute nothing until a replay. Values read back
+    to the host refuse it as they refuse `record` (a capture cannot wait for the device). `rows` as for `record`."""
+    collector = _EffectsCollector(Recording(rows=rows))
+    with _capturing(collector), collector:
+        yield collector.recording
+
+
+@contextmanager
+def _capturing(capture) -> Iterator[None]:
+    if recording():
+        raise CaptureRefused("a capture is already in progress on this thread")
+    _state.capture = capture
+    try:
+        yield
+    finally:
+        _state.capture = None
+
+
+class _EffectsCollector(TorchDispatchMode):
+    """Refuses the torch ops that read a value back to the host (on a GPU: wait for the device, which a capture
+    cannot), with their name; runs every op as it is."""
+
+    def __init__(self, recording: Recording) -> None:
+        super().__init__()
+        self.recording = recording
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        _refuse_data_shaped(func, args)
+        if func is aten._local_scalar_dense.default:  # `.item()`: refused before it waits on a capturing stream
+            raise CaptureRefused(f"{func} reads a value back to the host")
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, (bool, int, float, complex)):
+            raise CaptureRefused(f"{func} returns {type(out).__name__}: a value read back to the host")
+        return out
 
 
 class _Recorder(TorchDispatchMode):
@@ -143,8 +183,9 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _DATA_SHAPED or (func is aten.index.Tensor and _boolean_index(args)):
-            raise CaptureRefused(f"{func} gives an output whose shape depends on the input's values")
+        _refuse_data_shaped(func, args)
+        if func in _RESHAPING:
+            raise CaptureRefused(f"{func} gives a tensor another storage or shape, which a replay would not")
         out = func(*args, **kwargs)
         self.recording.tensors.append((args, kwargs, out))
         if func in _ALLOCATIONS:
@@ -176,6 +217,11 @@ class _Recorder(TorchDispatchMode):
         if storage.data_ptr() not in self._held:
             self._held.add(storage.data_ptr())
             self.recording.nbytes += storage.nbytes()
+
+
+def _refuse_data_shaped(func, args: tuple) -> None:
+    if func in _DATA_SHAPED or (func is aten.index.Tensor and _boolean_index(args)):
+        raise CaptureRefused(f"{func} gives an output whose shape depends on the input's values")
 
 
 def _computed(func, args: tuple, kwargs: dict, out) -> Callable[[], object]:

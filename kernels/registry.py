@@ -236,8 +236,8 @@ def resolve(op: str, device_type: str, dtype: torch.dtype) -> tuple[str, Callabl
 def dispatch(op: str, tensor: torch.Tensor) -> Callable:
     """Implementation of op for the tensor's device and dtype; records it as the last one used."""
     name, fn = resolve(op, tensor.device.type, tensor.dtype)
-    if name not in REPLAYABLE:
-        capture.refuse_if_recording(f"{op} runs on the {name} backend, whose work a recording does not see")
+    if name not in REPLAYABLE and capture.recording_calls():
+        raise capture.CaptureRefused(f"{op} runs on the {name} backend, whose work a recording does not see")
     _state.last[op] = name
     _state.counts[(op, name)] += 1
     return fn

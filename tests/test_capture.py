@@ -43,13 +43,16 @@ def test_replay_repeats_kernels_and_torch_ops_on_new_inputs():
     pytest.param(lambda x: x[x > 0], id="boolean_index"),
     pytest.param(lambda x: torch.nonzero(x), id="nonzero"),
 ])
-def test_values_read_back_to_the_host_refuse_the_recording(read):
+@pytest.mark.parametrize("capturing", [capture.record, capture.collect_effects], ids=["record", "cuda_graph"])
+def test_values_read_back_to_the_host_refuse_the_recording(read, capturing):
+    """Both captures: a CPU recording, and the effects kept while a CUDA graph captures (whose capture cannot wait for
+    the device), which names the op instead of failing inside CUDA."""
     x = torch.randn(4)
     with pytest.raises(capture.CaptureRefused, match="host|depends on the input's values"):
-        with capture.record():
+        with capturing():
             read(x + 1)
     assert not capture.recording()
-    with capture.record():  # the thread records again once the refused capture is left
+    with capturing():  # the thread records again once the refused capture is left
         x + 1
 
 
@@ -123,3 +126,20 @@ def test_in_place_ops_replay_in_place():
     recording.replay()
     recording.replay()
     assert acc.tolist() == [3.0, 3.0, 3.0]
+
+
+def test_a_cuda_graph_capture_keeps_its_effects_for_after_each_replay():
+    """collect_effects (what kernels/cuda_graph.py captures under): the effects inside are kept, not run, and run
+    narrowed to a replay's real rows; nothing else is recorded; only `record` is a capture that replays calls (which
+    is what refuses Triton's kernels: a CUDA graph sees them)."""
+    seen = []
+    x = torch.arange(8.0).reshape(4, 2)
+    with capture.collect_effects(rows=4) as kept:
+        assert capture.recording() and not capture.recording_calls()
+        capture.effect(lambda *args: seen.append(args), x * 1, 4)
+    assert seen == [] and kept.calls == [] and kept.tensors == []
+    kept.run_effects(3)
+    (rows, count), = seen
+    assert rows.shape[0] == 3 and count == 3
+    with capture.record():
+        assert capture.recording_calls()

@@ -1,6 +1,7 @@
-"""The engine on a GPU with a KV budget far below the batch's: sequences move between the device's KV pool
-and the host KV store (copies in both directions) and host-resident ones decode through the staging pool;
-greedy tokens must equal the reference runner's on the same device (run with `-m gpu` on a CUDA host)."""
+"""The engine on a GPU (run with `-m gpu` on a CUDA host): with a KV budget far below the batch's, sequences move
+between the device's KV pool and the host KV store (copies in both directions) and host-resident ones decode through
+the staging pool; decode steps replay CUDA graphs. Greedy tokens must equal the reference runner's on the same
+device."""
 
 import pytest
 import torch
@@ -36,3 +37,29 @@ def test_evictions_through_the_host_kv_store_keep_greedy_tokens_on_cuda(mode, tm
         assert metrics["restores"] > 0
     else:  # yielded sequences decode from host pages through the staging pool
         assert metrics["staged_decode_batches"] > 0
+
+
+COUNTERS = ("moe_calls", "mean_expert_batch", "expert_histogram", "max_ffn_tokens", "decode_steps", "generated_tokens")
+
+
+def test_decode_steps_replayed_from_cuda_graphs_give_the_reference_tokens_and_the_eager_counters(tmp_path):
+    """21 sequences finishing in waves (21, 19, 17 decoding, padded to 24 rows), then a tail of one: every batch size
+    is captured once as a CUDA graph and replayed; tokens and counters equal an engine that runs every step eagerly."""
+    save_tiny_checkpoint("mixtral", tmp_path)
+    loaded = load_model(str(tmp_path), device="cuda")
+    max_tokens = (5, 5, 7, 7) + (10,) * 16 + (24,)
+    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=tuple(5 + 3 * i for i in range(len(max_tokens))))
+    requests = [Request(f"r{i}", prompt_token_ids=p, sampling=SamplingParams(temperature=0.0, max_tokens=n,
+                                                                              ignore_eos=True))
+                for i, (p, n) in enumerate(zip(batch, max_tokens))]
+    longest = ReferenceRunner(loaded.model).generate(batch, max_new_tokens=max(max_tokens))
+    expected = [tokens[:n] for tokens, n in zip(longest, max_tokens)]
+    engines, tokens = {}, {}
+    for flag in (True, False):  # one after the other: the model feeds its routing counts to the newest engine
+        engines[flag] = Engine(loaded, page_size=4, decode_graphs=flag)
+        tokens[flag] = [r.outputs[0].token_ids for r in engines[flag].generate(requests)]
+    assert tokens[True] == expected and tokens[False] == expected
+    graphed, eager = engines[True].metrics(), engines[False].metrics()
+    assert graphed["decode_graph_refusals"] == 0, graphed
+    assert graphed["decode_graph_captures"] >= 2 and graphed["decode_graph_replays"] >= 10, graphed
+    assert {k: graphed[k] for k in COUNTERS} == {k: eager[k] for k in COUNTERS}
