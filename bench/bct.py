@@ -4,7 +4,7 @@ in one process and one run.
 
     python bench/bct.py [--quick] [--json] [--seed 0] [--num-prompts 128] [--experts 16] [--top-k 2]
                         [--sigma 0.8] [--kv-budget-mb MB | --budget-seqs 16] [--dtype float32] [--repeats 3]
-                        [--transformers-repeats 1] [--plan workload|generic] [--profile]
+                        [--transformers-repeats 1] [--plan workload|generic] [--profile] [--eager]
 
 Workload "bench-moe": the bench-moe preset (Mixtral-style, random weights), prompts of random token ids
 with lengths uniform in [32, 256), output lengths lognormal(mu=3.5, sigma) + 1 capped at 512, fixed per
@@ -139,9 +139,9 @@ def requests_for(workload: Workload) -> list[Request]:
             for i, (prompt, n) in enumerate(zip(workload.prompts, workload.max_tokens))]
 
 
-def engine_config(mode: str, device_bytes: int, host_bytes: int) -> EngineConfig:
+def engine_config(mode: str, device_bytes: int, host_bytes: int, decode_graphs: bool = True) -> EngineConfig:
     return EngineConfig(mode=mode, page_size=PAGE_SIZE, kv_budget_bytes=device_bytes,
-                        host_kv_budget_bytes=host_bytes)
+                        host_kv_budget_bytes=host_bytes, decode_graphs=decode_graphs)
 
 
 def planned_for(loaded, config: EngineConfig, workload: Workload) -> EngineConfig:
@@ -498,6 +498,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="weights, KV and activations of every system (default float32)")
     parser.add_argument("--budget-seqs", type=int, default=None,
                         help="mean full contexts the constrained scenario's budget holds (default 16, 8 with --quick)")
+    parser.add_argument("--eager", action="store_true",
+                        help="both engine modes run every decode step eagerly (decode_graphs off: no recordings on a "
+                             "CPU, no CUDA graphs on a GPU); the graphs' gain is a run with it against one without")
     args = parser.parse_args(argv)
     for name in ("num_prompts", "experts", "top_k", "budget_seqs", "repeats", "transformers_repeats"):
         value = getattr(args, name)
@@ -568,7 +571,8 @@ def run(args: argparse.Namespace, log) -> dict:
     budgets = {"unconstrained": 2 * host_bytes, "kv_budget": constrained}
     scenarios = {}
     for scenario, device_bytes in budgets.items():
-        configs = {name: engine_config(mode, device_bytes, host_bytes) for name, mode in ENGINE_MODES.items()}
+        configs = {name: engine_config(mode, device_bytes, host_bytes, not args.eager)
+                   for name, mode in ENGINE_MODES.items()}
         if args.plan == "workload":
             configs = {name: planned_for(loaded, config, workload) for name, config in configs.items()}
         repeated: dict[str, list[SystemRun]] = {name: [] for name in SYSTEMS}
@@ -614,6 +618,7 @@ def run(args: argparse.Namespace, log) -> dict:
                     "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(),
                     **dataclasses.asdict(peaks)},
         "roofline": dataclasses.asdict(bound),
+        "decode_graphs": not args.eager,
         "scenarios": scenarios,
         "outputs_match": {key: all(s["outputs_match"][key] for s in scenarios.values())
                           for key in ("batchgen_vs_lockstep", "batchgen_vs_hf")},

@@ -28,7 +28,7 @@ def test_quick_json_report(monkeypatch, capsys):
     # the bench froze the heap for its runs and thawed it: this process's later tests collect as before
     assert gc.get_freeze_count() == frozen
 
-    assert report["workload"]["num_prompts"] == PROMPTS
+    assert report["workload"]["num_prompts"] == PROMPTS and report["decode_graphs"] is True
     for name in ("unconstrained", "kv_budget"):
         scenario = report["scenarios"][name]
         for key in ("bct_s", "tokens_per_s", "mean_expert_batch", "completion_time_s"):
@@ -37,6 +37,7 @@ def test_quick_json_report(monkeypatch, capsys):
         # each engine mode's schedule as observed step by step: every step once (a mixed one in both counts)
         for mode, engine in scenario["engine"].items():
             assert engine["frozen_objects"] > 0, (name, mode)  # run in a frozen heap, as in an engine actor
+            assert engine["decode_graph_replays"] > 0, (name, mode)  # decode graphs on, as without --eager
             steps = engine["prefill_steps"] + engine["decode_steps"] - engine["mixed_steps"]
             assert scenario["schedule_steps"][mode] == steps, (name, mode, engine)
             assert scenario["schedule_bound_s"][mode] > 0
