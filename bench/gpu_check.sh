@@ -46,12 +46,20 @@ if grep "^SKIPPED" "$OUT_DIR/gpu_tests.log" | grep -v "flash-attn missing"; then
     failed+=("GPU tests skipped")
 fi
 
+# decode steps replay CUDA graphs; when a GPU test failed (the graphs' own test among them), the BCT below runs every
+# step eagerly instead, so that the lease still gives its figures (its JSON's decode_graphs says which)
+bct_flags=()
+if ((${#failed[@]})); then
+    echo "gpu_check: a GPU test failed, so the BCT runs without decode graphs (--eager)" >&2
+    bct_flags=(--eager)
+fi
+
 phase "bench/kernels.py (Triton vs torch vs transformers, bf16)" "$OUT_DIR/kernels.log" 180 \
     "$PY" bench/kernels.py --json --dtype bfloat16 --min-time 0.1
 
 # --profile: after the timed runs, one more BatchGen run under cProfile per scenario (where a step's host time goes)
 phase "bench/bct.py (BatchGen vs lockstep vs transformers, bf16)" "$OUT_DIR/bct.log" 300 \
-    "$PY" bench/bct.py --json --dtype bfloat16 --profile
+    "$PY" bench/bct.py --json --dtype bfloat16 --profile "${bct_flags[@]}"
 
 phase "bench/offload.py (memory-constrained mode vs layer streaming at 25 % of the weights, bf16)" \
     "$OUT_DIR/offload.log" 150 \
