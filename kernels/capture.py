@@ -144,7 +144,16 @@ def _capturing(capture) -> Iterator[None]:
         _state.capture = None
 
 
-class _EffectsCollector(TorchDispatchMode):
+class _Mode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: torch would wrap __torch_dispatch__ to keep torch.compile out of it, and that wrapper's first call
+        imports torch._dynamo (1.6-1.7 s on the dev box, once a process: an engine actor's first recorded step).
+        Nothing here runs under torch.compile."""
+        return False
+
+
+class _EffectsCollector(_Mode):
     """Refuses the torch ops that read a value back to the host (on a GPU: wait for the device, which a capture
     cannot), with their name; runs every op as it is."""
 
@@ -162,7 +171,7 @@ class _EffectsCollector(TorchDispatchMode):
         return out
 
 
-class _Recorder(TorchDispatchMode):
+class _Recorder(_Mode):
     def __init__(self) -> None:
         super().__init__()
         self.recording = Recording()

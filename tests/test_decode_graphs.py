@@ -3,6 +3,10 @@ whatever is replayed, counters equal to an engine that runs every step eagerly, 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from tiny_models import hf_greedy, prompts, save_tiny_checkpoint
 
@@ -138,3 +142,26 @@ def test_a_backend_forced_midway_drops_the_recordings(tmp_path):
     by_id = {r.request_id: r.outputs[0].token_ids for r in results}
     assert [by_id[r.request_id] for r in requests] == [hf_greedy(hf, r.prompt_token_ids, 30) for r in requests]
     assert engine.metrics()["decode_graph_refusals"] == 1
+
+
+_FIRST_RECORDING = """
+import sys
+from batchgen.connectors.checkpoint import load_model
+from batchgen.engine import Engine, Request, SamplingParams
+loaded = load_model(sys.argv[1])
+sampling = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+engine = Engine(loaded, page_size=4)
+engine.generate([Request(f"r{i}", prompt_token_ids=[3 + i, 5, 7], sampling=sampling) for i in range(3)])
+print(engine.metrics()["decode_graph_captures"], "torch._dynamo" in sys.modules)
+"""
+
+
+def test_a_process_records_its_first_step_without_importing_torch_dynamo(tmp_path):
+    """A dispatch mode's first call would import torch._dynamo (1.6-1.7 s, once a process: an engine actor's first
+    recorded step) to keep torch.compile out of it; the recorder opts out. A fresh interpreter, as an actor is."""
+    save_tiny_checkpoint("mixtral", tmp_path)
+    done = subprocess.run([sys.executable, "-c", _FIRST_RECORDING, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "BATCHGEN_PLAN": "0"})
+    assert done.returncode == 0, done.stderr
+    captures, dynamo = done.stdout.split()
+    assert int(captures) > 0 and dynamo == "False", done.stdout
