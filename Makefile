@@ -11,7 +11,10 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -c $(CONSTRAINTS) -e '.[dev]'
+	$(VENV)/bin/pip install -q --no-compile -c $(CONSTRAINTS) -e '.[dev]'
+	@# the bytecode pip would compile on one core, on every core (about half the time: the longest part of the
+	@# install); a file only a newer Python parses fails here, as it does silently under pip
+	$(VENV)/bin/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 
 run: $(STAMP)
