@@ -1,6 +1,6 @@
 """Ray's overhead: output tokens/s of the Ray Data pipeline, in both shapes, against the engine alone.
 
-    python bench/pipeline.py [--quick] [--json] [--seed 0] [--num-prompts 1024] [--batch-size 64]
+    python bench/pipeline.py [--quick] [--json] [--seed 0] [--num-prompts 1024] [--experts 16] [--batch-size 64]
                              [--ray-address ADDR]
 
 Workload "bench-moe", the same as bench/bct.py: the bench-moe preset, prompts of random token ids with
@@ -68,6 +68,7 @@ from batchgen.connectors.checkpoint import load_model
 from batchgen.connectors.presets import build_preset
 from batchgen.engine.planner.planner import curves_for
 from batchgen.engine.process_heap import keep_freed_memory
+from batchgen.kernels.calibration import measuring
 from batchgen.operators.engine_actor import engine_threads
 from batchgen.pipelines.driver_priority import driver_yields_cpu
 from batchgen.pipelines.pipeline import JobConfig, engine_actor_cpus, run_job
@@ -205,12 +206,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="workload seed (prompts and output lengths)")
     parser.add_argument("--num-prompts", type=int, default=None,
                         help=f"default {DEFAULT_PROMPTS} ({QUICK['num_prompts']} with --quick)")
+    parser.add_argument("--experts", type=int, default=None, help="override bench-moe's expert count (as bct.py)")
     parser.add_argument("--batch-size", type=int, default=JobConfig.batch_size,
                         help="rows per batch handed to each pipeline stage (JobConfig's default)")
     parser.add_argument("--ray-address", default=None,
                         help="join this running Ray runtime instead of starting one (e.g. 127.0.0.1:6379)")
     args = parser.parse_args(argv)
-    for name in ("num_prompts", "batch_size"):
+    for name in ("num_prompts", "experts", "batch_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -227,7 +229,7 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
 
 def run(args: argparse.Namespace, workdir: Path, log) -> dict:
     spec = workload_spec(args)
-    model_dir = build_preset("bench-moe")
+    model_dir = build_preset("bench-moe", **({"experts": args.experts} if args.experts else {}))
     shape = MoEShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
     workload = make_workload(spec, shape.vocab)
     output_tokens = sum(workload.max_tokens)
@@ -266,11 +268,12 @@ def run(args: argparse.Namespace, workdir: Path, log) -> dict:
     log(f"Ray: {ray_cpus:g} CPUs; CPUs per engine actor {actor_cpus}")
     # the engine actors plan like the engine alone, whose one-layer profile was made before its clock; a
     # profile is cached on disk per machine and thread count, so a deployed node has it from its first job:
-    # make the actors' here too, outside every clock
-    for actor_threads in sorted({engine_threads(c) for c in actor_cpus.values()}):
-        torch.set_num_threads(actor_threads)
-        curves_for(loaded)
-    torch.set_num_threads(threads)
+    # make the actors' here too, outside every clock (with BATCHGEN_PLAN=0 nothing plans: 10-20 s saved a profile)
+    if measuring():
+        for actor_threads in sorted({engine_threads(c) for c in actor_cpus.values()}):
+            torch.set_num_threads(actor_threads)
+            curves_for(loaded)
+        torch.set_num_threads(threads)
     del loaded
     gc.collect()
     data_context = ray.data.DataContext.get_current()
@@ -291,7 +294,8 @@ def run(args: argparse.Namespace, workdir: Path, log) -> dict:
 
     return {
         "workload": {**dataclasses.asdict(spec), "prompt_tokens": sum(map(len, workload.prompts)),
-                     "output_tokens": output_tokens, "max_output_tokens": max(workload.max_tokens)},
+                     "output_tokens": output_tokens, "max_output_tokens": max(workload.max_tokens),
+                     "experts": shape.experts},
         "setup": {"engine_config": dataclasses.asdict(config), "batch_size": args.batch_size,
                   "rows_per_block": JobConfig.rows_per_block, "engine_actors_per_stage": 1,
                   "engine_actor_cpus": actor_cpus, "ray_logical_cpus": ray_cpus,

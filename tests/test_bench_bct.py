@@ -10,6 +10,7 @@ from transformers.utils import logging as hf_logging
 
 SYSTEMS = {"batchgen", "lockstep", "transformers"}
 PROMPTS = 8
+EXPERTS = 4
 
 
 @pytest.mark.slow
@@ -18,9 +19,10 @@ def test_quick_json_report(monkeypatch, capsys):
     progress_bars = hf_logging.is_progress_bar_enabled()
     frozen = gc.get_freeze_count()
     try:
-        # half the --quick workload, with a KV budget of 4 mean contexts: still 2x over-subscribed
+        # half the --quick workload, with a KV budget of 4 mean contexts: still 2x over-subscribed; bench-moe with
+        # 4 experts (--experts): the same code paths as its 16, a quarter of the weights to build and read
         bct.main(["--quick", "--json", "--num-prompts", str(PROMPTS), "--budget-seqs", "4", "--repeats", "2",
-                  "--transformers-repeats", "2"])
+                  "--transformers-repeats", "2", "--experts", str(EXPERTS)])
     finally:
         if progress_bars:  # the bench turns transformers' progress bars off process-wide: put them back
             hf_logging.enable_progress_bar()
@@ -29,6 +31,7 @@ def test_quick_json_report(monkeypatch, capsys):
     assert gc.get_freeze_count() == frozen
 
     assert report["workload"]["num_prompts"] == PROMPTS and report["decode_graphs"] is True
+    assert report["workload"]["experts"] == EXPERTS
     for name in ("unconstrained", "kv_budget"):
         scenario = report["scenarios"][name]
         for key in ("bct_s", "tokens_per_s", "mean_expert_batch", "completion_time_s"):

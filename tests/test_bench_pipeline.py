@@ -10,6 +10,7 @@ from bench_helpers import import_bench
 
 SHAPES = ("single", "disaggregated")
 PROMPTS = 4
+EXPERTS = 4  # bench-moe with 4 experts (--experts), as test_bench_bct.py runs it: a quarter of the weights to load
 
 
 @pytest.mark.slow
@@ -17,11 +18,11 @@ def test_quick_json_report(ray_cluster, monkeypatch, capsys):
     bench = import_bench(monkeypatch, "pipeline")
     data_context = ray.data.DataContext.get_current()
     progress_bars = data_context.enable_progress_bars
-    bench.main(["--quick", "--json", "--num-prompts", str(PROMPTS)])
+    bench.main(["--quick", "--json", "--num-prompts", str(PROMPTS), "--experts", str(EXPERTS)])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
     workload = report["workload"]
-    assert workload["num_prompts"] == PROMPTS
+    assert workload["num_prompts"] == PROMPTS and workload["experts"] == EXPERTS
     assert set(report["bct_s"]) == set(report["tokens_per_s"]) == {"engine", *SHAPES}
     assert report["outputs_match"] == {shape: True for shape in SHAPES}
     for shape in SHAPES:
