@@ -5,7 +5,8 @@ Three ways a micro-batch meets its KV:
   when the prompt is offloaded right away: engine/prefill_offload.py) and attention runs over the
   batch's own new tokens, or, when a chunk continues a prompt prefilled in earlier steps, over each
   sequence's whole prefix read back from its pages;
-- resident decode: one new token per sequence against its device pages;
+- resident decode: one new token per sequence against its device pages (or, for host-resident sequences, against
+  their host pages in place: a CPU's own memory, a GPU's view of the pinned pages);
 - staged decode (offloaded COMBINE): the sequence's KV lives in the host store; for each layer
   its pages are copied into a one-layer staging pool, attention runs there, and the new token's
   K/V is written back to the host pages.
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.engine.kv_pool import KVPool
+from batchgen.engine.kv_pool import KVPool, PoolView
 from batchgen.engine.prefill_offload import PrefillOffload
 from batchgen.kernels import ops
 
@@ -56,7 +57,7 @@ class DecodeContext:
     slots: torch.Tensor  # [B] slot of the new token in `pool`
     page_table: torch.Tensor  # [B, max_pages] int32
     seq_lens: torch.Tensor  # [B] int32, including the new token
-    pool: KVPool
+    pool: KVPool | PoolView  # host pages a GPU attends on in place are a view of them
 
     def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]

@@ -29,8 +29,8 @@ class EngineConfig:
     host_kv_budget_bytes: int | None = None  # host page pool
     staging_fraction: float | None = None  # coroutine mode: share of the device budget kept for streaming
     # coroutine mode, how host-resident sequences decode: True streams their KV layer by layer through a
-    # staging pool in device memory; False attends on the host pages in place; None (auto) streams
-    # unless the device is the CPU, whose "host" pages already are device memory
+    # staging pool in device memory; False attends on the host pages in place (a CPU's own memory, a GPU's
+    # view of the pinned pages: engine/host_view.py); None (auto) in place wherever the device can
     stream_host_kv: bool | None = None
     b_attn: int | None = None  # max sequences per attention micro-batch
     b_moe: int | None = None  # max tokens per MoE (feed-forward) batch

@@ -21,6 +21,7 @@ from batchgen.engine.decode_graphs import RECORDERS, DecodeGraphs
 from batchgen.engine.engine_load import EngineLoad
 from batchgen.engine.generation import Generates
 from batchgen.engine.grammar import GrammarBackend
+from batchgen.engine.host_view import host_pages_in_place, streams_host_kv
 from batchgen.engine.kv_budget import plan_kv_budget
 from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.metrics import EngineMetrics
@@ -74,9 +75,10 @@ class Engine(Generates):
         self.max_model_len = min(self.config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.normalizer = RequestNormalizer(self.tokenizer, self.model.vocab_size, self.max_model_len)
         spec = self.model.kv_spec()
-        stream_host = self.config.stream_host_kv
-        if stream_host is None:
-            stream_host = self.device.type != "cpu"
+        stream_host = streams_host_kv(self.config.stream_host_kv, self.device.type)
+        refusal = None if stream_host else host_pages_in_place(self.device)
+        if refusal is not None:
+            raise ValueError(f"engine option stream_host_kv false attends on host KV pages in place: {refusal}")
         budget = plan_kv_budget(self.config, stream_host)
         self.kv = KVManager(spec, self.config.page_size, loaded.dtype, budget, self.device, stream_host,
                             self.config.prefix_caching)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.engine.kv_pool import KVPool, PoolGeometry, copy_pages, slot_mapping, tiers_in_one_storage
+from batchgen.engine.kv_pool import KVPool, PoolGeometry, PoolView, copy_pages, slot_mapping, tiers_in_one_storage
 from batchgen.engine.models.context import KVSpec
 from batchgen.engine.page_cache import ROOT, PageKey
 from batchgen.engine.sequence import KVLocation, Sequence
@@ -53,6 +53,8 @@ class KVManager:
         stage_geometry = PoolGeometry(KVSpec(1, spec.num_kv_heads, spec.k_dim, spec.v_dim), page_size, dtype)
         self.stage = KVPool(stage_geometry, stage_geometry.pages_in_budget(budget.staging_bytes), device)
         self.stream_host = stream_host  # host-resident KV decodes through `stage` (else on host pages in place)
+        # what host-resident sequences attend on in place: the host pool as the device's kernels address it
+        self.host_in_place: KVPool | PoolView | None = None if stream_host else self.host.viewed_from(device)
         self.bytes_moved = 0
         self.migrations = {"to_host": 0, "to_device": 0}
         self.prefix_query_tokens = 0  # prompt tokens of the prompts looked up in a prefix cache

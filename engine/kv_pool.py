@@ -4,7 +4,8 @@ Pages are shared by all layers (a page id names the same slot in every layer's t
 sequence has one page list per tier. Moving a sequence between tiers is one indexed copy per
 tensor, whatever the number of layers. Where the host tier is the device's own memory (a CPU engine),
 both tiers are page ranges of one storage (`tiers_in_one_storage`): a page id then names one slot
-whichever pool holds it, and one page table can mix sequences of both tiers.
+whichever pool holds it, and one page table can mix sequences of both tiers. A GPU attends on a host pool's pinned
+pages in place through a view of them (`KVPool.viewed_from`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.engine.host_arena import host_arena
+from batchgen.engine.host_view import device_view
 from batchgen.engine.models.context import KVSpec
 from batchgen.engine.page_cache import PageCache
 
@@ -68,6 +70,14 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin
     return host_arena(nbytes).view(dtype).view(shape)
 
 
+@dataclass(frozen=True)
+class PoolView:
+    """A pool's k/v as another device's kernels address them (KVPool.viewed_from): what attention reads."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
 class KVPool:
     """k/v tensors [L, P, page, Hkv, D] on one device, a free list of page ids and each page's holder count.
 
@@ -90,6 +100,13 @@ class KVPool:
         self._free = list(range(first_page + num_pages - 1, first_page - 1, -1))
         self.holders = [0] * (first_page + num_pages)
         self.cache = PageCache() if cache else None
+
+    def viewed_from(self, device: torch.device) -> KVPool | PoolView:
+        """This pool's pages as kernels on `device` address them: the pool itself on its own device, else a view of
+        its pinned host pages in the device's address space (engine/host_view.py)."""
+        if device == self.device:
+            return self
+        return PoolView(device_view(self.k, device), device_view(self.v, device))
 
     def release_storage(self) -> None:
         """Give back the pages' memory, keeping the pool's geometry (for a scratch pool whose contents do not

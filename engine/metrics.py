@@ -34,8 +34,9 @@ class EngineMetrics:
     handoff_prefills: int = 0  # adopted prompts prefilled again: their carried prefix was not cached here
     migrated_out: int = 0  # requests handed to another engine (export_request)
     migrated_in: int = 0  # requests taken over from another engine (import_request)
-    # groups of host-resident sequences decoded (offloaded COMBINE): micro-batches of their own through the staging
-    # pool, or, where host pages are the device's memory, in the resident sequences' micro-batches
+    # groups of host-resident sequences decoded (offloaded COMBINE): micro-batches of their own (through the staging
+    # pool, or on a GPU's view of their host pages), or, where host pages are the device's memory, in the resident
+    # sequences' micro-batches
     staged_decode_batches: int = 0
     decode_micro_batches: int = 0  # attention micro-batches of decoding sequences, over all steps
     yields: int = 0
@@ -162,6 +163,7 @@ class EngineMetrics:
             "migrated_out": self.migrated_out,
             "migrated_in": self.migrated_in,
             "staged_decode_batches": self.staged_decode_batches,
+            "host_kv_streamed": kv.stream_host,  # host-resident sequences decode through staging pages, not in place
             "decode_micro_batches": self.decode_micro_batches,
             "yields": self.yields,
             "restores": self.restores,

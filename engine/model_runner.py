@@ -14,7 +14,7 @@ from batchgen.engine.batch_index import index_tensor, new_token_slots, page_tabl
 from batchgen.engine.coroutine import CoroutineGroup, ProgramPoint, run_idle_layers, run_layers
 from batchgen.engine.decode_graphs import DecodeGraphs
 from batchgen.engine.kv_manager import KVManager
-from batchgen.engine.kv_pool import KVPool
+from batchgen.engine.kv_pool import KVPool, PoolView
 from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.offload.phase_switch import PhaseSwitch
 from batchgen.engine.prefill_offload import PrefillOffload, slot_runs
@@ -138,7 +138,7 @@ class ModelRunner:
         )
         return CoroutineGroup([c.seq for c in chunks], self._token_ids(tokens), ProgramPoint(0, "embed"), ctx)
 
-    def _decode_micro_batch(self, seqs: list[Sequence], pool: KVPool) -> CoroutineGroup:
+    def _decode_micro_batch(self, seqs: list[Sequence], pool: KVPool | PoolView) -> CoroutineGroup:
         """Sequences attending over their pages in `pool`'s storage in place (device pages, host pages where the
         host pool is in the device's own memory, or both where the two are one storage)."""
         kv_lens = index_tensor([s.kv_len for s in seqs], self.device)
@@ -154,9 +154,9 @@ class ModelRunner:
 
     def _staged_micro_batch(self, seqs: list[Sequence]) -> CoroutineGroup:
         """Host-resident sequences: streamed layer by layer through the staging pool, or attending on the
-        host pages in place (host pages in memory the device reads)."""
+        host pages in place (a CPU's own memory, or a GPU's view of the pinned pages: engine/host_view.py)."""
         if not self.kv.stream_host:
-            return self._decode_micro_batch(seqs, self.kv.host)
+            return self._decode_micro_batch(seqs, self.kv.host_in_place)
         page_size = self.kv.page_size
         counts = [self.kv.pages_needed(s.kv_len + 1) for s in seqs]
         stage_pages = list(range(sum(counts)))

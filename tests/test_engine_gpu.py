@@ -1,7 +1,7 @@
 """The engine on a GPU (run with `-m gpu` on a CUDA host): with a KV budget far below the batch's, sequences move
-between the device's KV pool and the host KV store (copies in both directions) and host-resident ones decode through
-the staging pool; decode steps replay CUDA graphs. Greedy tokens must equal the reference runner's on the same
-device."""
+between the device's KV pool and the host KV store (copies in both directions) and host-resident ones decode on their
+pinned host pages in place (a view of them in the GPU's address space) or through the staging pool; decode steps
+replay CUDA graphs. Greedy tokens must equal the reference runner's on the same device."""
 
 import pytest
 import torch
@@ -9,6 +9,9 @@ from tiny_models import kv_bytes_per_token, prompts, save_tiny_checkpoint
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, Request, SamplingParams
+from batchgen.engine.host_view import device_view, host_pages_in_place, streams_host_kv
+from batchgen.engine.kv_pool import KVPool, PoolGeometry
+from batchgen.engine.models.context import KVSpec
 from batchgen.engine.reference import ReferenceRunner
 
 pytestmark = [
@@ -19,14 +22,33 @@ MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-@pytest.mark.parametrize("mode", ["coroutine", "lockstep"])
-def test_evictions_through_the_host_kv_store_keep_greedy_tokens_on_cuda(mode, tmp_path):
+def test_a_device_view_is_the_pinned_host_memory_itself():
+    """Kernels read what the host wrote and the host reads what kernels wrote, in every KV dtype (bfloat16 goes
+    through bytes); a pool's view on the GPU is its pinned pages."""
+    assert host_pages_in_place(torch.device("cuda")) is None
+    assert streams_host_kv(None, "cuda") is False
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        host = torch.arange(2 * 3 * 5, dtype=dtype).view(2, 3, 5).pin_memory()
+        view = device_view(host, torch.device("cuda"))
+        assert view.is_cuda and view.dtype == dtype and view.shape == host.shape
+        torch.testing.assert_close(view.sum(dim=2).cpu(), host.sum(dim=2))
+        view[1, 2].fill_(7)
+        torch.cuda.synchronize()
+        assert host[1, 2].tolist() == [7] * 5 and host[0, 0, 1].item() == 1
+    pool = KVPool(PoolGeometry(KVSpec(2, 1, 4, 4), 4, torch.bfloat16), 3, torch.device("cpu"), pin=True)
+    seen = pool.viewed_from(torch.device("cuda"))
+    assert seen.k.data_ptr() == pool.k.data_ptr() and seen.v.is_cuda
+
+
+@pytest.mark.parametrize("mode,stream_host_kv", [("coroutine", None), ("coroutine", True), ("lockstep", None)])
+def test_evictions_through_the_host_kv_store_keep_greedy_tokens_on_cuda(mode, stream_host_kv, tmp_path):
     save_tiny_checkpoint("mixtral", tmp_path)
     loaded = load_model(str(tmp_path), device="cuda")
     batch = prompts(vocab_size=loaded.model.vocab_size, lengths=(3, 9, 17, 5, 30, 12, 21, 8))
     expected = ReferenceRunner(loaded.model).generate(batch, max_new_tokens=MAX_TOKENS)
     budget = kv_bytes_per_token(loaded) * 4 * 32  # 32 pages of 4 tokens for 8 sequences of up to 46
-    engine = Engine(loaded, mode=mode, page_size=4, kv_budget_bytes=budget, b_attn=3, b_moe=16)
+    engine = Engine(loaded, mode=mode, page_size=4, kv_budget_bytes=budget, b_attn=3, b_moe=16,
+                    stream_host_kv=stream_host_kv)
     results = engine.generate([Request(f"r{i}", prompt_token_ids=p, sampling=GREEDY) for i, p in enumerate(batch)])
     assert [r.error for r in results] == [None] * len(batch)
     got = {r.request_id: r.outputs[0].token_ids for r in results}
@@ -35,8 +57,13 @@ def test_evictions_through_the_host_kv_store_keep_greedy_tokens_on_cuda(mode, tm
     assert metrics["yields"] > 0 and metrics["bytes_moved"] > 0
     if mode == "lockstep":  # preempted sequences wait in host pages and come back to the device
         assert metrics["restores"] > 0
-    else:  # yielded sequences decode from host pages through the staging pool
+    else:  # yielded sequences decode from host pages: in place by default, else through the staging pool
         assert metrics["staged_decode_batches"] > 0
+        assert engine.kv.stream_host is metrics["host_kv_streamed"] is bool(stream_host_kv)
+        assert (engine.kv.stage.num_pages > 0) is bool(stream_host_kv)
+        if not stream_host_kv:  # the kernels' view of the host pool is its pinned pages themselves
+            view = engine.kv.host_in_place
+            assert view.k.is_cuda and view.k.data_ptr() == engine.kv.host.k.data_ptr()
 
 
 COUNTERS = ("moe_calls", "mean_expert_batch", "expert_histogram", "max_ffn_tokens", "decode_steps", "generated_tokens")

@@ -91,10 +91,12 @@ def test_critical_path_of_hand_built_dags():
         LayerDag().add("x", 1.0, "compute", after=(3,))
 
 
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
 @pytest.mark.parametrize("streams_host", [False, True])
-def test_vectorised_pricing_equals_each_step_dag(streams_host):
+def test_vectorised_pricing_equals_each_step_dag(streams_host, device_type):
     rng = random.Random(1)
-    curves = synthetic_curves()
+    # slow host link: groups attended in place on a GPU take their read over it in many steps, not in all
+    curves = synthetic_curves(device_type=device_type, copy_bytes_per_s=5e10)
     steps = []
     for _ in range(30):
         prefill = tuple((0, rng.randrange(1, 300)) for _ in range(rng.randrange(0, 5)))
@@ -138,8 +140,17 @@ def test_copies_on_the_critical_path_when_host_kv_streams():
                      streams_host=True)
     in_place = dataclasses.replace(step, streams_host=False)
     copy_s = 1000 * curves.kv_bytes_per_token / curves.num_layers / curves.copy_bytes_per_s
-    assert step_seconds(step, curves, 8, 64) - step_seconds(in_place, curves, 8, 64) >= \
-        curves.num_layers * (2 * copy_s - 2 * curves.decode_attention.seconds(calls=1, seqs=1, kv_tokens=1000))
+    attention_s = curves.decode_attention.seconds(calls=1, seqs=1, kv_tokens=1000)
+    # on a CPU the host pages attended in place are its own memory: no copy at all
+    cpu = dataclasses.replace(curves, device_type="cpu")
+    assert step_seconds(step, cpu, 8, 64) - step_seconds(in_place, cpu, 8, 64) >= \
+        curves.num_layers * (2 * copy_s - 2 * attention_s)
+    # on a GPU the kernel reads them over the host link: each group's attention takes its copy's time instead, and
+    # the two groups' reads run one after the other as the two copies did
+    assert step_seconds(in_place, curves, 8, 64) - step_seconds(in_place, cpu, 8, 64) == pytest.approx(
+        curves.num_layers * 2 * (copy_s - attention_s))
+    assert step_seconds(in_place, curves, 8, 64) == pytest.approx(step_seconds(step, curves, 8, 64) -
+                                                                  curves.num_layers * attention_s)
 
 
 @pytest.mark.parametrize("budget_tokens", [None, 96])

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.host_view import streams_host_kv
 from batchgen.engine.kv_budget import (
     MemoryLimits,
     activation_bytes_per_token,
@@ -101,7 +102,7 @@ def plan_engine(loaded: LoadedModel, config: EngineConfig, workload: WorkloadSha
     else:
         device_type = loaded.device.type
         free, host_free = available_memory_bytes(loaded.device), available_memory_bytes(torch.device("cpu"))
-    stream_host = config.stream_host_kv if config.stream_host_kv is not None else device_type != "cpu"
+    stream_host = streams_host_kv(config.stream_host_kv, device_type)
     limits = limits or memory_limits(device_type, config, free, host_free)
     per_token = activation_bytes_per_token(loaded, curves.top_k)
     if workload is not None:

@@ -1,7 +1,8 @@
 """Price a replayed schedule for many (b_attn, b_moe) pairs at once.
 
 Per step, the layer DAG of step_model is a chain on the compute stream, plus, when host-resident groups
-stream their KV through the staging pool, a chain of copies on the copy stream. A chain's critical path
+stream their KV through the staging pool, a chain of copies on the copy stream (attended in place on a GPU's view of
+the host pages, a group's attention takes at least the read of its KV over the host link). A chain's critical path
 is the sum of its nodes, and every curve is linear in its features, so all micro-batches of one kind
 price as one term with a call count. With copies, the g-th staged attention starts when both the compute
 before it and the first g copies are done: a recurrence over the group index, run for all steps at once.
@@ -33,11 +34,11 @@ class SchedulePricer:
         self.migrated = column(s.migrated_bytes for s in steps)
         self.tokens = self.prefill_tokens + self.decoding
         # host-resident groups of steps that stream them: [steps, most groups], zero-padded
-        width = max((len(s.staged) for s in steps if s.streams_host), default=0)
-        streamed = [list(map(sum, s.staged)) if s.streams_host else [] for s in steps]
-        self.group_kv = torch.tensor([g + [0] * (width - len(g)) for g in streamed], dtype=torch.float64)
-        self.group_seqs = torch.tensor([[len(x) for x in s.staged] * s.streams_host + [0] * (
-            width - len(s.staged) * s.streams_host) for s in steps], dtype=torch.float64)
+        self.group_kv, self.group_seqs = _groups([s.staged if s.streams_host else () for s in steps])
+        # and of steps that attend on them in place over a GPU's host link (on a CPU they are its own memory)
+        over_link = curves.device_type != "cpu"
+        self.linked_kv, self.linked_seqs = _groups([s.staged if over_link and not s.streams_host else ()
+                                                    for s in steps])
 
     def step_seconds(self, b_attn: int, b_moe: int) -> torch.Tensor:
         c = self.curves
@@ -54,6 +55,10 @@ class SchedulePricer:
             for g in range(self.group_kv.shape[1]):
                 done = torch.where(present[:, g], torch.maximum(done, copies[:, g]) + group_attention[:, g], done)
             attention = done
+        if self.linked_kv.shape[1]:  # in place over the host link: a group's attention takes at least its read
+            compute = (self.linked_seqs > 0) * (da[0] + self.linked_seqs * da[1] + self.linked_kv * da[2])
+            link = self.linked_kv * (c.kv_bytes_per_token / c.num_layers / c.copy_bytes_per_s)
+            attention = attention + torch.clamp(link - compute, min=0).sum(dim=1)
         full, rest = torch.div(self.tokens, b_moe, rounding_mode="floor"), torch.remainder(self.tokens, b_moe)
         ffn = full * c.ffn_seconds(b_moe) + (rest > 0) * c.ffn_seconds(rest)
         head = (self.rows > 0) * (hd[0] + self.rows * hd[1])
@@ -81,3 +86,11 @@ class SchedulePricer:
     def _attention_calls(self, b_attn: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill and decode attention micro-batches per step, cut as the model runner cuts them."""
         return torch.ceil(self.prefill_chunks / b_attn), torch.ceil(self.resident / b_attn) + self.groups
+
+
+def _groups(staged: list[tuple[tuple[int, ...], ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each step's host-resident groups as [steps, most groups] tensors, zero-padded: KV tokens, sequences."""
+    width = max(map(len, staged), default=0)
+    kv = [[sum(g) for g in groups] + [0] * (width - len(groups)) for groups in staged]
+    seqs = [[len(g) for g in groups] + [0] * (width - len(groups)) for groups in staged]
+    return torch.tensor(kv, dtype=torch.float64), torch.tensor(seqs, dtype=torch.float64)

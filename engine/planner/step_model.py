@@ -42,10 +42,12 @@ def layer_dag(shape: StepShape, curves: CostCurves, b_attn: int, b_moe: int) -> 
         attention.append(_decode_node(dag, shape.resident[i : i + b_attn], curves, ()))
     layer_kv_bytes = curves.kv_bytes_per_token / curves.num_layers
     for group in shape.staged:
-        after = ()
+        after, link = (), sum(group) * layer_kv_bytes / curves.copy_bytes_per_s
         if shape.streams_host:
-            after = (dag.add("kv_copy", sum(group) * layer_kv_bytes / curves.copy_bytes_per_s, "copy"),)
-        attention.append(_decode_node(dag, group, curves, after))
+            after = (dag.add("kv_copy", link, "copy"),)
+        # in place on a GPU the kernel reads the host pages over the host link (on a CPU they are its own memory)
+        floor = link if not shape.streams_host and curves.device_type != "cpu" else 0.0
+        attention.append(_decode_node(dag, group, curves, after, floor))
     tokens = sum(end - start for start, end in shape.prefill) + shape.decoding
     previous = tuple(attention)
     for start in range(0, tokens, b_moe):  # the COMBINE: every micro-batch's attention is done first
@@ -53,9 +55,10 @@ def layer_dag(shape: StepShape, curves: CostCurves, b_attn: int, b_moe: int) -> 
     return dag
 
 
-def _decode_node(dag: LayerDag, lens: tuple[int, ...], curves: CostCurves, after: tuple[int, ...]) -> int:
+def _decode_node(dag: LayerDag, lens: tuple[int, ...], curves: CostCurves, after: tuple[int, ...],
+                 floor: float = 0.0) -> int:
     cost = curves.decode_attention.seconds(calls=1, seqs=len(lens), kv_tokens=sum(lens))
-    return dag.add("decode_attention", cost, "compute", after)
+    return dag.add("decode_attention", max(cost, floor), "compute", after)
 
 
 def step_seconds(shape: StepShape, curves: CostCurves, b_attn: int, b_moe: int) -> float:
