@@ -23,9 +23,11 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# two pytest workers: most tests wait on Ray actor and subprocess start-up, so two overlap well on 2 cores
+# two pytest workers: most tests wait on Ray actor and subprocess start-up, so two overlap well on 2 cores; tests go
+# out one at a time, longest first (tests/conftest.py), to whichever worker is free: in chunks, one worker got every
+# long test and ran 160 s alone at the end
 test: lint
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist load
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist load --maxschedchunk 1
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/bct.py --quick

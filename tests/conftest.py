@@ -19,7 +19,8 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
-    # long end-to-end tests first: with two xdist workers, one of them left at the end would run alone
+    # long end-to-end tests first, handed out one at a time (the Makefile's --maxschedchunk 1) to whichever xdist
+    # worker is free: the longest-first order leaves the workers at most one short test apart at the end
     items.sort(key=lambda item: "slow" not in item.keywords)
     if os.environ.get("TRITON_INTERPRET") == "1":
         return
