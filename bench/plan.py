@@ -50,6 +50,7 @@ from roofline import MoEShape  # noqa: E402
 
 from batchgen.connectors.checkpoint import load_model  # noqa: E402
 from batchgen.engine import Engine, EngineConfig  # noqa: E402
+from batchgen.engine.host_view import streams_host_kv  # noqa: E402
 from batchgen.engine.kv_budget import MemoryLimits, plan_kv_budget  # noqa: E402
 from batchgen.engine.planner import PLANNED_FIELDS, WorkloadShape, plan_engine  # noqa: E402
 from batchgen.engine.planner.planner import FIXED  # noqa: E402
@@ -96,8 +97,9 @@ def run_config(loaded, config: EngineConfig, requests) -> Measured:
 
 
 def replayed(loaded, config: EngineConfig, workload: WorkloadShape, curves) -> SchedulePricer:
-    schedule = replay_schedule(config, plan_kv_budget(config, stream_host=loaded.device.type != "cpu"),
-                               loaded.model.kv_spec(), loaded.dtype, workload, loaded.device.type != "cpu")
+    stream_host = streams_host_kv(config.stream_host_kv, loaded.device.type)
+    schedule = replay_schedule(config, plan_kv_budget(config, stream_host), loaded.model.kv_spec(), loaded.dtype,
+                               workload, stream_host, loaded.device.type)
     return SchedulePricer(schedule, curves)
 
 

@@ -173,13 +173,20 @@ def test_replay_is_the_engines_schedule_step_by_step(loaded, budget_tokens):
         before = engine.stats.sequence_steps
         engine.step()
         per_step.append(engine.stats.sequence_steps - before)
-    steps = replay_schedule(config, plan_kv_budget(config, False), spec, loaded.dtype,
-                            WorkloadShape(tuple(map(len, batch)), tuple(outputs)), stream_host=False)
+    workload = WorkloadShape(tuple(map(len, batch)), tuple(outputs))
+    steps = replay_schedule(config, plan_kv_budget(config, False), spec, loaded.dtype, workload, stream_host=False,
+                            device_type="cpu")
     assert [len(s.prefill) + s.decoding for s in steps] == per_step
+    # on a GPU attending in place the same schedule keeps host-resident sequences in micro-batches of their own
+    on_gpu = replay_schedule(config, plan_kv_budget(config, False), spec, loaded.dtype, workload, stream_host=False,
+                             device_type="cuda")
+    assert [(s.prefill, sorted(s.resident + sum(s.staged, ()))) for s in on_gpu] == \
+        [(s.prefill, sorted(s.resident)) for s in steps]
     if budget_tokens:
         # the replay yielded to host pages too; those sequences decode in the resident micro-batches (one storage)
         assert engine.scheduler.yields > 0 and engine.stats.staged_decode_batches > 0
         assert any(s.migrated_bytes for s in steps) and not any(s.staged for s in steps)
+        assert any(s.staged for s in on_gpu)
 
 
 def test_host_memory_available_counts_what_the_kernel_reclaims_not_only_free_pages():

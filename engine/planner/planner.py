@@ -178,7 +178,7 @@ def search(config: EngineConfig, curves: CostCurves, workload: WorkloadShape, sp
             if schedule is None or any(s.staged for s in schedule):
                 try:
                     schedule = replay_schedule(trial, plan_kv_budget(trial, stream_host), spec, dtype, workload,
-                                               stream_host)
+                                               stream_host, curves.device_type)
                 except ReplayError as exc:
                     notes.append(f"max_num_seqs={max_num_seqs} refill={refill} b_attn={b_attn}: {exc}")
                     schedule = None

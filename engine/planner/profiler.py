@@ -250,7 +250,7 @@ def _host_cost(loaded: LoadedModel, model_curves: CostCurves, bar: tqdm) -> Line
         workload = WorkloadShape((PROMPT_TOKENS,) * prompts, (output,) * prompts)
         stream_host = engine.kv.stream_host
         schedule = replay_schedule(config, plan_kv_budget(config, stream_host), loaded.model.kv_spec(),
-                                   loaded.dtype, workload, stream_host)
+                                   loaded.dtype, workload, stream_host, loaded.device.type)
         pricer = SchedulePricer(schedule, model_curves)
         predicted = pricer.step_seconds(b_attn, config.b_moe)
         features = pricer.host_features(b_attn)

@@ -25,8 +25,10 @@ class ReplayError(RuntimeError):
 
 
 def replay_schedule(config: EngineConfig, budget: KVBudget, spec: KVSpec, dtype: torch.dtype,
-                    workload: WorkloadShape, stream_host: bool, max_steps: int = 1_000_000) -> list[StepShape]:
-    """The shape of every step the engine would take to run `workload` from an empty start.
+                    workload: WorkloadShape, stream_host: bool, device_type: str,
+                    max_steps: int = 1_000_000) -> list[StepShape]:
+    """The shape of every step the engine would take to run `workload` from an empty start on a `device_type`
+    device.
 
     Prompts are distinct (no shared prefix), so the replay runs without the page cache: admission order
     and every placement are then the same as the engine's with it."""
@@ -58,7 +60,9 @@ def replay_schedule(config: EngineConfig, budget: KVBudget, spec: KVSpec, dtype:
                               "small for this workload")
         chunks = plan.prefill.chunks if plan.prefill else []
         decode = plan.decode
-        attended = decode.attended(kv.one_storage) if decode else DecodePlan([])  # as the model runner cuts it
+        # as the model runner cuts it: host-resident sequences join the resident micro-batches only where host pages
+        # are the device's own memory (a CPU's; the replay's pools are both "meta")
+        attended = decode.attended(kv.one_storage and device_type == "cpu") if decode else DecodePlan([])
         steps.append(StepShape(
             prefill=tuple((c.start, c.end) for c in chunks),
             resident=tuple(s.kv_len + 1 for s in attended.resident),
