@@ -7,9 +7,9 @@ Three ways a micro-batch meets its KV:
   sequence's whole prefix read back from its pages;
 - resident decode: one new token per sequence against its device pages (or, for host-resident sequences, against
   their host pages in place: a CPU's own memory, a GPU's view of the pinned pages);
-- staged decode (offloaded COMBINE): the sequence's KV lives in the host store; for each layer
-  its pages are copied into a one-layer staging pool, attention runs there, and the new token's
-  K/V is written back to the host pages.
+- staged decode (offloaded COMBINE, stream_host_kv): the sequence's KV lives in the host store; for each
+  layer its pages are copied into a one-layer staging pool, attention runs there, and the new token's
+  K/V is written back to the host pages (on a GPU that addresses them, both by kernels on the device).
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ class DecodeContext:
 @dataclass
 class StagedDecodeContext:
     positions: torch.Tensor  # [B]
-    host: KVPool
-    host_pages: torch.Tensor  # [N] host pages of the batch, in order
+    host: KVPool | PoolView  # as the device addresses it (KVManager.host_for_kernels)
+    host_pages: torch.Tensor  # [N] host pages of the batch, in order (where `host` is)
     host_slots: torch.Tensor  # [B] host slot of each new token
     stage: KVPool  # one-layer pool on the device
     stage_pages: torch.Tensor  # [N] staging pages receiving host_pages
@@ -78,12 +78,13 @@ class StagedDecodeContext:
     seq_lens: torch.Tensor  # [B]
 
     def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
-        device = self.stage.device
-        non_blocking = self.host.device.type != device.type
+        # on a GPU that addresses the host pages (a view of them) the gather and the write-back below are kernels of
+        # its own stream: no copy through the host, nothing waited on; otherwise copies both ways
+        device, host_device = self.stage.device, self.host.k.device
+        non_blocking = host_device.type != device.type
         self.stage.k[0, self.stage_pages] = self.host.k[layer, self.host_pages].to(device, non_blocking=non_blocking)
         self.stage.v[0, self.stage_pages] = self.host.v[layer, self.host_pages].to(device, non_blocking=non_blocking)
         ops.write_kv(k, v, self.stage.k[0], self.stage.v[0], self.stage_slots)
         out = ops.paged_decode_attention(q, self.stage.k[0], self.stage.v[0], self.page_table, self.seq_lens, scale)
-        host_device = self.host.device
         ops.write_kv(k.to(host_device), v.to(host_device), self.host.k[layer], self.host.v[layer], self.host_slots)
         return out

@@ -5,7 +5,9 @@ process shares with its GPUs (unified virtual addressing): a kernel given its ad
 host link, with no copy in between. The engine's host KV pool is pinned on a CUDA engine, so host-resident sequences
 can decode on their host pages in place, as on a CPU, instead of copying each layer's pages into a device staging
 pool (a host gather, a copy and a write-back per layer, each a synchronisation): the attention kernel reads the same
-bytes over the same link, nothing waits on the host, and the step is the same kernels as a resident one.
+bytes over the same link, nothing waits on the host, and the step is the same kernels as a resident one. Where the
+KV does stream through the staging pool (stream_host_kv, memory-constrained mode), the gather into it and the
+write-back of the new tokens' KV are kernels on the view too, instead of copies through the host.
 """
 
 from __future__ import annotations

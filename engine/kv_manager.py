@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.engine.host_view import host_pages_in_place
 from batchgen.engine.kv_pool import KVPool, PoolGeometry, PoolView, copy_pages, slot_mapping, tiers_in_one_storage
 from batchgen.engine.models.context import KVSpec
 from batchgen.engine.page_cache import ROOT, PageKey
@@ -53,8 +54,11 @@ class KVManager:
         stage_geometry = PoolGeometry(KVSpec(1, spec.num_kv_heads, spec.k_dim, spec.v_dim), page_size, dtype)
         self.stage = KVPool(stage_geometry, stage_geometry.pages_in_budget(budget.staging_bytes), device)
         self.stream_host = stream_host  # host-resident KV decodes through `stage` (else on host pages in place)
-        # what host-resident sequences attend on in place: the host pool as the device's kernels address it
-        self.host_in_place: KVPool | PoolView | None = None if stream_host else self.host.viewed_from(device)
+        # the host pool as the device's kernels address it: on a GPU that can, a view of its pinned pages (host groups
+        # attend on it in place, or the staging pool gathers from it and the new tokens' KV is written to it, all on
+        # the device); else the pool itself (a CPU's own memory; a GPU that cannot copies through the host)
+        self.host_for_kernels: KVPool | PoolView = (
+            self.host.viewed_from(device) if host_pages_in_place(device) is None else self.host)
         self.bytes_moved = 0
         self.migrations = {"to_host": 0, "to_device": 0}
         self.prefix_query_tokens = 0  # prompt tokens of the prompts looked up in a prefix cache

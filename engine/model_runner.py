@@ -156,7 +156,7 @@ class ModelRunner:
         """Host-resident sequences: streamed layer by layer through the staging pool, or attending on the
         host pages in place (a CPU's own memory, or a GPU's view of the pinned pages: engine/host_view.py)."""
         if not self.kv.stream_host:
-            return self._decode_micro_batch(seqs, self.kv.host_in_place)
+            return self._decode_micro_batch(seqs, self.kv.host_for_kernels)
         page_size = self.kv.page_size
         counts = [self.kv.pages_needed(s.kv_len + 1) for s in seqs]
         stage_pages = list(range(sum(counts)))
@@ -166,10 +166,10 @@ class ModelRunner:
             offset += n
         kv_lens = index_tensor([s.kv_len for s in seqs], self.device)
         table = page_table(tables, self.device)
-        host = torch.device("cpu")
+        host = self.kv.host_for_kernels.k.device  # the GPU itself where it addresses the host pages
         ctx = StagedDecodeContext(
             positions=kv_lens,
-            host=self.kv.host,
+            host=self.kv.host_for_kernels,
             host_pages=index_tensor([p for s, n in zip(seqs, counts) for p in s.host_pages[:n]], host),
             host_slots=new_token_slots(page_table([self.kv.pages_of(s) for s in seqs], host), kv_lens.to(host),
                                        page_size),

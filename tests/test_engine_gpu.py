@@ -61,9 +61,9 @@ def test_evictions_through_the_host_kv_store_keep_greedy_tokens_on_cuda(mode, st
         assert metrics["staged_decode_batches"] > 0
         assert engine.kv.stream_host is metrics["host_kv_streamed"] is bool(stream_host_kv)
         assert (engine.kv.stage.num_pages > 0) is bool(stream_host_kv)
-        if not stream_host_kv:  # the kernels' view of the host pool is its pinned pages themselves
-            view = engine.kv.host_in_place
-            assert view.k.is_cuda and view.k.data_ptr() == engine.kv.host.k.data_ptr()
+        # either way the kernels address the host pool's pinned pages themselves (the staging pool gathers from them)
+        view = engine.kv.host_for_kernels
+        assert view.k.is_cuda and view.k.data_ptr() == engine.kv.host.k.data_ptr()
 
 
 COUNTERS = ("moe_calls", "mean_expert_batch", "expert_histogram", "max_ffn_tokens", "decode_steps", "generated_tokens")
