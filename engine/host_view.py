@@ -16,6 +16,8 @@ import functools
 
 import torch
 
+from batchgen.kernels import ops
+
 
 class _HostMemory:
     """The bytes of a pinned host tensor as a CUDA array interface: torch.as_tensor makes a CUDA tensor of them
@@ -46,21 +48,22 @@ def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 @functools.cache
 def _refusal(device: torch.device) -> str | None:
     """Why kernels on `device` cannot use host pages in place, None if they can: a view is made and both directions
-    checked once (a kernel reads what the host wrote, the host reads what a kernel wrote)."""
+    checked once - a kernel reads what the host wrote, and the engine's own KV write (the backend it runs on this
+    device: Triton's launcher checks every pointer) writes what the host then reads."""
     if device.type == "cpu":
         return None
     if device.type != "cuda":
         return f"no device view of host memory on {device.type}"
+    pages = torch.zeros(2, 4, 1, 8).pin_memory()  # [pages, page size, KV heads, head dim]
     try:
-        host = torch.arange(64, dtype=torch.float32).pin_memory()
-        view = device_view(host, device)
-        doubled = (view * 2).cpu()
-        view.add_(1)
+        view = device_view(pages, device)
+        read = (view + 2).sum().item()
+        token = torch.arange(8.0, device=device).view(1, 1, 8)
+        ops.write_kv(token, token + 1, view, view, torch.tensor([5], device=device))
         torch.cuda.synchronize(device)
     except (RuntimeError, ValueError) as exc:
         return f"pinned host memory is not addressable from {device}: {exc}"
-    expected = torch.arange(64, dtype=torch.float32)
-    if not torch.equal(doubled, expected * 2) or not torch.equal(host, expected + 1):
+    if read != 2 * pages.numel() or not torch.equal(pages.view(8, 8)[5], torch.arange(8.0) + 1):
         return f"a device view of pinned host memory on {device} did not read and write the host's bytes"
     return None
 
