@@ -54,8 +54,8 @@ def _refusal(device: torch.device) -> str | None:
         return None
     if device.type != "cuda":
         return f"no device view of host memory on {device.type}"
-    pages = torch.zeros(2, 4, 1, 8).pin_memory()  # [pages, page size, KV heads, head dim]
     try:
+        pages = torch.zeros(2, 4, 1, 8).pin_memory()  # [pages, page size, KV heads, head dim]
         view = device_view(pages, device)
         read = (view + 2).sum().item()
         token = torch.arange(8.0, device=device).view(1, 1, 8)

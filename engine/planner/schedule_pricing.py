@@ -33,12 +33,12 @@ class SchedulePricer:
         self.rows = column(s.completed + s.decoding for s in steps)
         self.migrated = column(s.migrated_bytes for s in steps)
         self.tokens = self.prefill_tokens + self.decoding
-        # host-resident groups of steps that stream them: [steps, most groups], zero-padded
-        self.group_kv, self.group_seqs = _groups([s.staged if s.streams_host else () for s in steps])
+        # host-resident groups of steps that stream them, [steps, most groups] zero-padded: whether there is one,
+        # its attention's seconds, its copy's seconds (none of which depends on b_attn or b_moe)
+        self.streamed = _groups([s.staged if s.streams_host else () for s in steps], curves)
         # and of steps that attend on them in place over a GPU's host link (on a CPU they are its own memory)
         over_link = curves.device_type != "cpu"
-        self.linked_kv, self.linked_seqs = _groups([s.staged if over_link and not s.streams_host else ()
-                                                    for s in steps])
+        self.linked = _groups([s.staged if over_link and not s.streams_host else () for s in steps], curves)
 
     def step_seconds(self, b_attn: int, b_moe: int) -> torch.Tensor:
         c = self.curves
@@ -47,18 +47,15 @@ class SchedulePricer:
         decode = decode_calls * da[0] + self.decoding * da[1] + self.kv_tokens * da[2]
         prefill = prefill_calls * pa[0] + self.prefill_chunks * pa[1] + self.prefill_tokens * pa[2] + self.pairs * pa[3]
         attention = prefill + decode
-        if self.group_kv.shape[1]:  # streamed groups: their attention waits for their copies
-            present = self.group_seqs > 0
-            group_attention = present * (da[0] + self.group_seqs * da[1] + self.group_kv * da[2])
-            copies = torch.cumsum(self.group_kv * (c.kv_bytes_per_token / c.num_layers / c.copy_bytes_per_s), dim=1)
+        present, group_attention, group_copy = self.streamed
+        if present.shape[1]:  # streamed groups: their attention waits for their copies
+            copies = torch.cumsum(group_copy, dim=1)
             done = attention - group_attention.sum(dim=1)  # compute before the first streamed group
-            for g in range(self.group_kv.shape[1]):
+            for g in range(present.shape[1]):
                 done = torch.where(present[:, g], torch.maximum(done, copies[:, g]) + group_attention[:, g], done)
             attention = done
-        if self.linked_kv.shape[1]:  # in place over the host link: a group's attention takes at least its read
-            compute = (self.linked_seqs > 0) * (da[0] + self.linked_seqs * da[1] + self.linked_kv * da[2])
-            link = self.linked_kv * (c.kv_bytes_per_token / c.num_layers / c.copy_bytes_per_s)
-            attention = attention + torch.clamp(link - compute, min=0).sum(dim=1)
+        _, linked_attention, linked_read = self.linked  # in place over the host link: at least the group's read
+        attention = attention + torch.clamp(linked_read - linked_attention, min=0).sum(dim=1)
         full, rest = torch.div(self.tokens, b_moe, rounding_mode="floor"), torch.remainder(self.tokens, b_moe)
         ffn = full * c.ffn_seconds(b_moe) + (rest > 0) * c.ffn_seconds(rest)
         head = (self.rows > 0) * (hd[0] + self.rows * hd[1])
@@ -88,9 +85,16 @@ class SchedulePricer:
         return torch.ceil(self.prefill_chunks / b_attn), torch.ceil(self.resident / b_attn) + self.groups
 
 
-def _groups(staged: list[tuple[tuple[int, ...], ...]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each step's host-resident groups as [steps, most groups] tensors, zero-padded: KV tokens, sequences."""
+def _groups(staged: list[tuple[tuple[int, ...], ...]], curves: CostCurves
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each step's host-resident groups as [steps, most groups] tensors, zero-padded: whether a group is there, its
+    decode attention's seconds, and the seconds its KV takes over the host link (per layer)."""
     width = max(map(len, staged), default=0)
-    kv = [[sum(g) for g in groups] + [0] * (width - len(groups)) for groups in staged]
-    seqs = [[len(g) for g in groups] + [0] * (width - len(groups)) for groups in staged]
-    return torch.tensor(kv, dtype=torch.float64), torch.tensor(seqs, dtype=torch.float64)
+    kv = torch.tensor([[sum(g) for g in groups] + [0] * (width - len(groups)) for groups in staged],
+                      dtype=torch.float64).view(len(staged), width)
+    seqs = torch.tensor([[len(g) for g in groups] + [0] * (width - len(groups)) for groups in staged],
+                        dtype=torch.float64).view(len(staged), width)
+    da = curves.decode_attention.coefficients
+    present = seqs > 0
+    attention = present * (da[0] + seqs * da[1] + kv * da[2])
+    return present, attention, kv * (curves.kv_bytes_per_token / curves.num_layers / curves.copy_bytes_per_s)
