@@ -148,9 +148,12 @@ class BalancingAgent:
         incoming = await self.balancer.take.remote(self.name)
         if incoming:
             # a request whose owner died before it got here is gone with its owner's objects: nobody waits
-            # for it (Ray Data reruns the owner's tasks)
-            fetched = await asyncio.gather(*(wrapped[0] for wrapped in incoming), return_exceptions=True)
+            # for it (Ray Data reruns the owner's tasks), and this actor does not hold it
+            fetched = await asyncio.gather(*(wrapped[0] for _, wrapped in incoming), return_exceptions=True)
             adopted = [m for m in fetched if not isinstance(m, Exception)]
+            unreachable = [rid for (rid, _), m in zip(incoming, fetched) if isinstance(m, Exception)]
+            if unreachable:
+                await self.balancer.unreachable.remote(self.name, unreachable)
             with self._lock:
                 self._holding += len(adopted)
             await asyncio.wrap_future(self.loop.adopt(adopted, self._adopted_done))

@@ -31,6 +31,7 @@ it from the prompt, by the costs the engine actors measured (operators/recovery_
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,8 @@ from ray._private import state as ray_state
 
 from batchgen.engine.engine_load import EngineLoad
 from batchgen.operators.recovery_cost import Checkpoint, RecoveryCosts, restore_is_faster
+
+log = logging.getLogger(__name__)
 
 REPORT_S = 0.25  # how often an engine actor reports and exchanges moved requests and their Results
 STALE_S = 2.0  # an actor silent this long is checked for life
@@ -161,14 +164,23 @@ class WorkBalancer:
         self.stats.migrations += len(items)
         self.stats.kv_bytes_moved += kv_bytes
 
-    def take(self, worker: str) -> list[list]:
-        """The moved requests waiting for `worker`, each ref wrapped in a list (so it stays a ref)."""
+    def take(self, worker: str) -> list[tuple[str, list]]:
+        """The moved requests waiting for `worker`: (request id, [ref]), the ref wrapped in a list (so it stays a
+        ref)."""
         me = self._workers.get(worker)
         if me is None:
             return []
         items, me.incoming = me.incoming, []
         me.holding.update((rid, owner) for owner, rid, _ in items)
-        return [[ref] for _, _, ref in items]
+        return [(rid, [ref]) for _, rid, ref in items]
+
+    def unreachable(self, worker: str, request_ids: list[str]) -> None:
+        """`worker` took these but could not fetch them (their owner died, and its objects with it: Ray Data reruns
+        the owner's tasks, which recover them): it does not hold them, so they keep none of its calls open."""
+        me = self._workers.get(worker)
+        if me is not None:
+            for rid in request_ids:
+                me.holding.pop(rid, None)
 
     def deliver(self, worker: str, results: list[Any]) -> None:
         """Results of requests `worker` took, for their owners."""
@@ -238,7 +250,14 @@ class WorkBalancer:
             await asyncio.sleep(STALE_S / 2)
             now = time.monotonic()
             for name, worker in list(self._workers.items()):
-                if now - worker.seen > STALE_S and incarnation(worker.actor[0]) != ("ALIVE", worker.actor[1]):
+                if now - worker.seen <= STALE_S:
+                    continue
+                try:
+                    alive = incarnation(worker.actor[0]) == ("ALIVE", worker.actor[1])
+                except Exception:  # noqa: BLE001 - one failed lookup must not end the reaping for the job
+                    log.exception("work balancer: looking up engine actor %s failed", name)
+                    continue
+                if not alive:
                     self._reap(name)
 
     def _reap(self, name: str) -> None:
@@ -259,8 +278,8 @@ class WorkBalancer:
 def incarnation(actor_id: str) -> tuple[str, int]:
     """(state, restarts) of an actor, from Ray's actor table (GCS): a restarted actor keeps its id but
     counts one more restart, so ("ALIVE", n) tells whether the incarnation that reported is still up."""
-    info = ray_state.actors(actor_id)
-    return info["State"], info["NumRestarts"]
+    info = ray_state.actors(actor_id)  # {} for an actor the table does not know (any more): not alive
+    return info.get("State", "UNKNOWN"), info.get("NumRestarts", -1)
 
 
 def start_work_balancer(low_water: int | None = None, partition_below: int | None = None) -> Any:

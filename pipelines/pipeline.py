@@ -214,6 +214,7 @@ def execute_job(plan: JobPlan, on_progress: Callable[[Progress], None] | None = 
 
 
 _CPU_STAGE_CPUS = 0.25  # read, tokenize, write: light, and must never starve the engine actors
+_MIN_ENGINE_CPUS = 0.25  # the least an engine actor asks for (one torch thread)
 
 
 def build_dataset(config: JobConfig, source: IndexedParquetSource, progress: ray.actor.ActorHandle | None = None,
@@ -268,20 +269,30 @@ def _pool(size: int) -> ray.data.ActorPoolStrategy:
 
 
 def engine_actor_cpus(config: JobConfig) -> float:
-    """Engine actors share what the light stages leave of the cluster's CPUs, unless told: those stages
-    (read, write, and in the disaggregated shape the tokenizer actors) keep one slot
-    each, so they never starve; the engine actors compute with the rest (prepare_engine_process gives
-    them that many torch threads, rounded up), which on a 2-CPU machine means two threads for a single
-    engine, not one. No actor asks for more than the largest node has."""
+    """Engine actors share what the light stages leave of the cluster's CPUs, unless told (actor_cpu_share)."""
     if config.engine_num_cpus is not None:
         return config.engine_num_cpus
     if config.mode == "single":
         actors, light_slots = config.concurrency, 2
-    else:
-        actors, light_slots = config.prefill_concurrency + config.decode_concurrency, 3
-    free = ray.cluster_resources().get("CPU", 1.0) - light_slots * _CPU_STAGE_CPUS
+    else:  # read and write, and one slot per tokenizer actor (an actor pool holds its CPUs for the job)
+        actors, light_slots = config.prefill_concurrency + config.decode_concurrency, 2 + config.tokenize_concurrency
     largest_node = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]), default=1.0)
-    return max(_CPU_STAGE_CPUS, min(free / actors, largest_node))  # an actor must fit on one node
+    return actor_cpu_share(ray.cluster_resources().get("CPU", 1.0), largest_node, actors, light_slots)
+
+
+def actor_cpu_share(cluster_cpus: float, largest_node: float, actors: int, light_slots: int) -> float:
+    """CPUs each of `actors` engine actors asks for: the light stages (read, write, tokenize) keep `light_slots`
+    slots of _CPU_STAGE_CPUS each, so they never starve; the engine actors compute with the rest
+    (prepare_engine_process gives them that many torch threads, rounded up), which on a 2-CPU machine means two
+    threads for a single engine, not one. No actor asks for more than the largest node has, nor for less than
+    _MIN_ENGINE_CPUS: a JobError names actors the cluster cannot hold beside the light stages (their requests
+    would leave the read tasks no CPU and the job would wait forever)."""
+    free = cluster_cpus - light_slots * _CPU_STAGE_CPUS
+    if free / actors < _MIN_ENGINE_CPUS:
+        raise JobError(f"{actors} engine actors do not fit {cluster_cpus:g} CPUs beside the read, write and tokenize "
+                       f"stages ({light_slots} x {_CPU_STAGE_CPUS} CPUs): run fewer engine actors, or give "
+                       f"engine_num_cpus")
+    return min(free / actors, largest_node)  # an actor must fit on one node
 
 
 def _run_with_progress(write: Callable[[], None], tracker, progress: Progress, started: float,
@@ -326,9 +337,7 @@ def _claim_output(config: JobConfig, total_rows: int) -> None:
     """Record which job the output belongs to; refuse to mix a different job's rows into it."""
     fs, path = filesystem(config.output, config.storage_options)
     manifest = posixpath.join(path, MANIFEST)
-    mine = {"input": config.input, "model": config.model, "total_rows": total_rows,
-            "sampling_params": SamplingParams.from_dict(config.sampling_params).to_dict(),
-            "list_outputs": config.samples_as_lists}
+    mine = job_record(config, total_rows)
     fs.invalidate_cache(path)
     if fs.exists(manifest):
         theirs = json.loads(fs.cat_file(manifest))
@@ -339,6 +348,14 @@ def _claim_output(config: JobConfig, total_rows: int) -> None:
         return
     with fs.open(manifest, "w") as f:
         json.dump(mine, f, indent=2)
+
+
+def job_record(config: JobConfig, total_rows: int) -> dict:
+    """What identifies a job's output, as its record file holds it: through JSON, so a rerun's record compares
+    equal to the one read back (JSON makes a logit_bias's token ids strings and tuples lists)."""
+    return json.loads(json.dumps({"input": config.input, "model": config.model, "total_rows": total_rows,
+                                  "sampling_params": SamplingParams.from_dict(config.sampling_params).to_dict(),
+                                  "list_outputs": config.samples_as_lists}))
 
 
 def _summarise(config: JobConfig, progress: Progress) -> JobSummary:

@@ -27,7 +27,7 @@ def test_the_busiest_actor_gives_half_the_token_difference_to_the_least_loaded_h
     assert report(balancer, "mid", 6, 110) == (0, None)  # not the busiest: only the busiest gives
     balancer.send("busy", "idle", [("r1", ["ref1"]), ("r2", ["ref2"]), ("r3", ["ref3"])], kv_bytes=300, tokens=1500)
     assert report(balancer, "busy", 27, 1500) == (0, None)  # "idle" has 1 + 3 requests coming: not hungry
-    assert balancer.take("idle") == [["ref1"], ["ref2"], ["ref3"]]
+    assert balancer.take("idle") == [("r1", ["ref1"]), ("r2", ["ref2"]), ("r3", ["ref3"])]
     balancer.deliver("idle", [Result("r1", [1])])
     assert balancer.collect("busy") == ([Result("r1", [1])], {})
     assert balancer.collect("busy") == ([], {})
@@ -73,6 +73,45 @@ def test_only_an_actor_serving_a_call_takes_work_and_finished_calls_stay_while_w
     report(balancer, "between-calls", 0, 0)
     report(balancer, "busy", 1, 1000)
     assert not balancer.has_surplus("between-calls")  # one request left: nothing to spread
+
+
+def test_requests_a_taker_could_not_fetch_keep_none_of_its_calls_open():
+    balancer = WorkBalancer(low_water=4, partition_below=0, min_share=0.2)
+    report(balancer, "owner", 10, 1000)
+    report(balancer, "taker", 0, 0)
+    balancer.send("owner", "taker", [("a", ["ref-a"]), ("b", ["ref-b"])], 0, 200)
+    assert [rid for rid, _ in balancer.take("taker")] == ["a", "b"]
+    report(balancer, "owner", 1, 800)
+    balancer.unreachable("taker", ["a"])  # its owner's object was gone: the taker never adopted it
+    assert balancer.has_surplus("taker")  # it still holds "b"
+    balancer.deliver("taker", [Result("b", [1])])
+    assert not balancer.has_surplus("taker")  # before the fix "a" stayed held and kept its last call open forever
+    assert balancer.collect("owner") == ([Result("b", [1])], {})
+
+
+def test_a_failed_actor_lookup_does_not_end_the_reaping(monkeypatch):
+    balancer = WorkBalancer(low_water=4, partition_below=0)
+    for name in ("flaky", "gone", "owner"):
+        report(balancer, name, 0, 0)
+    balancer.send("owner", "gone", [("r", ["ref"])], 0, 10)
+    lookups = []
+
+    def lookup(actor_id: str):
+        lookups.append(actor_id)
+        if actor_id == "actor-flaky":
+            raise ConnectionError("GCS unavailable")
+        return {"actor-owner": ("ALIVE", 0)}.get(actor_id, ("UNKNOWN", -1))
+
+    monkeypatch.setattr(work_balancer, "incarnation", lookup)
+    monkeypatch.setattr(work_balancer, "STALE_S", 0.0)
+    asyncio.run(_one_watch(balancer))  # STALE_S 0: round after round
+    assert lookups.count("actor-flaky") >= 2  # the loop went on after the failed lookup
+    assert balancer.collect("owner") == ([], {"r": None})  # and reaped "gone"
+
+
+def test_an_actor_the_table_does_not_know_is_not_alive(monkeypatch):
+    monkeypatch.setattr(work_balancer.ray_state, "actors", lambda actor_id: {})
+    assert work_balancer.incarnation("actor-x") != ("ALIVE", 0)
 
 
 def test_requests_held_by_a_dead_actor_go_back_to_their_owner_with_their_checkpoints(monkeypatch):

@@ -1,0 +1,44 @@
+"""A job's set-up decisions that need no Ray runtime: the record that ties an output to its job, and the CPUs
+each engine actor asks for."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchgen.pipelines.pipeline import JobConfig, JobError, _claim_output, actor_cpu_share, job_record
+
+
+def test_a_rerun_of_the_same_job_matches_its_record_whatever_json_makes_of_it(tmp_path):
+    sampling = {"max_tokens": 4, "temperature": 0, "logit_bias": {"7": -100, 9: 2.5}, "stop": ["x", "y"]}
+    config = JobConfig(model="m", input="in", output=str(tmp_path / "out"), sampling_params=sampling)
+    (tmp_path / "out").mkdir()
+    _claim_output(config, total_rows=10)
+    record = json.loads(next((tmp_path / "out").iterdir()).read_text())
+    assert record == job_record(config, 10)
+    assert record["sampling_params"]["logit_bias"] == {"7": -100.0, "9": 2.5}
+    _claim_output(config, total_rows=10)  # the rerun resumes: token ids read back as strings compare equal
+    for other in ({**sampling, "logit_bias": {"7": -99}}, {**sampling, "stop": ["x"]}):
+        with pytest.raises(JobError, match=r"holds results of a different job \(differs in \['sampling_params'\]\)"):
+            _claim_output(JobConfig(**{**config.__dict__, "sampling_params": other}), total_rows=10)
+    with pytest.raises(JobError, match=r"differs in \['total_rows'\]"):
+        _claim_output(config, total_rows=11)
+
+
+@pytest.mark.parametrize("cluster,largest,actors,light,expected", [
+    (2.0, 2.0, 1, 2, 1.5),  # one engine on a 2-CPU machine: two torch threads
+    (2.0, 2.0, 2, 3, 0.625),  # prefill + decode beside read, write and one tokenizer
+    (2.0, 2.0, 2, 5, 0.375),  # three tokenizer actors keep three slots
+    (16.0, 4.0, 2, 2, 4.0),  # no more than the largest node
+    (2.0, 2.0, 6, 2, 0.25),
+])
+def test_engine_actors_share_what_the_light_stages_leave(cluster, largest, actors, light, expected):
+    assert actor_cpu_share(cluster, largest, actors, light) == pytest.approx(expected)
+
+
+def test_engine_actors_the_cluster_cannot_hold_beside_the_light_stages_are_refused():
+    # 7 x 0.25 + 2 x 0.25 > 2 CPUs: the read tasks would never be scheduled and the job would wait forever
+    with pytest.raises(JobError, match=r"7 engine actors do not fit 2 CPUs beside the read, write and tokenize "
+                                       r"stages \(2 x 0.25 CPUs\)"):
+        actor_cpu_share(2.0, 2.0, 7, 2)
