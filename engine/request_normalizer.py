@@ -73,7 +73,7 @@ class RequestNormalizer:
         if type(value) is list and value and set(map(type, value)) == {int}:  # the common case, in C passes
             if min(value) >= 0 and (upper is None or max(value) < upper):
                 return list(value)
-        value = plain(value)
+        value = plain(value, "prompt_token_ids")
         if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             raise InvalidRequestError(f"prompt_token_ids: expected a list of integers, got {describe(value)}")
         bad = [t for t in value if t < 0 or (upper is not None and t >= upper)]
@@ -95,16 +95,16 @@ def sampling_params(values: Any, defaults: SamplingParams | None = None) -> Samp
     if isinstance(values, str):
         try:
             values = json.loads(values)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, an integer too long to convert, nesting
             raise InvalidRequestError(f"sampling_params: not a JSON object: {exc}") from None
     if values is not None and not isinstance(values, Mapping):
         raise InvalidRequestError(f"sampling_params: expected a struct or JSON object, got {type(values).__name__}")
-    return SamplingParams.from_dict({k: plain(v) for k, v in (values or {}).items()}, defaults)
+    return SamplingParams.from_dict({k: plain(v, k) for k, v in (values or {}).items()}, defaults)
 
 
 def chat_turns(messages: Any) -> list[dict[str, str]]:
     """Chat messages as [{role, content}] text turns (OpenAI's content parts joined; developer -> system)."""
-    messages = plain(messages)
+    messages = plain(messages, "messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError(f"messages: expected a non-empty list of {{role, content}}, got {describe(messages)}")
     turns = []
@@ -149,21 +149,25 @@ def text_value(value: Any, field: str) -> str:
     return value
 
 
-def plain(value: Any) -> Any:
-    """numpy values (what Ray's default batch format hands over) as plain Python ones."""
+def plain(value: Any, field: str = "value", depth: int = 0) -> Any:
+    """numpy values (what Ray's default batch format hands over) as plain Python ones. A value nested deeper than
+    MAX_NESTING lists and objects is refused, naming `field` (the checks after this recurse through it)."""
+    if depth > MAX_NESTING:
+        raise InvalidRequestError(f"{field}: nested deeper than {MAX_NESTING} levels")
     if isinstance(value, np.ndarray):
-        return [plain(v) for v in value.tolist()] if value.dtype == object else value.tolist()
+        return [plain(v, field, depth + 1) for v in value.tolist()] if value.dtype == object else value.tolist()
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
+        return {k: plain(v, field, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         if all(type(v) in _PLAIN_SCALARS for v in value):  # a token list: nothing inside to convert
             return list(value)
-        return [plain(v) for v in value]
+        return [plain(v, field, depth + 1) for v in value]
     return value
 
 
+MAX_NESTING = 64
 _PLAIN_SCALARS = frozenset({int, float, str, bool, type(None)})
 
 

@@ -48,7 +48,7 @@ class StructuredOutputs:
                 raise bad(f"'json' must be a JSON schema (an object or its JSON text), got {type(self.json).__name__}")
             try:
                 schema = json.loads(self.json)
-            except json.JSONDecodeError as exc:
+            except (ValueError, RecursionError) as exc:  # JSONDecodeError, an integer too long, nesting
                 raise bad(f"'json' is not valid JSON: {exc}") from None
             if not isinstance(schema, (dict, bool)):
                 raise bad(f"'json' must be a JSON schema object, got {type(schema).__name__}")

@@ -433,6 +433,10 @@ def test_per_request_errors_go_to_error_file(client, engine):
         "unknown-field": ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
         "chat-field": ({"prompt": "x", "messages": []}, "messages"),
         "bad-max-tokens": ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        # parses as JSON, then would overflow the stack of the checks that recurse through it (the runner's thread)
+        "deep-stop": ({"prompt": "x", "stop": _nested(400)}, "stop: nested deeper than 64 levels"),
+        "deep-schema": ({"prompt": "x", "structured_outputs": {"json": _deep_schema(200)}},
+                        "structured_outputs: nested deeper than 64 levels"),
     }
     lines = [_line("ok-1", {"prompt": "hello", "ignore_eos": True})]  # max_tokens from --sampling-params
     lines += [_line(cid, body) for cid, (body, _) in bad.items()]
@@ -496,6 +500,8 @@ def test_invalid_input_fails_validation_with_line_numbers(client):
         {**good, "custom_id": "d", "body": {"model": "gpt-4o", "prompt": "x"}},  # 8
         "",  # 9: blank lines are skipped
         {**good, "custom_id": "e", "body": "not an object"},  # 10
+        '{"custom_id": "f", "body": ' + "[" * 5000 + "]" * 5000 + "}",  # 11: deeper than json's recursion
+        '{"custom_id": "g", "body": ' + "7" * 5000 + "}",  # 12: an integer past Python's digit limit
     ]
     batch = _wait(client, _submit(client, lines).id)
     assert batch.status == "failed" and batch.failed_at is not None and batch.in_progress_at is None
@@ -503,7 +509,8 @@ def test_invalid_input_fails_validation_with_line_numbers(client):
     found = [(e.line, e.code) for e in batch.errors.data]
     assert found == [(1, "invalid_json_line"), (2, "invalid_json_line"), (3, "missing_custom_id"),
                      (5, "duplicate_custom_id"), (6, "invalid_method"), (7, "invalid_url"),
-                     (8, "model_not_found"), (10, "invalid_body")]
+                     (8, "model_not_found"), (10, "invalid_body"), (11, "invalid_json_line"),
+                     (12, "invalid_json_line")]
     assert "line 4" in batch.errors.data[3].message and "'tiny-served'" in batch.errors.data[6].message
 
     empty = _wait(client, _submit(client, ["", ""]).id)
@@ -797,3 +804,19 @@ def test_restart_resumes_without_losing_or_repeating(s3_server, model_dir, loop)
     assert [x["custom_id"] for x in out] == [x["custom_id"] for x in lines]
     expected = _greedy(loop, [x["body"]["prompt"] for x in lines], max_tokens=8, ignore_eos=True)
     assert [x["response"]["body"]["choices"][0]["text"] for x in out] == [c.text for c in expected]
+
+
+def _nested(depth: int) -> list:
+    """An empty list inside `depth` lists."""
+    value = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _deep_schema(depth: int) -> dict:
+    """A JSON schema of objects `depth` deep."""
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema

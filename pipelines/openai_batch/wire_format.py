@@ -108,7 +108,7 @@ def _check_line(raw: bytes, endpoint: str, served_model: str, seen: dict[str, in
     """(code, message, param) for the first problem of one input line, or None when it is valid."""
     try:
         entry = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSON or UTF-8 errors, an integer too long to convert, nesting
         return "invalid_json_line", f"line {line_number} is not valid JSON: {exc}", None
     if not isinstance(entry, dict):
         return "invalid_json_line", f"line {line_number} is not a JSON object", None
