@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from batchgen.engine.sequence import Sequence
 
+REPLACEMENT = "\ufffd"  # what a decoder gives for the bytes of a character not yet complete
+
 
 def detokenize(tokenizer, token_ids: list[int]) -> str:
     """decode(token_ids, skip_special_tokens=True). A list of Python ints needs none of decode's input conversion
@@ -28,7 +30,10 @@ def finish_reason(seq: Sequence, tokenizer, max_model_len: int) -> str | None:
             return "stop"
         if params.stop:
             text = detokenize(tokenizer, seq.generated)
-            cut = _first_stop(text, params.stop, len(detokenize(tokenizer, seq.generated[:-1])))
+            # a character whose bytes are split over tokens decodes as U+FFFD until its last byte comes, and the
+            # text may then grow by nothing: the newest token's text starts where the previous text is whole
+            before = detokenize(tokenizer, seq.generated[:-1]).rstrip(REPLACEMENT)
+            cut = _first_stop(text, params.stop, len(before))
             if cut is not None:
                 seq.stop_text_end = cut
                 return "stop"

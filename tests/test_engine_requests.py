@@ -14,6 +14,7 @@ from batchgen.engine import Engine, InvalidRequestError, Request, SamplingParams
 from batchgen.engine.reference import ReferenceRunner
 from batchgen.engine.sampler import adjust_logits
 from batchgen.engine.sequence import Sequence
+from batchgen.engine.stop_checker import finish_reason, output_text
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +92,28 @@ def test_stop_token_ids_stop_strings_and_eos(engine, demo):
         Request("x", prompt_token_ids=base.prompt_token_ids, sampling=greedy(ignore_eos=True))])
     assert eos_stop.outputs[0].token_ids == tokens[: first_eos + 1] and eos_stop.outputs[0].finish_reason == "stop"
     assert eos_ignored.outputs[0].token_ids == tokens and eos_ignored.outputs[0].finish_reason == "length"
+
+
+class ByteTokenizer:
+    """Token id = one UTF-8 byte (a byte-level BPE's fallback): a CJK character or an emoji is 3-4 tokens."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("stop", ["你", "b你", "🙂", "你c"])
+def test_a_stop_string_ending_in_a_character_split_over_tokens_stops_on_its_last_byte(stop):
+    text = "ab你c🙂d"
+    seq = Sequence(0, "r", 0, [1], SamplingParams(stop=[stop], max_tokens=64), frozenset(), 0)
+    reasons = []
+    for byte in text.encode():
+        seq.generated.append(byte)
+        reasons.append(finish_reason(seq, ByteTokenizer(), max_model_len=128))
+        if reasons[-1]:
+            break
+    end = len((text[: text.index(stop) + len(stop)]).encode())
+    assert reasons == [None] * (end - 1) + ["stop"]  # on the stop's last byte, not later ("length" before the fix)
+    assert output_text(seq, ByteTokenizer()) == text[: text.index(stop)]
 
 
 def test_min_tokens_suppresses_stopping_and_max_tokens_sets_length(engine):
