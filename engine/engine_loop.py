@@ -72,26 +72,36 @@ class EngineLoop:
         self._outstanding = 0  # requests handed over by `run` whose futures are not done
         self._room = threading.Condition()
 
-    def submit(self, request_ids: list[str], admit: Callable[[Engine], None]) -> list[RequestFuture]:
-        """Call `admit(engine)` on the engine thread (it adds these requests); one future per request id."""
-        futures = {rid: RequestFuture() for rid in request_ids}
-        if len(futures) != len(request_ids):
-            raise ValueError("duplicate request ids in one submission")
+    def submit(self, request_ids: list[str], add: Callable[[Engine, int], None]) -> list[RequestFuture]:
+        """Add these requests on the engine thread (`add(engine, i)` adds the i-th); one future per request id.
+        An id this loop already has running (here, moved elsewhere or adopted), or twice in one submission, is
+        not added: its future gets a Result with the error, and the request running under that id goes on
+        undisturbed (the engine's own check would fail the new one under the same id, taking the old one's
+        future)."""
+        futures = [RequestFuture() for _ in request_ids]
 
         def command() -> None:
-            self._pending.update(futures)
-            admit(self.engine)
+            fresh = []
+            for i, (rid, future) in enumerate(zip(request_ids, futures)):
+                if rid in self._pending or rid in self._exported or rid in self._adopted:
+                    future.set_result(Result(rid, [], error=f"duplicate request_id {rid!r}: a request with this id "
+                                                            f"is already running"))
+                else:
+                    self._pending[rid] = future
+                    fresh.append(i)
+            for i in fresh:
+                add(self.engine, i)
             self._refresh_load()
 
-        self._inbox.put((command, list(futures.values())))
-        return list(futures.values())
+        self._inbox.put((command, futures))
+        return futures
 
-    async def run(self, request_ids: list[str], admit: Callable[[Engine], None]) -> list[Result]:
+    async def run(self, request_ids: list[str], add: Callable[[Engine, int], None]) -> list[Result]:
         """Wait for room under `max_outstanding`, `submit`, then await the Results in request order. The
         caller's event loop is woken once, when the last of them is done: an asyncio future per request
         (and a wake-up per row) cost a job of short rows as much host time as the rest of the batch."""
         await asyncio.to_thread(self._reserve, len(request_ids))
-        futures = self.submit(request_ids, admit)
+        futures = self.submit(request_ids, add)
         loop = asyncio.get_running_loop()
         all_done = loop.create_future()
         remaining = [len(futures)]

@@ -48,12 +48,7 @@ async def run_requests(loop: EngineLoop, agent: BalancingAgent | None, request_i
     the other engine actors when the actor has an agent."""
     if agent is not None:
         return await agent.run(request_ids, add)
-
-    def admit(engine: Engine) -> None:
-        for i in range(len(request_ids)):
-            add(engine, i)
-
-    return await loop.run(request_ids, admit)
+    return await loop.run(request_ids, add)
 
 
 class BalancingAgent:
@@ -79,20 +74,19 @@ class BalancingAgent:
         another has work to spare."""
         restored = await self._recovered(request_ids)
 
-        def admit(engine: Engine) -> None:
-            for i, rid in enumerate(request_ids):
-                if rid in restored:
-                    try:
-                        engine.import_request(restored[rid])
-                        continue
-                    except InvalidRequestError:
-                        pass  # recomputed instead
-                add(engine, i)
+        def restore_or_add(engine: Engine, i: int) -> None:
+            if request_ids[i] in restored:
+                try:
+                    engine.import_request(restored[request_ids[i]])
+                    return
+                except InvalidRequestError:
+                    pass  # recomputed instead
+            add(engine, i)
 
         with self._lock:
             self._serving += 1
         try:
-            results = await self.loop.run(request_ids, admit)
+            results = await self.loop.run(request_ids, restore_or_add)
             for rid in request_ids:
                 self._checkpointed.pop(rid, None)
             self.balancer.done.remote(request_ids)

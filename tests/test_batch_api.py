@@ -232,11 +232,8 @@ def _greedy(loop: EngineLoop, prompts: list, max_tokens: int, **sampling) -> lis
     requests = [Request(f"ref{next(_ids)}", prompt=p, sampling=params) if isinstance(p, str) else
                 Request(f"ref{next(_ids)}", prompt_token_ids=p, sampling=params) for p in prompts]
 
-    def admit(engine: Engine) -> None:
-        for request in requests:
-            engine.add_request(request)
-
-    results = [f.result(timeout=120) for f in loop.submit([r.request_id for r in requests], admit)]
+    futures = loop.submit([r.request_id for r in requests], lambda engine, i: engine.add_request(requests[i]))
+    results = [f.result(timeout=120) for f in futures]
     assert all(r.ok for r in results), [r.error for r in results]
     return [r.outputs[0] for r in results]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import pickle
+import threading
 
 import pandas as pd
 import pyarrow as pa
@@ -224,9 +225,36 @@ def test_engine_loop_fails_every_waiting_batch_when_the_engine_raises(tiny_moe_d
     engine.step = broken_step
     request = Request("boom", [1, 2, 3], sampling=SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="the engine failed: MemoryError"):
-        asyncio.run(loop.run(["boom"], lambda engine: engine.add_request(request)))
+        asyncio.run(loop.run(["boom"], lambda engine, i: engine.add_request(request)))
     with pytest.raises(RuntimeError, match="the engine failed"):
-        asyncio.run(loop.run(["next"], lambda engine: None))
+        asyncio.run(loop.run(["next"], lambda engine, i: None))
+
+
+def test_a_duplicate_request_id_fails_alone_and_the_request_running_under_it_finishes(tiny_moe_dir, prompts,
+                                                                                       expected):
+    engine = load_engine(tiny_moe_dir, **ENGINE)
+    loop = EngineLoop(lambda: engine)
+    params = SamplingParams.from_dict(SAMPLING)
+    first = [Request("a", prompt=prompts[0], sampling=params)]
+    again = [Request("a", prompt=prompts[1], sampling=params), Request("b", prompt=prompts[1], sampling=params),
+             Request("b", prompt=prompts[2], sampling=params)]
+
+    submitted = threading.Event()  # the engine thread adds "a" once the second submission is queued behind it
+
+    def add_first(engine, i):
+        submitted.wait(10)
+        engine.add_request(first[i])
+
+    running = loop.submit(["a"], add_first)
+    later = loop.submit([r.request_id for r in again], lambda engine, i: engine.add_request(again[i]))
+    submitted.set()  # both commands run before the next step: "a" is running when the second comes
+    [a], [a_again, b, b_again] = [[f.result(timeout=60) for f in fs] for fs in (running, later)]
+    loop.close()
+    assert a.ok and a.outputs[0].token_ids == expected[0]  # before: its future was replaced, it never returned
+    assert a_again.error == "duplicate request_id 'a': a request with this id is already running"
+    assert b.ok and b.outputs[0].token_ids == expected[1]
+    assert b_again.error == "duplicate request_id 'b': a request with this id is already running"
+    assert engine.metrics()["failed_requests"] == 0  # the duplicates never reached the engine
 
 
 def test_concurrent_batches_share_one_engine(tiny_moe_dir, prompts, expected):
@@ -248,11 +276,11 @@ def test_engine_loop_admission_applies_back_pressure(tiny_moe_dir, prompts, expe
     in_engine = []  # requests the engine held (unfinished) each time a batch was admitted
 
     def admitter(batch):
-        def admit(engine):
-            for request in batch:
-                engine.add_request(request)
-            in_engine.append(len(engine._requests))
-        return admit
+        def add(engine, i):
+            engine.add_request(batch[i])
+            if i == len(batch) - 1:
+                in_engine.append(len(engine._requests))
+        return add
 
     batches = [[Request(f"r{i + j}", prompt=prompts[i + j], sampling=params) for j in range(2)] for i in (0, 2, 4)]
 

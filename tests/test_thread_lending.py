@@ -109,11 +109,7 @@ def test_the_engine_loop_says_when_it_computes_and_when_it_runs_out_of_work(tiny
     params = SamplingParams.from_dict(SAMPLING)
     requests = [Request(f"r{i}", prompt=p, sampling=params) for i, p in enumerate(workload(3))]
 
-    def admit(engine):
-        for request in requests:
-            engine.add_request(request)
-
-    results = asyncio.run(loop.run([r.request_id for r in requests], admit))
+    results = asyncio.run(loop.run([r.request_id for r in requests], lambda engine, i: engine.add_request(requests[i])))
     deadline = time.time() + 10
     while (not states or states[-1]) and time.time() < deadline:  # the loop goes idle after the last step
         time.sleep(0.01)

@@ -16,7 +16,7 @@ import queue
 from collections import deque
 from dataclasses import dataclass, field
 
-from batchgen.engine import Engine, EngineLoop, Request
+from batchgen.engine import EngineLoop, Request
 from batchgen.engine.request_future import RequestFuture
 from batchgen.pipelines.openai_batch.backend import BackendConfig, BatchBackendBase, QueuedBatch
 from batchgen.pipelines.openai_batch.store import BatchRecord, BatchStore, ResultRow
@@ -99,11 +99,8 @@ class BatchRunner(BatchBackendBase):
     def _submit(self, admitted: list[tuple[RunningBatch, int, Request]]) -> None:
         requests = [request for _, _, request in admitted]
 
-        def admit(engine: Engine) -> None:  # runs on the engine thread
-            for request in requests:
-                engine.add_request(request)
-
-        futures = self.loop.submit([r.request_id for r in requests], admit)
+        futures = self.loop.submit([r.request_id for r in requests],
+                                   lambda engine, i: engine.add_request(requests[i]))  # on the engine thread
         for (batch, index, request), future in zip(admitted, futures):
             self._owner[request.request_id] = (batch, index)
             batch.in_flight.add(index)
