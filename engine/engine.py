@@ -190,8 +190,9 @@ class Engine(Generates):
         self._check_packed(prefilled.kv, prefilled.num_tokens - prefilled.kv_start,
                            "the prefilled KV does not fit this decode engine (prefill and decode engines must run "
                            "the same model and KV dtype)")
-        self.scheduler.check_fits(min(prefilled.num_tokens + prefilled.request.sampling.max_tokens,
-                                      self.max_model_len))
+        sampling = prefilled.request.sampling
+        self.scheduler.check_fits(min(prefilled.num_tokens + sampling.max_tokens, self.max_model_len),
+                                  prefilled.num_tokens, sampling.n, imported=True)
         self.normalizer.check_vocabulary(prefilled.request.sampling)
         self._check_structured(prefilled.request.sampling)
         self._bad_word_ids(prefilled.request.sampling.bad_words)
@@ -206,7 +207,7 @@ class Engine(Generates):
         request = prefilled.request
         state = _RequestState(request, pending=request.sampling.n)
         self._requests[request.request_id] = state
-        location = self.scheduler.import_location(prefilled.num_tokens)
+        location = self.scheduler.import_location(prefilled.num_tokens, samples=request.sampling.n)
         for index, logprob in enumerate(prefilled.first_logprobs):
             seq = self.new_sequence(request, index, list(request.prompt_token_ids), prefilled.submitted_at)
             if not self.kv.load(seq, location, prefilled.kv, prefilled.num_tokens, prefilled.kv_start):
@@ -349,7 +350,8 @@ class Engine(Generates):
         self.normalizer.check_vocabulary(request.sampling)
         self._check_structured(request.sampling)
         self._bad_word_ids(request.sampling.bad_words)
-        self.scheduler.check_fits(min(len(ids) + request.sampling.max_tokens, self.max_model_len))
+        self.scheduler.check_fits(min(len(ids) + request.sampling.max_tokens, self.max_model_len), len(ids),
+                                  request.sampling.n)
         return ids
 
     def new_sequence(self, request: Request, index: int, prompt_ids: list[int], submitted: float) -> Sequence:

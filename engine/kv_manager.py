@@ -75,9 +75,11 @@ class KVManager:
     def pages_needed(self, num_tokens: int) -> int:
         return self.geometry.pages_for(num_tokens)
 
-    def fits(self, location: KVLocation, num_tokens: int, reserve: bool = True) -> bool:
+    def fits(self, location: KVLocation, num_tokens: int, reserve: bool = True, samples: int = 1) -> bool:
+        """Whether `samples` sequences of `num_tokens` each fit `location`'s free pages (on the device beside
+        the running sequences' reserve for their next tokens, unless `reserve` is off)."""
         extra = self.reserve_pages if reserve and location is KVLocation.DEVICE else 0
-        return self.pool(location).free_pages >= self.pages_needed(num_tokens) + extra
+        return self.pool(location).free_pages >= self.pages_needed(num_tokens) * samples + extra
 
     def allocate(self, seq: Sequence, location: KVLocation, num_tokens: int) -> None:
         pages = self.pool(location).allocate(self.pages_needed(num_tokens))

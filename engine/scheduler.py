@@ -108,8 +108,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.suspended or self.prefilling)
 
-    def check_fits(self, total_tokens: int) -> None:
-        """Reject a sequence that could never run, however long it waited (prompt + max_tokens)."""
+    def check_fits(self, total_tokens: int, prompt_tokens: int, samples: int, imported: bool = False) -> None:
+        """Reject a request that could never run, however long it waited: each sequence (prompt + max_tokens,
+        `total_tokens`) must fit a pool it can decode from, and the prompt's pages for all `samples` (its
+        samples' copies of the prompt's KV) one pool it can be prefilled into - host pages too in coroutine
+        mode, or when its KV is `imported` (prefilled elsewhere: placed on the host when the device is full)."""
         need = self.kv.pages_needed(total_tokens)
         device_ok = need <= self.kv.device.num_pages
         streamed_ok = self.coroutine and need <= min(self.kv.host_decode_pages, self.kv.host.num_pages)
@@ -117,6 +120,13 @@ class Scheduler:
             raise InvalidRequestError(
                 f"a sequence of up to {total_tokens} tokens (prompt + max_tokens) does not fit in the KV "
                 f"budget ({self.kv.device.num_pages} device pages of {self.kv.page_size} tokens)")
+        placed = self.kv.pages_needed(prompt_tokens + 1) * samples
+        on_host = (self.coroutine or imported) and placed <= self.kv.host.num_pages
+        if placed > self.kv.device.num_pages and not on_host:
+            raise InvalidRequestError(
+                f"a prompt of {prompt_tokens} tokens with n={samples} needs {placed} KV pages at once (a copy of "
+                f"its KV per sample), more than the KV budget holds ({self.kv.device.num_pages} device pages of "
+                f"{self.kv.page_size} tokens)")
 
     def schedule(self) -> StepPlan | None:
         self._restore()
@@ -303,9 +313,11 @@ class Scheduler:
         """Where an n > 1 sample's copy of its parent's prompt KV goes: beside the parent when it fits."""
         return planned if self.kv.fits(planned, parent.kv_len + 1) else KVLocation.HOST
 
-    def import_location(self, num_tokens: int) -> KVLocation:
-        """Where KV prefilled elsewhere lands: device pages when they have room, else host pages."""
-        return KVLocation.DEVICE if self.kv.fits(KVLocation.DEVICE, num_tokens + 1) else KVLocation.HOST
+    def import_location(self, num_tokens: int, samples: int = 1) -> KVLocation:
+        """Where KV prefilled elsewhere lands, for `samples` sequences together: device pages when they have room
+        for all, else host pages."""
+        return KVLocation.DEVICE if self.kv.fits(KVLocation.DEVICE, num_tokens + 1, samples=samples) else \
+            KVLocation.HOST
 
     def place_decoding(self, seq: Sequence) -> None:
         """A sequence whose KV was just written (prefill, fork, import) joins the decode pool."""

@@ -161,6 +161,23 @@ def test_disaggregated_prefill_then_decode_matches_reference(moe_case):
     assert in_order(got, len(batch)) == expected
 
 
+def test_prefilled_samples_that_fit_the_device_one_at_a_time_land_together_on_the_host(moe_case):
+    """n=3 samples of a 30-token prompt need 4 pages of 8 each: the device's 10 hold one or two. All three used to
+    land on the device and the third sample's pages ran out, failing the engine."""
+    loaded, batch, expected = moe_case
+    prefill = Engine(loaded, page_size=8)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=3)
+    [prefilled] = PrefillExporter(prefill).prefill([Request("r", prompt_token_ids=batch[4], sampling=params)]).outputs
+    decode = Engine(loaded, page_size=8, kv_budget_bytes=kv_bytes_per_token(loaded) * 8 * 10, prefix_caching=False)
+    assert decode.kv.device.num_pages == 10
+    decode.add_prefilled(prefilled)
+    assert decode.scheduler.suspended and not decode.scheduler.running  # on the host, restored as room allows
+    results = []
+    while decode.has_unfinished():
+        results += decode.step()
+    assert [o.token_ids for o in results[0].outputs] == [expected[4]] * 3
+
+
 def test_seeded_sampling_is_independent_of_batch_composition(moe_case):
     loaded, batch, _ = moe_case
     params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True)

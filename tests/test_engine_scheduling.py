@@ -193,7 +193,28 @@ def test_without_mixed_steps_a_refill_step_prefills_alone():
 def test_a_sequence_larger_than_every_pool_is_rejected_up_front():
     kv = manager(device_pages=2, stage_pages=1)
     with pytest.raises(InvalidRequestError, match="does not fit in the KV budget"):
-        Scheduler(scheduler_config(mode="coroutine"), kv).check_fits(40)
+        Scheduler(scheduler_config(mode="coroutine"), kv).check_fits(40, 8, 1)
+
+
+@pytest.mark.parametrize("mode,host_pages,accepted", [("lockstep", 64, False), ("coroutine", 64, True),
+                                                       ("coroutine", 8, False)])
+def test_a_prompt_whose_samples_fit_no_pool_together_is_rejected_up_front(mode, host_pages, accepted):
+    """Each of n=5 samples fits the device (prompt 10 + 6 tokens: 4 pages of 4), but the prompt's pages for all
+    five (3 x 5 = 15) do not: the prefill waited for them forever, holding up every prompt behind it."""
+    scheduler = Scheduler(scheduler_config(mode=mode), manager(device_pages=8, host_pages=host_pages))
+    if accepted:
+        scheduler.check_fits(16, 10, samples=5)
+        return
+    with pytest.raises(InvalidRequestError, match=r"a prompt of 10 tokens with n=5 needs 15 KV pages at once"):
+        scheduler.check_fits(16, 10, samples=5)
+    scheduler.check_fits(16, 10, samples=2)  # 6 pages
+
+
+def test_prefilled_samples_land_together_where_all_of_them_fit():
+    scheduler = Scheduler(scheduler_config(mode="lockstep"), manager(device_pages=8))
+    assert scheduler.import_location(9, samples=2) is KVLocation.DEVICE  # 3 pages each
+    assert scheduler.import_location(9, samples=3) is KVLocation.HOST  # 9 > 8: the second sample found no page
+    scheduler.check_fits(12, 9, samples=3, imported=True)  # so an imported prompt may exceed the device
 
 
 def test_combine_requires_one_program_point_and_partition_restores_rows():

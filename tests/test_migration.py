@@ -141,12 +141,9 @@ def test_engine_loops_move_requests_and_their_results_return_to_the_owner(demo):
     requests = workload()
     moved_ids: list[str] = []
 
-    def admit(engine):
-        for request in requests:
-            engine.add_request(request)
-
     async def main():
-        call = asyncio.ensure_future(owner.run([r.request_id for r in requests], admit))
+        call = asyncio.ensure_future(owner.run([r.request_id for r in requests],
+                                               lambda engine, i: engine.add_request(requests[i])))
         while owner.load.requests < len(requests):  # admitted (the load is recounted after each command)
             await asyncio.sleep(0.01)
         moved = await asyncio.wrap_future(owner.export(100))  # output tokens' worth: 2 to 5 of the 6 requests

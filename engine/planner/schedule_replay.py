@@ -41,7 +41,7 @@ def replay_schedule(config: EngineConfig, budget: KVBudget, spec: KVSpec, dtype:
                        sampling=SamplingParams(max_tokens=output, ignore_eos=True), eos_token_ids=frozenset(),
                        arrival=i)
         try:
-            scheduler.check_fits(prompt + output)
+            scheduler.check_fits(prompt + output, prompt, samples=1)
         except ValueError as exc:
             raise ReplayError(str(exc)) from None
         targets[i] = output
