@@ -11,6 +11,8 @@ from typing import Any
 from batchgen.engine.errors import InvalidRequestError
 from batchgen.engine.structured_outputs import StructuredOutputs
 
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -43,6 +45,8 @@ class SamplingParams:
         for name in ("stop", "bad_words"):
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, (getattr(self, name),))
+        if self.top_k == -1:  # vLLM's (and its clients') "disabled"
+            object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         object.__setattr__(self, "structured_outputs", StructuredOutputs.from_value(self.structured_outputs))
         for name in ("stop", "stop_token_ids", "bad_words"):
@@ -55,7 +59,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Temperatures under GREEDY_BELOW pick the most likely token, as vLLM does: logits divided by them
+        overflow to inf, and the softmax of infs is NaN."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @functools.cached_property
     def adjusts_logits(self) -> bool:
@@ -77,7 +83,7 @@ class SamplingParams:
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise bad("top_k", f"must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            raise bad("top_k", f"must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if not all(isinstance(s, str) and s for s in self.stop):

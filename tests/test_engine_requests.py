@@ -94,6 +94,18 @@ def test_stop_token_ids_stop_strings_and_eos(engine, demo):
     assert eos_ignored.outputs[0].token_ids == tokens and eos_ignored.outputs[0].finish_reason == "length"
 
 
+def test_tiny_temperatures_are_greedy_and_top_k_minus_one_disables_top_k(engine):
+    """vLLM's conventions: logits divided by 1e-38 overflow (the softmax of infs is NaN, its argmax a low id)."""
+    prompt = [5, 6, 7, 8]
+    [want] = engine.generate([Request("g", prompt_token_ids=prompt, sampling=greedy())])
+    tiny = [Request(f"t{i}", prompt_token_ids=prompt, sampling=SamplingParams(
+        temperature=t, max_tokens=12, ignore_eos=True, seed=i)) for i, t in enumerate((1e-38, 1e-6))]
+    assert [r.outputs[0].token_ids for r in engine.generate(tiny)] == [want.outputs[0].token_ids] * 2
+    assert SamplingParams(top_k=-1).top_k == 0 and SamplingParams.from_dict({"top_k": -1}).to_dict()["top_k"] == 0
+    with pytest.raises(InvalidRequestError, match="top_k"):
+        SamplingParams(top_k=-2)
+
+
 class ByteTokenizer:
     """Token id = one UTF-8 byte (a byte-level BPE's fallback): a CJK character or an emoji is 3-4 tokens."""
 
