@@ -12,7 +12,7 @@ import torch
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, InvalidRequestError, Request, SamplingParams
 from batchgen.engine.reference import ReferenceRunner
-from batchgen.engine.sampler import adjust_logits
+from batchgen.engine.sampler import _filtered_probs, adjust_logits
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.stop_checker import finish_reason, output_text
 
@@ -104,6 +104,18 @@ def test_tiny_temperatures_are_greedy_and_top_k_minus_one_disables_top_k(engine)
     assert SamplingParams(top_k=-1).top_k == 0 and SamplingParams.from_dict({"top_k": -1}).to_dict()["top_k"] == 0
     with pytest.raises(InvalidRequestError, match="top_k"):
         SamplingParams(top_k=-2)
+
+
+def test_a_row_without_top_k_or_top_p_keeps_its_whole_distribution_beside_rows_that_set_them():
+    """A row with top_k 0 and top_p 1 goes through the sort and cumsum when another row of the step uses top-k;
+    a dominant token's probability rounds to 1.0 in float32 there, and every tail token fell at top_p 1."""
+    logits = torch.zeros(2, 1000)
+    logits[:, 0] = 30.0  # p0 = 1 - 9e-11: 1.0 in float32; each other token 9e-14
+    rows = [Sequence(i, f"r{i}", 0, [1], SamplingParams(temperature=1.0, top_k=k), frozenset(), i)
+            for i, k in enumerate((5, 0))]
+    probs = _filtered_probs(logits, rows)
+    assert torch.equal(probs[1], torch.softmax(logits[1], dim=-1))  # the batch does not change this row's draw
+    assert int((probs[0] > 0).sum()) == 5
 
 
 class ByteTokenizer:
