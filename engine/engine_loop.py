@@ -134,10 +134,13 @@ class EngineLoop:
             self._room.notify_all()
 
     def abort(self, request_ids: list[str]) -> None:
-        """Stop these requests between two steps and free their KV; their futures are cancelled."""
+        """Stop these requests between two steps and free their KV; their futures are cancelled. One running
+        elsewhere (exported) is forgotten: its Result is dropped, and it does not run here again if its holder
+        dies."""
         def command() -> None:
             for rid in request_ids:
                 self.engine.abort(rid)
+                self._exported.pop(rid, None)
                 future = self._pending.pop(rid, None)
                 if future is not None:
                     future.cancel()

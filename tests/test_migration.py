@@ -5,6 +5,7 @@ outputs, penalties, bad words, n > 1 and samples that finished before the move."
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from tiny_models import kv_bytes_per_token
@@ -166,3 +167,21 @@ def test_engine_loops_move_requests_and_their_results_return_to_the_owner(demo):
     assert by_id(results) == expected
     assert owner.engine.metrics()["migrated_out"] == len(moved_ids)
     assert holder.engine.metrics()["migrated_in"] == len(moved_ids) - 1
+
+
+def test_an_aborted_request_running_elsewhere_does_not_run_again_when_its_holder_dies(demo):
+    owner = EngineLoop(lambda: Engine(demo, page_size=16))
+    requests = workload()
+    futures = owner.submit([r.request_id for r in requests], lambda engine, i: engine.add_request(requests[i]))
+    try:
+        while owner.load.requests < len(requests):
+            time.sleep(0.01)
+        moved = [m.request.request_id for m in owner.export(100).result(timeout=60)]
+        assert moved
+        owner.abort(moved[:1])
+        owner.rerun(dict.fromkeys(moved))  # the holder died: the others run here again from their prompts
+        done = [f.result(timeout=120) for f, r in zip(futures, requests) if r.request_id != moved[0]]
+    finally:
+        owner.close()
+    assert all(r.ok for r in done) and futures[[r.request_id for r in requests].index(moved[0])].cancelled()
+    assert owner.engine.metrics()["finished_requests"] == len(requests) - 1  # not the aborted one
