@@ -54,6 +54,7 @@ class _RequestState:
     # an adopted prompt whose carried prefix was not in the page cache: prefilled here again, its samples
     # keep the first tokens the prefill engine drew
     prefilled: PrefillOutput | None = None
+    error: str | None = None  # why a sample failed: the request's Result says so once every sample is done
 
 
 class Engine(Generates):
@@ -478,8 +479,13 @@ class Engine(Generates):
         seq.generated.append(token)
         self.stats.generated_tokens += 1
         if seq.grammar is not None and not seq.grammar.accept_token(token):
-            raise RuntimeError(f"sequence {seq.seq_id} sampled token {token}, which its grammar's mask forbids")
-        reason = finish_reason(seq, self.tokenizer, self.max_model_len)
+            # every token the grammar allows next was banned (bad_words): this request fails, the engine goes on
+            self._requests[seq.request_id].error = (
+                f"structured_outputs: after {len(seq.generated) - 1} tokens no token the grammar allows was left to "
+                f"sample (bad_words banned every one)")
+            reason = "error"
+        else:
+            reason = finish_reason(seq, self.tokenizer, self.max_model_len)
         if reason is None:
             return False
         seq.finish_reason = reason
@@ -493,6 +499,9 @@ class Engine(Generates):
         if state.pending:
             return
         del self._requests[seq.request_id]
+        if state.error is not None:
+            self._fail(state.request, state.error, seq.submitted_at)
+            return
         samples = state.samples if len(state.samples) == 1 else sorted(state.samples, key=lambda s: s.sample_index)
         outputs = [Completion(index=s.sample_index, token_ids=list(s.generated), text=output_text(s, self.tokenizer),
                               finish_reason=s.finish_reason, logprobs=s.logprobs) for s in samples]

@@ -167,7 +167,7 @@ def plain(value: Any, field: str = "value", depth: int = 0) -> Any:
     return value
 
 
-MAX_NESTING = 64
+MAX_NESTING = 100  # lists and objects: a 40-level JSON schema of objects is 80
 _PLAIN_SCALARS = frozenset({int, float, str, bool, type(None)})
 
 

@@ -431,9 +431,9 @@ def test_per_request_errors_go_to_error_file(client, engine):
         "chat-field": ({"prompt": "x", "messages": []}, "messages"),
         "bad-max-tokens": ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         # parses as JSON, then would overflow the stack of the checks that recurse through it (the runner's thread)
-        "deep-stop": ({"prompt": "x", "stop": _nested(400)}, "stop: nested deeper than 64 levels"),
+        "deep-stop": ({"prompt": "x", "stop": _nested(400)}, "stop: nested deeper than 100 levels"),
         "deep-schema": ({"prompt": "x", "structured_outputs": {"json": _deep_schema(200)}},
-                        "structured_outputs: nested deeper than 64 levels"),
+                        "structured_outputs: nested deeper than 100 levels"),
     }
     lines = [_line("ok-1", {"prompt": "hello", "ignore_eos": True})]  # max_tokens from --sampling-params
     lines += [_line(cid, body) for cid, (body, _) in bad.items()]

@@ -168,6 +168,22 @@ def test_bad_specs_fail_their_row_alone(model):
     assert 'grammar does not compile' in results["rule"].error and '"missing" is not defined' in results["rule"].error
 
 
+def test_a_grammar_whose_every_token_is_banned_fails_its_request_alone():
+    """A choice of "z" with bad_words ["z"]: the tiny-moe tokenizer spells "z" one way, so the grammar's mask and
+    the ban leave no token. The request fails with the reason; the engine and the other request go on (the
+    engine raised, failing every request)."""
+    engine = Engine(load_model("tiny-moe"), page_size=16)
+    dead_end = SamplingParams(max_tokens=8, temperature=0.0, n=2, structured_outputs=StructuredOutputs(choice=("z",)),
+                              bad_words=["z"])
+    plain = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    [failed, ok] = engine.generate([Request("z", prompt="What would you do?", sampling=dead_end),
+                                    Request("ok", prompt="What would you do?", sampling=plain)])
+    assert failed.error == ("structured_outputs: after 0 tokens no token the grammar allows was left to sample "
+                            "(bad_words banned every one)") and not failed.outputs
+    assert ok.ok and len(ok.outputs[0].token_ids) == 5
+    assert engine.metrics()["failed_requests"] == 1 and not engine.has_unfinished()
+
+
 @pytest.mark.parametrize("value,message", [
     ({}, "set exactly one of"), ({"regex": "a", "choice": ["b"]}, "got regex, choice"),
     ({"json": "{x"}, "'json' is not valid JSON"), ({"choice": []}, "'choice' must be a non-empty list"),
