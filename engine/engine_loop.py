@@ -74,16 +74,19 @@ class EngineLoop:
 
     def submit(self, request_ids: list[str], add: Callable[[Engine, int], None]) -> list[RequestFuture]:
         """Add these requests on the engine thread (`add(engine, i)` adds the i-th); one future per request id.
-        An id this loop already has running (here, moved elsewhere or adopted), or twice in one submission, is
-        not added: its future gets a Result with the error, and the request running under that id goes on
-        undisturbed (the engine's own check would fail the new one under the same id, taking the old one's
-        future)."""
+        An id this loop already has running (here or moved elsewhere), or twice in one submission, is not added:
+        its future gets a Result with the error, and the request running under that id goes on undisturbed (the
+        engine's own check would fail the new one under the same id, taking the old one's future). An id this
+        loop runs for another engine (`adopt`) is the same request, submitted again by a task Ray Data runs
+        here after that engine died: its future gets the Result the running request ends with."""
         futures = [RequestFuture() for _ in request_ids]
 
         def command() -> None:
             fresh = []
             for i, (rid, future) in enumerate(zip(request_ids, futures)):
-                if rid in self._pending or rid in self._exported or rid in self._adopted:
+                if rid in self._adopted and rid not in self._pending:
+                    self._pending[rid] = future
+                elif rid in self._pending or rid in self._exported or rid in self._adopted:
                     future.set_result(Result(rid, [], error=f"duplicate request_id {rid!r}: a request with this id "
                                                             f"is already running"))
                 else:
@@ -271,10 +274,14 @@ class EngineLoop:
         callback = self._adopted.pop(result.request_id, None)
         if callback is not None:
             callback(result)
-            return
-        future = self._pending.pop(result.request_id, None)
+        future = self._pending.pop(result.request_id, None)  # (an adopted request's: submitted here again)
         if future is not None:
             future.set_result(result)
+
+    def runs_for_another(self, request_id: str) -> bool:
+        """Whether this loop runs `request_id` for another engine (adopted): a task submitting it again here
+        gets its Result (`submit`)."""
+        return request_id in self._adopted
 
     def _run_commands(self, block: bool) -> bool:
         """Run every queued command (waiting for one when `block`); False once closed."""

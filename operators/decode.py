@@ -51,7 +51,9 @@ class Decode:
             try:
                 if prefilled is None:
                     raise InvalidRequestError("the row reached decode without a prefill output")
-                self.engine.check_prefilled(prefilled)
+                # a task run again after its actor died: a row this actor decodes for that actor is not added again
+                if not self.loop.runs_for_another(prefilled.request.request_id):
+                    self.engine.check_prefilled(prefilled)
                 todo.append((i, prefilled))
             except InvalidRequestError as exc:
                 outcomes[i].error = str(exc)

@@ -5,6 +5,7 @@ outputs, penalties, bad words, n > 1 and samples that finished before the move."
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -185,3 +186,37 @@ def test_an_aborted_request_running_elsewhere_does_not_run_again_when_its_holder
         owner.close()
     assert all(r.ok for r in done) and futures[[r.request_id for r in requests].index(moved[0])].cancelled()
     assert owner.engine.metrics()["finished_requests"] == len(requests) - 1  # not the aborted one
+
+
+def test_a_task_run_again_where_its_moved_request_runs_gets_that_requests_result(demo):
+    """Ray Data reruns a dead actor's task; on the actor that adopted one of its requests the row is the running
+    request, not a duplicate: its Result reaches both the adopter's callback and the rerun task."""
+    expected = by_id(Engine(demo, page_size=16).generate(workload()))
+    owner, holder = (EngineLoop(lambda: Engine(demo, page_size=16)) for _ in range(2))
+    requests = workload()
+    owner.submit([r.request_id for r in requests], lambda engine, i: engine.add_request(requests[i]))
+    try:
+        while owner.load.requests < len(requests):
+            time.sleep(0.01)
+        moved = owner.export(100).result(timeout=60)
+        rid, back, gate = moved[0].request.request_id, [], threading.Event()
+
+        def never(engine, i):
+            raise AssertionError("the running request was added again")
+
+        # the holder's engine thread waits until the adoption and the rerun's submission are both queued: the
+        # request is still running when the rerun comes
+        holder.submit(["gate"], lambda engine, i: gate.wait(10))
+        adopted = holder.adopt(moved, back.append)
+        seen = []  # what a Decode task asks before checking its rows (on the engine thread here: no race)
+        holder.submit(["probe"], lambda engine, i: seen.append(holder.runs_for_another(rid)))
+        [again] = holder.submit([rid], never)
+        gate.set()
+        adopted.result(timeout=60)
+        result = again.result(timeout=120)
+    finally:
+        owner.close()
+        holder.close()
+    assert seen == [True] and by_id([result]) == {rid: expected[rid]}
+    assert [r.request_id for r in back if r.request_id == rid] == [rid]
+    assert holder.engine.metrics()["migrated_in"] == len(moved)
