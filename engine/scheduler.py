@@ -28,6 +28,7 @@ from batchgen.engine.sequence import KVLocation, Phase, Sequence
 
 PREFIX_WINDOW = 32  # how far into the waiting queue admission looks for prompts with a cached prefix
 
+HOST_FULL = "host page pool is full: raise host_kv_budget_bytes"
 
 @dataclass(frozen=True)
 class PrefillChunk:
@@ -272,7 +273,7 @@ class Scheduler:
         if self.coroutine:
             for seq in self.suspended.values():
                 if not self.kv.grow(seq, seq.kv_len + 1):
-                    raise RuntimeError("host page pool is full: raise host_kv_budget_bytes")
+                    raise RuntimeError(HOST_FULL)
             # a sequence larger than the staging pool waits in host pages for a device restore
             streamable = [s for s in self.suspended.values()
                           if self.kv.pages_needed(s.kv_len + 1) <= self.kv.host_decode_pages]
@@ -287,6 +288,8 @@ class Scheduler:
 
     def _yield(self, seq: Sequence) -> None:
         """YIELD a sequence off the device: checkpoint its KV to host pages."""
+        if not self.kv.fits(KVLocation.HOST, seq.kv_len):
+            raise RuntimeError(HOST_FULL)  # before anything moves (the pool's error left the device pages leaked)
         del self.running[seq.seq_id]
         self.kv.migrate(seq, KVLocation.HOST)
         seq.phase = Phase.SUSPENDED

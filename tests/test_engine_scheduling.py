@@ -210,6 +210,15 @@ def test_a_prompt_whose_samples_fit_no_pool_together_is_rejected_up_front(mode, 
     scheduler.check_fits(16, 10, samples=2)  # 6 pages
 
 
+def test_a_yield_the_host_pool_cannot_hold_names_the_budget_and_moves_nothing():
+    kv = manager(device_pages=4, host_pages=1)
+    scheduler = Scheduler(scheduler_config(mode="lockstep"), kv)
+    a, b = (decoding(scheduler, kv, sequence(i, prompt_len=8)) for i in range(2))  # 2 pages each: the device full
+    with pytest.raises(RuntimeError, match="host page pool is full: raise host_kv_budget_bytes"):
+        scheduler.schedule()  # a's next token needs a page: b would yield to a host pool of 1 page
+    assert set(scheduler.running) == {0, 1} and len(b.device_pages) == 2 and kv.device.free_pages == 0
+
+
 def test_prefilled_samples_land_together_where_all_of_them_fit():
     scheduler = Scheduler(scheduler_config(mode="lockstep"), manager(device_pages=8))
     assert scheduler.import_location(9, samples=2) is KVLocation.DEVICE  # 3 pages each
