@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 from collections import Counter
@@ -11,6 +12,7 @@ import torch
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, InvalidRequestError, Request, SamplingParams
+from batchgen.engine.chat import render_chat
 from batchgen.engine.reference import ReferenceRunner
 from batchgen.engine.sampler import _filtered_probs, adjust_logits
 from batchgen.engine.sequence import Sequence
@@ -116,6 +118,17 @@ def test_a_row_without_top_k_or_top_p_keeps_its_whole_distribution_beside_rows_t
     probs = _filtered_probs(logits, rows)
     assert torch.equal(probs[1], torch.softmax(logits[1], dim=-1))  # the batch does not change this row's draw
     assert int((probs[0] > 0).sum()) == 5
+
+
+def test_a_tokenizer_with_named_chat_templates_renders_its_default(demo):
+    """Some checkpoints ship a list of {name, template}; transformers makes it a dict and applies "default" (a dict
+    passed back as the template was refused: every chat request failed)."""
+    tokenizer = copy.deepcopy(demo.tokenizer)
+    turns = [{"role": "user", "content": "Tell me a story."}]
+    want = render_chat(tokenizer, turns)
+    tokenizer.chat_template = {"default": tokenizer.chat_template, "tool_use": "{{ 'tools' }}"}
+    assert render_chat(tokenizer, turns) == want
+    assert render_chat(tokenizer, turns, chat_template="{{ 'x' }}") == tokenizer.encode("x", add_special_tokens=False)
 
 
 class ByteTokenizer:
