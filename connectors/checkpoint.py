@@ -80,7 +80,7 @@ def load_model(
     with metadata_dir(fs, root, files) as meta_dir:
         config, family = _read_config(meta_dir, uri)
         tokenizer = read_tokenizer(meta_dir, files, uri)
-        eos_token_ids = _eos_token_ids(meta_dir, files, config, tokenizer)
+        eos_token_ids = _eos_token_ids(meta_dir, uri, files, config, tokenizer)
     shards = _shard_paths(fs, root, files, uri)
     store = None
     if shared_host_weights and weights and torch.device(device).type == "cpu":
@@ -132,13 +132,16 @@ def _read_config(meta_dir: str, uri: str) -> tuple[Any, ModelFamily]:
         raise CheckpointError(f"{uri}/{CONFIG_FILE} is not a valid {model_type} config: {exc}") from exc
 
 
-def _eos_token_ids(meta_dir: str, files: set[str], config, tokenizer) -> tuple[int, ...]:
+def _eos_token_ids(meta_dir: str, uri: str, files: set[str], config, tokenizer) -> tuple[int, ...]:
     """generation_config.json's eos ids (what transformers' generate stops on), else config's, else the
     tokenizer's."""
     candidates = []
     if GENERATION_CONFIG_FILE in files:
-        generation = json.loads((Path(meta_dir) / GENERATION_CONFIG_FILE).read_text())
-        candidates.append(generation.get("eos_token_id"))
+        try:
+            generation = json.loads((Path(meta_dir) / GENERATION_CONFIG_FILE).read_text())
+            candidates.append(generation.get("eos_token_id"))
+        except (ValueError, UnicodeDecodeError, AttributeError) as exc:  # JSONDecodeError; not an object
+            raise CheckpointError(f"{uri}/{GENERATION_CONFIG_FILE} is not a JSON object: {exc}") from exc
     candidates.append(config.eos_token_id)
     candidates.append(tokenizer.eos_token_id if tokenizer is not None else None)
     for eos in candidates:
@@ -235,6 +238,16 @@ def _tied_parameters(model: torch.nn.Module) -> list[tuple[str, str]]:
     return tied
 
 
+def _check_tied(first: str, name: str, dest: torch.Tensor, tensor: torch.Tensor) -> None:
+    """A tied parameter filled by a second checkpoint tensor (both the embeddings and an lm_head.weight saved)
+    must get the same values: a checkpoint whose head was trained apart from the embeddings while its config still
+    ties them would otherwise load whichever tensor came last into both."""
+    if name != first and not torch.equal(dest, tensor.to(dest.dtype)):
+        raise CheckpointError(f"the config ties the LM head to the embeddings (tie_word_embeddings), but the "
+                              f"checkpoint's {first!r} and {name!r} differ: set tie_word_embeddings to false in "
+                              f"config.json")
+
+
 _Getter = Callable[[str, Any], torch.Tensor]  # (tensor name, index) -> that part of the tensor
 _Shape = Callable[[str], tuple[int, ...]]
 
@@ -262,6 +275,7 @@ def _fill_weights(model: torch.nn.Module, family: ModelFamily, fs, shards: list[
     experts = {f"{name}.{param}": module for name, module in model.named_modules()
                if isinstance(module, FusedExperts) for param in ("gate_up_proj", "down_proj")}
     filled: dict[str, dict[tuple, int]] = {name: {} for name in params}  # param -> {(expert, half): numel}
+    tied_from: dict[str, str] = {}  # a tied parameter -> the checkpoint tensor that filled it
     ignored = []
     for path in shards:
         names, get_part, shape_of = _open_shard(fs, path)
@@ -294,6 +308,8 @@ def _fill_weights(model: torch.nn.Module, family: ModelFamily, fs, shards: list[
                 raise CheckpointError(
                     f"tensor {name!r} in {path}: expected shape {list(dest.shape)}, got {list(tensor.shape)}"
                 )
+            if param_name in aliases.values():
+                _check_tied(tied_from.setdefault(param_name, name), name, dest, tensor)
             dest.copy_(tensor)
             filled[param_name][(target.expert, target.half)] = dest.numel()
     _check_complete(params, filled, uri)

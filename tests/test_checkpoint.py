@@ -97,9 +97,10 @@ def test_missing_config(mixtral_dir, tmp_path):
         load_model(tmp_path / "ckpt")
 
 
-def test_corrupt_config(mixtral_dir, tmp_path):
-    (_copy(mixtral_dir, tmp_path / "ckpt") / "config.json").write_text('{"model_type": "mixtral", ')
-    with pytest.raises(CheckpointError, match=r"ckpt/config\.json is not a JSON object"):
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+def test_corrupt_config(mixtral_dir, tmp_path, name):
+    (_copy(mixtral_dir, tmp_path / "ckpt") / name).write_text('{"model_type": "mixtral", ')
+    with pytest.raises(CheckpointError, match=rf"ckpt/{name.replace('.', '[.]')} is not a JSON object"):
         load_model(tmp_path / "ckpt")
 
 
@@ -297,3 +298,21 @@ def test_a_load_waits_while_another_process_writes_the_shared_file(mixtral_dir, 
     assert other["process"].returncode == 0 and other["waited"]
     published = [str(f) for f in (tmp_path / "cache" / "host-weights").glob("*.bin")]
     assert [printed] == published
+
+
+def test_a_tied_head_saved_apart_must_equal_the_embeddings(tmp_path):
+    """transformers unties a head that differs from the embeddings; loading it into the one tied tensor took
+    whichever came last. Equal copies (some savers write both) load; different ones are refused, naming both."""
+    save_tiny_checkpoint("mixtral", tmp_path, tie_word_embeddings=True)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    assert "lm_head.weight" not in tensors  # tied: transformers saves the embeddings only
+    embeddings = tensors["model.embed_tokens.weight"]
+    save_file({**tensors, "lm_head.weight": embeddings.clone()}, path, metadata={"format": "pt"})
+    loaded = load_model(str(tmp_path))
+    assert torch.equal(loaded.model.lm_head.weight, embeddings)
+    save_file({**tensors, "lm_head.weight": embeddings + 1}, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"the config ties the LM head to the embeddings \(tie_word_embeddings\), "
+                                              r"but the checkpoint's 'lm_head.weight' and 'model.embed_tokens.weight' "
+                                              r"differ: set tie_word_embeddings to false"):
+        load_model(str(tmp_path))
