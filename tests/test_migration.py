@@ -13,6 +13,7 @@ from tiny_models import kv_bytes_per_token
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, EngineLoop, InvalidRequestError, Request, SamplingParams
+from batchgen.engine.parallel.partition import partition_pages
 
 PROMPTS = ["Tell me about the old river.", "Write a poem about a cat.", "What would you do?",
            "Give 3 ideas for a game about the moon.", "Describe a day on the farm with your friend.",
@@ -220,3 +221,24 @@ def test_a_task_run_again_where_its_moved_request_runs_gets_that_requests_result
     assert seen == [True] and by_id([result]) == {rid: expected[rid]}
     assert [r.request_id for r in back if r.request_id == rid] == [rid]
     assert holder.engine.metrics()["migrated_in"] == len(moved)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_straggler_in_its_last_page_lands_on_the_device_of_the_engine_a_partition_sizes_for_it(demo, n):
+    """PARTITION's engine on every rank is sized for the one request; a straggler moved there in the last page of
+    its length used to find no room beside the import's reserve and went to the engine's one host page."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, n=n)
+    request = Request("s", prompt_token_ids=list(range(5, 29)), sampling=params)  # 24 + 40 tokens: 4 pages of 16
+    want = by_id(Engine(demo, page_size=16).generate([request]))
+    source = Engine(demo, page_size=16)
+    source.add_request(request)
+    while source.metrics()["generated_tokens"] < 38 * n:
+        source.step()
+    migrated = source.export_request("s")
+    geometry = source.kv.geometry
+    pages = partition_pages(geometry.pages_for(64), n, source.kv.reserve_pages)
+    target = Engine(demo, page_size=16, kv_budget_bytes=pages * geometry.page_bytes,
+                    host_kv_budget_bytes=geometry.page_bytes, stream_host_kv=False, prefix_caching=False)
+    target.import_request(migrated)
+    assert len(target.scheduler.running) == n and not target.scheduler.suspended
+    assert by_id(drain(target)) == want

@@ -33,6 +33,14 @@ from batchgen.engine.parallel.rank_group import RankGroup
 from batchgen.kernels.expert_parallel import ExpertShareDispatcher, LocalDispatcher
 
 
+def partition_pages(length_pages: int, samples: int, reserve: int) -> int:
+    """Device pages of the engine a straggler partitions into: each sample's whole length and a page ahead, and the
+    `reserve` an import keeps free beside them (KVManager.reserve_pages), so its KV lands on the device however far
+    it had decoded (without the reserve, a straggler in its last page went to the one host page and failed every
+    rank)."""
+    return (length_pages + 1) * samples + reserve
+
+
 def module_view(module: nn.Module) -> nn.Module:
     """A copy of the module tree whose parameters and buffers are the same tensors (nothing is copied), so
     the copy can be re-sliced and re-wired without touching the original."""
@@ -145,7 +153,7 @@ class RankEngines:
         part = self.part_geometry
         request = migrated.request
         length = min(len(request.prompt_token_ids) + request.sampling.max_tokens, self.engine.max_model_len)
-        pages = (part.pages_for(length) + 1) * request.sampling.n
+        pages = partition_pages(part.pages_for(length), request.sampling.n, self.engine.kv.reserve_pages)
         config = dataclasses.replace(self.engine.config, ep_size=1, tp_size=self.group.size,
                                      kv_budget_bytes=pages * part.page_bytes, host_kv_budget_bytes=part.page_bytes,
                                      stream_host_kv=False, prefix_caching=False)
