@@ -18,6 +18,7 @@ from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
 from batchgen.engine.models.layers import FusedExperts
 from batchgen.engine.parallel.group_engine import GroupEngine, rank_spec, start_engine_group
+from batchgen.engine.parallel.rank_group import device_of_rank, use_device
 from batchgen.engine.parallel.rank_worker import GroupStartError
 from batchgen.engine.reference import ReferenceRunner
 from batchgen.operators.engine_factory import load_engine
@@ -276,6 +277,15 @@ def test_a_dead_rank_fails_the_group_at_once_and_close_leaves_nothing_behind(tmp
         group.step()
     group.close()
     assert not torch.distributed.is_initialized()
+
+
+def test_a_gpu_rank_makes_its_own_gpu_the_current_device(monkeypatch):
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    for rank in range(3):
+        use_device(device_of_rank(torch.device("cuda"), rank))
+    use_device(device_of_rank(torch.device("cpu"), 1))
+    assert chosen == [torch.device("cuda", r) for r in range(3)]  # none for a CPU rank
 
 
 def test_group_sizes_must_be_positive_and_not_both_set():

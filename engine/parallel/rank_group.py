@@ -78,6 +78,7 @@ def free_address() -> GroupAddress:
 
 def join_rank_group(address: GroupAddress, rank: int, size: int, device: torch.device) -> RankGroup:
     """Join (rank 0: open) the engine's process group; every rank of the engine calls this."""
+    use_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=address.init_method, rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT)
@@ -100,6 +101,14 @@ def join_rank_group(address: GroupAddress, rank: int, size: int, device: torch.d
 def leave_rank_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def use_device(device: torch.device) -> None:
+    """Make a rank's own GPU its process's current device: Triton launches its kernels, NCCL builds its
+    communicator, DeepEP its buffers and torch.cuda.current_stream() answers on the current device, which
+    is otherwise GPU 0 for every rank."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def device_of_rank(device: torch.device, rank: int) -> torch.device:
