@@ -19,7 +19,7 @@ from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
 from batchgen.engine.models.layers import FusedExperts
 from batchgen.engine.parallel.group_engine import GroupEngine, rank_spec, start_engine_group
 from batchgen.engine.parallel.rank_group import device_of_rank, use_device
-from batchgen.engine.parallel.rank_worker import GroupStartError
+from batchgen.engine.parallel.rank_worker import GroupStartError, common_budgets
 from batchgen.engine.reference import ReferenceRunner
 from batchgen.operators.engine_factory import load_engine
 from batchgen.pipelines.cli import summary_text
@@ -277,6 +277,15 @@ def test_a_dead_rank_fails_the_group_at_once_and_close_leaves_nothing_behind(tmp
         group.step()
     group.close()
     assert not torch.distributed.is_initialized()
+
+
+def test_the_ranks_of_a_group_size_their_kv_pools_alike():
+    """Each rank reads its own free memory (as a power of two): two readings either side of one gave pools of
+    different sizes, and tensor-parallel ranks must schedule every request alike."""
+    mine = EngineConfig(kv_budget_bytes=1 << 30, host_kv_budget_bytes=1 << 33)
+    agreed = common_budgets(mine, [(1 << 30, 1 << 33), (1 << 29, 1 << 34)])
+    assert (agreed.kv_budget_bytes, agreed.host_kv_budget_bytes) == (1 << 29, 1 << 33)
+    assert dataclasses.replace(agreed, kv_budget_bytes=1 << 30, host_kv_budget_bytes=1 << 33) == mine
 
 
 def test_a_gpu_rank_makes_its_own_gpu_the_current_device(monkeypatch):

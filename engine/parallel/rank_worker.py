@@ -5,6 +5,7 @@ when its parent (the leader's process) is gone, so a killed engine actor leaves 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import pickle
@@ -30,6 +31,7 @@ from batchgen.engine.parallel.rank_group import (
     leave_rank_group,
 )
 from batchgen.engine.parallel.rank_round import broadcast_round, gather_replies, run_round
+from batchgen.engine.planner import resolve_config
 from batchgen.engine.process_heap import freeze_heap, keep_freed_memory
 
 PARENT_POLL_S = 1.0
@@ -56,26 +58,48 @@ class GroupStartError(RuntimeError):
 
 def build_rank_engine(spec: RankSpec, rank: int) -> tuple[RankEngines, RankGroup]:
     """Join the group, load this rank's shard and build its Engine; every rank learns whether all succeeded
-    (so a bad checkpoint fails the leader with the rank's own error instead of hanging the others)."""
+    (so a bad checkpoint fails the leader with the rank's own error instead of hanging the others). The ranks
+    size their KV pools alike: each reads its own free memory, and ranks whose pools differed would schedule
+    apart (tensor parallel: every rank runs every request)."""
     torch.set_num_threads(spec.threads)
     device = device_of_rank(spec.config.torch_device(), rank)
     group = join_rank_group(spec.address, rank, spec.size, device)
-    engine, error = None, None
+    loaded, config, error = None, None, None
     try:
         share = "expert_shard" if spec.config.ep_size > 1 else "tensor_shard"
         loaded = spec.load(device=device, **{share: (rank, spec.size)})
-        # the columns load when the partition's build knows the heads split
-        columns = functools.partial(expert_columns, spec, rank, device) if spec.expert_columns else None
-        engine = RankEngines(Engine(loaded, spec.config, group=group), group, columns)
+        config = resolve_config(loaded, spec.config, plan=False)
     except Exception as exc:  # noqa: BLE001 - gathered below, raised on every rank
         error = f"{type(exc).__name__}: {exc}"
-    errors = [None] * spec.size
+    _raise_failures(error, group)
+    budgets = [None] * spec.size
+    dist.all_gather_object(budgets, (config.kv_budget_bytes, config.host_kv_budget_bytes), group=group.control)
+    config = common_budgets(config, budgets)
+    engine, error = None, None
+    try:
+        # the columns load when the partition's build knows the heads split
+        columns = functools.partial(expert_columns, spec, rank, device) if spec.expert_columns else None
+        engine = RankEngines(Engine(loaded, config, group=group), group, columns)
+    except Exception as exc:  # noqa: BLE001 - gathered below, raised on every rank
+        error = f"{type(exc).__name__}: {exc}"
+    _raise_failures(error, group)
+    return engine, group
+
+
+def common_budgets(config: EngineConfig, budgets: list[tuple[int, int]]) -> EngineConfig:
+    """`config` with the KV budgets every rank can hold: the least of the ranks' (device, host) budgets."""
+    return dataclasses.replace(config, kv_budget_bytes=min(b[0] for b in budgets),
+                               host_kv_budget_bytes=min(b[1] for b in budgets))
+
+
+def _raise_failures(error: str | None, group: RankGroup) -> None:
+    """Every rank's `error` gathered; GroupStartError on every rank if any failed."""
+    errors = [None] * group.size
     dist.all_gather_object(errors, error, group=group.control)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         leave_rank_group()
         raise GroupStartError("; ".join(f"engine rank {r}: {e}" for r, e in failed))
-    return engine, group
 
 
 def expert_columns(spec: RankSpec, rank: int, device: torch.device) -> torch.nn.Module:
