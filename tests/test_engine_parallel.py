@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import subprocess
 import time
 
 import pytest
@@ -17,6 +18,7 @@ from tiny_models import kv_bytes_per_token, prompts, save_tiny_checkpoint
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
 from batchgen.engine.models.layers import FusedExperts
+from batchgen.engine.parallel import group_engine
 from batchgen.engine.parallel.group_engine import GroupEngine, rank_spec, start_engine_group
 from batchgen.engine.parallel.rank_group import device_of_rank, use_device
 from batchgen.engine.parallel.rank_worker import GroupStartError, common_budgets
@@ -276,6 +278,26 @@ def test_a_dead_rank_fails_the_group_at_once_and_close_leaves_nothing_behind(tmp
     with pytest.raises(RuntimeError, match="the engine group is broken"):
         group.step()
     group.close()
+    assert not torch.distributed.is_initialized()
+
+
+def test_a_group_whose_first_rounds_fail_leaves_no_rank_behind(tmp_path, monkeypatch):
+    save_tiny_checkpoint("mixtral", tmp_path)
+    started = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    def broken_partition_check(self, calls):
+        raise RuntimeError("a rank refused the first call")
+
+    monkeypatch.setattr(group_engine.subprocess, "Popen", Recorded)
+    monkeypatch.setattr(GroupEngine, "_ask", broken_partition_check)
+    with pytest.raises(RuntimeError, match="a rank refused the first call"):
+        load_engine(str(tmp_path), ep_size=2)
+    assert len(started) == 1 and started[0].poll() is not None  # killed: it waited for the next round forever
     assert not torch.distributed.is_initialized()
 
 

@@ -62,7 +62,12 @@ def start_engine_group(spec: RankSpec) -> GroupEngine:
     except BaseException:
         _stop(workers)
         raise
-    return GroupEngine(engines, group, workers)
+    try:
+        return GroupEngine(engines, group, workers)
+    except BaseException:  # its first rounds failed: the ranks would wait for the next one forever
+        _kill(workers)
+        leave_rank_group()
+        raise
 
 
 def rank_spec(load, config, threads: int) -> RankSpec:
@@ -231,10 +236,7 @@ class GroupEngine(Generates):
                 broadcast_round(self.group, None)
                 _stop(workers)
         finally:
-            for worker in workers:
-                if worker.poll() is None:
-                    worker.kill()
-                    worker.wait()
+            _kill(workers)
             leave_rank_group()
 
     # ------------------------------------------------------------------ internals
@@ -347,6 +349,13 @@ class GroupEngine(Generates):
         self._replies = replies
         self._queued_tokens = [0] * self.ranks
         return replies
+
+
+def _kill(workers: list[subprocess.Popen]) -> None:
+    for worker in workers:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
 
 
 def _stop(workers: list[subprocess.Popen]) -> None:
