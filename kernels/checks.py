@@ -113,6 +113,12 @@ def check_write_kv_inputs(k, v, k_cache, v_cache, slot_mapping) -> None:
         lambda: f"v_cache must be [pages, page_size, {v.shape[1]}, {v.shape[2]}], got {_shape(v_cache)}",
     )
     _require(
+        k_cache.shape[:2] == v_cache.shape[:2],
+        op,
+        lambda: f"k_cache {_shape(k_cache)} and v_cache {_shape(v_cache)} differ in [pages, page_size] (a slot "
+                "checked against one would write past the other)",
+    )
+    _require(
         tuple(slot_mapping.shape) == (k.shape[0],),
         op,
         lambda: f"slot_mapping must be [T] = [{k.shape[0]}], got {_shape(slot_mapping)}",

@@ -58,6 +58,18 @@ def test_write_kv_cpu_names_a_slot_past_the_cache():
     assert cache.eq(0).all()  # checked before anything is written
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu_c"])
+def test_write_kv_refuses_caches_of_different_sizes(backend):
+    """The C kernel checks a slot against k_cache's size: a smaller v_cache was written past its end."""
+    if backend == "cpu_c":
+        needs(write_kv_cpu)
+    small = torch.zeros(1, 4, 1, 8)
+    message = r"write_kv: k_cache \[2, 4, 1, 8\] and v_cache \[1, 4, 1, 8\] differ in \[pages, page_size\]"
+    with registry.use_backend("write_kv", backend), pytest.raises(ValueError, match=message):
+        ops.write_kv(torch.ones(1, 1, 8), torch.ones(1, 1, 8), torch.zeros(2, 4, 1, 8), small, torch.tensor([6]))
+    assert small.eq(0).all()
+
+
 @pytest.mark.parametrize(
     "call,message",
     [
