@@ -28,7 +28,7 @@ from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.migration import MigratedRequest, MigratedSample
 from batchgen.engine.model_runner import MicroBatchLimits, ModelRunner
 from batchgen.engine.models.loaded_model import LoadedModel
-from batchgen.engine.offload.memory_constrained import stream_weights
+from batchgen.engine.offload.memory_constrained import place_as_engine
 from batchgen.engine.offload.phase_switch import PhaseSwitch
 from batchgen.engine.offload.weight_streamer import WeightStreamer
 from batchgen.engine.parallel.group_model import FfnCallAgreement, attach_dispatchers, attach_partial_sums
@@ -64,9 +64,9 @@ class Engine(Generates):
         rank's share of the experts (ep_size) or of the heads and columns (tp_size), and every step is taken
         together with the other ranks."""
         config = EngineConfig.from_kwargs(config, **overrides)
-        self.streamer: WeightStreamer | None = None
-        if config.device_memory_bytes is not None:  # before planning: the profile then times streamed weights
-            self.streamer, config = stream_weights(loaded, config, config.torch_device())
+        # before planning: the profile then times streamed weights
+        self.streamer: WeightStreamer | None
+        self.streamer, config = place_as_engine(loaded, config)
         self.config = resolve_config(loaded, config, plan=group is None)
         self.loaded = loaded
         self.model = loaded.model.eval()

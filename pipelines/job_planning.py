@@ -32,6 +32,7 @@ def _plan_on_engine_node(model: str, engine: dict[str, Any], input_uri: str, sto
                          sampling: dict[str, Any], engine_actors: int) -> tuple[dict[str, Any], StageSplit]:
     from batchgen.connectors.checkpoint import load_model
     from batchgen.engine import EngineConfig, SamplingParams
+    from batchgen.engine.offload.memory_constrained import place_as_engine
     from batchgen.engine.planner import PLANNED_FIELDS, plan_engine
     from batchgen.engine.planner.stage_split import plan_stage_split
     from batchgen.operators.workload_sample import input_workload
@@ -39,6 +40,7 @@ def _plan_on_engine_node(model: str, engine: dict[str, Any], input_uri: str, sto
     config = EngineConfig.from_kwargs(**engine)
     loaded = load_model(model, dtype=config.dtype, device=config.load_device(),
                         shared_host_weights=config.shares_host_weights, storage_options=storage_options)
+    _streamer, config = place_as_engine(loaded, config)  # kept while the plan profiles the streamed weights
     workload = input_workload(input_uri, loaded, SamplingParams.from_dict(sampling), storage_options)
     plan = plan_engine(loaded, config, workload=workload, progress=False)
     split = plan_stage_split(engine_actors, plan.workload, plan.curves, plan.config)

@@ -38,6 +38,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_plan(args: argparse.Namespace) -> int:
     from batchgen.connectors.checkpoint import load_model
     from batchgen.engine import EngineConfig, SamplingParams
+    from batchgen.engine.offload.memory_constrained import place_as_engine
     from batchgen.engine.planner import CostCurves, plan_engine
     from batchgen.engine.planner.planner import curves_for
     from batchgen.engine.planner.stage_split import plan_stage_split
@@ -54,6 +55,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.curves and args.save_curves:
         raise UsageError("--curves plans with given curves; --save-curves saves profiled ones: pick one")
     curves = None
+    if args.curves and config.device_memory_bytes is not None:
+        raise UsageError("--curves plans without the weights, which a device_memory_bytes engine must place: "
+                         "profile instead (leave out --curves)")
     if args.curves:
         try:
             curves = CostCurves.load(args.curves)
@@ -63,6 +67,7 @@ def run_plan(args: argparse.Namespace) -> int:
                         shared_host_weights=config.shares_host_weights,
                         storage_options=args.storage_options, weights=curves is None)
     if curves is None:
+        _streamer, config = place_as_engine(loaded, config)  # kept while the profile times the streamed weights
         curves = curves_for(loaded, progress=None if args.json else True)
         if args.save_curves:
             with open(args.save_curves, "w") as f:

@@ -197,3 +197,28 @@ def test_prefill_steps_lend_the_staging_pool_to_a_larger_moe_batch(tmp_path):
     assert metrics["max_ffn_tokens"] > 16  # a prefill step ran a MoE batch above the plan's B_moe
     assert memory["peak_bytes"] <= budget
     assert engine.kv.stage.k.shape[1] == engine.kv.stage.num_pages  # the last step decoded: pool allocated
+
+
+def test_a_jobs_plan_for_a_device_memory_budget_is_one_its_engines_can_run(monkeypatch, tmp_path):
+    """A disaggregated job plans once and hands every engine actor the settings: planned on the resident model,
+    they were sized from host memory, and each actor's offload plan refused them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchgen.pipelines.job_planning import _plan_on_engine_node
+
+    monkeypatch.setenv("BATCHGEN_PLAN", "1")
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "cache"))
+    save_tiny_checkpoint("qwen3_moe", tmp_path / "model")
+    loaded = load_model(str(tmp_path / "model"))
+    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=LENGTHS)
+    pq.write_table(pa.table({"prompt_token_ids": batch}), tmp_path / "in.parquet")
+    budget = int(weight_units(loaded.model, "expert").total_bytes * 0.4)
+    engine = {"page_size": 4, "max_model_len": MAX_LEN, "device_memory_bytes": budget}
+    planned, split = _plan_on_engine_node(str(tmp_path / "model"), engine, str(tmp_path / "in.parquet"), {},
+                                          {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}, 3)
+    assert split.prefill_actors + split.decode_actors == 3
+    actor = Engine(load_model(str(tmp_path / "model")), **{**engine, **planned})  # as each engine actor builds it
+    assert actor.config.kv_budget_bytes == planned["kv_budget_bytes"] <= budget
+    expected = ReferenceRunner(loaded.model).generate(batch, max_new_tokens=MAX_TOKENS)
+    assert generate(actor, batch) == expected

@@ -283,6 +283,10 @@ def test_batchgen_plan_prints_the_plan_and_the_split(loaded, tmp_path, capsys):
     assert out["stage_split"]["prefill_actors"] + out["stage_split"]["decode_actors"] == 3
     assert main(["plan", "--model", model_dir, "--curves", str(tmp_path / "missing.json")]) == 2
     assert "not a cost-curve file" in capsys.readouterr().err
+    assert main(["plan", "--model", model_dir, "--curves", str(curves), "--engine",
+                 '{"device_memory_bytes": 1000000}']) == 2  # its weights must be placed to be profiled
+    assert "--curves plans without the weights, which a device_memory_bytes engine must place" in \
+        capsys.readouterr().err
 
 
 def test_the_feed_forward_is_timed_over_layers_whose_weights_leave_the_cache(loaded, monkeypatch):

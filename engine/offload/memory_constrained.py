@@ -47,3 +47,12 @@ def stream_weights(loaded: LoadedModel, config: EngineConfig, device: torch.devi
                                f"layers resident, {plan.expert_slots} expert slots")
     return streamer, dataclasses.replace(config, kv_budget_bytes=plan.kv_bytes, b_moe=plan.b_moe,
                                          stream_host_kv=True)
+
+
+def place_as_engine(loaded: LoadedModel, config: EngineConfig) -> tuple[WeightStreamer | None, EngineConfig]:
+    """`loaded` placed as an Engine with `config` places it (weights streamed for a device memory budget) and the
+    config that then holds: what a plan made outside an engine (a job's, `batchgen plan`) must profile and start
+    from, or the engines it plans for refuse its settings."""
+    if config.device_memory_bytes is None:
+        return None, config
+    return stream_weights(loaded, config, config.torch_device())
