@@ -19,8 +19,9 @@ def plan_stages(config: JobConfig) -> tuple[JobConfig, StageSplit]:
     from batchgen.pipelines.pipeline import engine_actor_cpus
 
     sized = dataclasses.replace(config, prefill_concurrency=1, decode_concurrency=config.engine_actors - 1)
+    # the worker exits after the task: it loaded a model, and runs as an engine actor's process does
     task = ray.remote(num_cpus=engine_actor_cpus(sized), num_gpus=config.engine_num_gpus,
-                      resources=config.decode_resources)(_plan_on_engine_node)
+                      resources=config.decode_resources, max_calls=1)(_plan_on_engine_node)
     engine, split = ray.get(task.remote(config.model, config.engine, config.input, config.storage_options,
                                         config.sampling_params, config.engine_actors))
     planned = dataclasses.replace(sized, engine={**config.engine, **engine}, prefill_concurrency=split.prefill_actors,
@@ -35,8 +36,10 @@ def _plan_on_engine_node(model: str, engine: dict[str, Any], input_uri: str, sto
     from batchgen.engine.offload.memory_constrained import place_as_engine
     from batchgen.engine.planner import PLANNED_FIELDS, plan_engine
     from batchgen.engine.planner.stage_split import plan_stage_split
+    from batchgen.operators.engine_actor import prepare_engine_process
     from batchgen.operators.workload_sample import input_workload
 
+    prepare_engine_process()  # the threads and priority the engine actors compute with: the profile times those
     config = EngineConfig.from_kwargs(**engine)
     loaded = load_model(model, dtype=config.dtype, device=config.load_device(),
                         shared_host_weights=config.shares_host_weights, storage_options=storage_options)
