@@ -59,7 +59,9 @@ class ThreadLending:
         self.path = directory / str(os.getpid())
         self.started = process_start(os.getpid())
         self.changes = 0  # thread-count changes made: how often threads were borrowed or given back
-        self._idle_since: float | None = time.time()
+        # computing from the start: its engine loads (and may profile) before its loop first reports it idle; a
+        # peer borrowing these cores meanwhile slowed the start and skewed the timings cached for this machine
+        self._idle_since: float | None = None
         self._checked = 0.0
         self._met: set[int] = set()  # peers' pids seen alive
         directory.mkdir(parents=True, exist_ok=True)

@@ -62,7 +62,7 @@ def test_threads_follow_the_peers_files(tmp_path, processes, own_threads):
     live, ended = processes
     torch.set_num_threads(1)
     lending = ThreadLending(tmp_path, granted=1, cores=2)
-    assert (tmp_path / str(os.getpid())).read_text().split()[0] == "1"
+    assert (tmp_path / str(os.getpid())).read_text().split()[:2] == ["1", "-"]  # busy while its engine loads
     peer_file(tmp_path, live, 1, time.time() - IDLE_S - 1)
     assert lending.busy() == 2 and torch.get_num_threads() == 2 and lending.changes == 1
     assert (tmp_path / str(os.getpid())).read_text().split()[1] == "-"  # published as busy
