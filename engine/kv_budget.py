@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -57,15 +58,53 @@ def activation_bytes_per_token(loaded: LoadedModel, top_k: int) -> int:
 
 
 def available_memory_bytes(device: torch.device) -> int:
+    """Free device memory; on the host what the machine has available, within what the memory limit of this
+    process's cgroup (a container's) still leaves."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
     try:
         with open("/proc/meminfo") as meminfo:
             available = meminfo_available_bytes(meminfo.read())
-    except OSError:
+    except OSError:  # not Linux
         available = None
-    return available if available is not None else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):  # macOS counts no available pages: half its memory, a guess left to the user
+            available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    try:
+        with open("/proc/self/cgroup") as cgroup:
+            room = cgroup_room_bytes(cgroup.read(), Path("/sys/fs/cgroup"))
+    except OSError:
+        room = None
+    return available if room is None else min(available, room)
+
+
+def cgroup_room_bytes(proc_cgroup: str, root: Path) -> int | None:
+    """What the memory limit of a process's cgroup leaves (`proc_cgroup`: its /proc/<pid>/cgroup; `root`: where
+    the hierarchies are mounted): the limit less the working set (the usage less its inactive page cache, which
+    the kernel reclaims first); None without a limit. A pod limited to 8 GiB on a 512 GiB host otherwise sized
+    its KV pools from the host's memory and was killed on its first run."""
+    for line in proc_cgroup.splitlines():
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0" and not controllers:  # cgroup v2
+            where, names = root / path.lstrip("/"), ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):  # cgroup v1
+            where = root / "memory" / path.lstrip("/")
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        try:
+            limit = (where / names[0]).read_text().strip()
+            usage = int((where / names[1]).read_text())
+            stat = dict(line.split() for line in (where / "memory.stat").read_text().splitlines())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:  # none set ("max"; v1: a page-rounded 2^63)
+            continue
+        return max(0, int(limit) - (usage - int(stat.get(names[2], 0))))
+    return None
 
 
 def meminfo_available_bytes(meminfo: str) -> int | None:

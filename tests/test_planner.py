@@ -16,7 +16,13 @@ from tiny_models import prompts, save_tiny_checkpoint
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
-from batchgen.engine.kv_budget import MemoryLimits, available_memory_bytes, meminfo_available_bytes, plan_kv_budget
+from batchgen.engine.kv_budget import (
+    MemoryLimits,
+    available_memory_bytes,
+    cgroup_room_bytes,
+    meminfo_available_bytes,
+    plan_kv_budget,
+)
 from batchgen.engine.planner import PLANNED_FIELDS, CostCurves, LinearCost, WorkloadShape, plan_engine
 from batchgen.engine.planner.cost_curves import HOST, TabulatedCost, nnls
 from batchgen.engine.planner.layer_dag import LayerDag
@@ -187,6 +193,25 @@ def test_replay_is_the_engines_schedule_step_by_step(loaded, budget_tokens):
         assert engine.scheduler.yields > 0 and engine.stats.staged_decode_batches > 0
         assert any(s.migrated_bytes for s in steps) and not any(s.staged for s in steps)
         assert any(s.staged for s in on_gpu)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_host_memory_available_stops_at_the_containers_memory_limit(version, tmp_path):
+    """A container's limit less its working set (usage less inactive page cache); nothing without a limit."""
+    if version == "v2":
+        proc, where = "0::/kubepods/pod1\n", tmp_path / "kubepods/pod1"
+        names = ("memory.max", "memory.current", "inactive_file")
+    else:
+        proc, where = "9:pids:/\n4:memory:/kubepods/pod1\n0::/\n", tmp_path / "memory/kubepods/pod1"
+        names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    where.mkdir(parents=True)
+    (where / names[0]).write_text(f"{8 << 30}\n")
+    (where / names[1]).write_text(f"{3 << 30}\n")
+    (where / "memory.stat").write_text(f"anon 100\n{names[2]} {1 << 30}\n")
+    assert cgroup_room_bytes(proc, tmp_path) == 6 << 30  # 8 GiB less a working set of 2
+    (where / names[0]).write_text("max\n" if version == "v2" else "9223372036854771712\n")
+    assert cgroup_room_bytes(proc, tmp_path) is None
+    assert cgroup_room_bytes("0::/elsewhere\n", tmp_path) is None  # nothing mounted there: no limit known
 
 
 def test_host_memory_available_counts_what_the_kernel_reclaims_not_only_free_pages():
