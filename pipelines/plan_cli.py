@@ -66,6 +66,8 @@ def run_plan(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, dtype=config.dtype, device=config.load_device(),
                         shared_host_weights=config.shares_host_weights,
                         storage_options=args.storage_options, weights=curves is None)
+    if curves is not None:
+        check_curves_fit(curves, loaded)
     if curves is None:
         _streamer, config = place_as_engine(loaded, config)  # kept while the profile times the streamed weights
         curves = curves_for(loaded, progress=None if args.json else True)
@@ -107,3 +109,18 @@ def plan_text(out: dict) -> str:
         lines.append(f"stage split  {s['prefill_actors']} prefill + {s['decode_actors']} decode actors: "
                      f"{s['predicted_bct_s']:.2f} s ({s['by_prefill_actors']})")
     return "\n".join(lines)
+
+
+def check_curves_fit(curves, loaded) -> None:
+    """UsageError unless `curves` were measured on this model's shape and dtype: the key names the machine too,
+    which a file measured elsewhere never matches, but a plan from another model's or another dtype's curves would
+    size every budget wrong, silently."""
+    from batchgen.engine.planner.profiler import model_shape
+    from batchgen.pipelines.cli import UsageError
+
+    differ = {name: (getattr(curves, name), value) for name, value in model_shape(loaded).items()
+              if getattr(curves, name) != value}
+    if differ:
+        text = ", ".join(f"{name} {theirs} there, {ours} here" for name, (theirs, ours) in differ.items())
+        raise UsageError(f"the cost curves were measured for another model or dtype ({text}): give --engine the "
+                         f"dtype they were measured with, or profile this model")

@@ -312,6 +312,10 @@ def test_batchgen_plan_prints_the_plan_and_the_split(loaded, tmp_path, capsys):
                  '{"device_memory_bytes": 1000000}']) == 2  # its weights must be placed to be profiled
     assert "--curves plans without the weights, which a device_memory_bytes engine must place" in \
         capsys.readouterr().err
+    kv = curves_file.kv_bytes_per_token  # measured in float32: a bfloat16 plan would size its pools twice too big
+    assert main(["plan", "--model", model_dir, "--curves", str(curves), "--engine", '{"dtype": "bfloat16"}']) == 2
+    assert (f"the cost curves were measured for another model or dtype (kv_bytes_per_token {kv} there, {kv // 2} "
+            f"here)") in capsys.readouterr().err
 
 
 def test_the_feed_forward_is_timed_over_layers_whose_weights_leave_the_cache(loaded, monkeypatch):

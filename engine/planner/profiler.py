@@ -87,6 +87,17 @@ def kernels_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+def model_shape(loaded: LoadedModel) -> dict[str, int]:
+    """What CostCurves scale one layer's measurements by: layers, the first MoE layer's routed experts and top-k
+    (0 and 1 for a dense model), KV bytes per token of every layer."""
+    model = loaded.model
+    ffn_layer = next((layer for layer in model.layers if getattr(layer, "is_moe", False)), None)
+    experts = getattr(ffn_layer.ffn.mlp, "num_experts", 0) if ffn_layer is not None else 0
+    top_k = getattr(getattr(ffn_layer.ffn.mlp, "gate", None), "top_k", 1) if experts else 1
+    return {"num_layers": len(model.layers), "num_experts": experts, "top_k": top_k,
+            "kv_bytes_per_token": PoolGeometry(model.kv_spec(), 1, loaded.dtype).page_bytes}
+
+
 def profile_model(loaded: LoadedModel, progress: bool | None = None) -> CostCurves:
     """Cost curves of `loaded` on its device (10-30 s for a 160M-parameter model on two cores); measured
     context lengths are capped by the model's own."""
@@ -95,8 +106,6 @@ def profile_model(loaded: LoadedModel, progress: bool | None = None) -> CostCurv
     attn_layer = model.layers[0]
     ffn_layer = next((layer for layer in model.layers if getattr(layer, "is_moe", False)), attn_layer)
     ffn_layers = _feed_forward_layers(model, ffn_layer, device)
-    moe = getattr(ffn_layer.ffn.mlp, "num_experts", 0) if getattr(ffn_layer, "is_moe", False) else 0
-    top_k = getattr(getattr(ffn_layer.ffn.mlp, "gate", None), "top_k", 1) if moe else 1
     spec = model.kv_spec()
     hidden_size = model.embed_tokens.embedding_dim
     decode = [(s, min(c, limit - 1)) for s, c in DECODE_GRID]
@@ -138,9 +147,7 @@ def profile_model(loaded: LoadedModel, progress: bool | None = None) -> CostCurv
         bar.update()
     curves = CostCurves(
         key=profile_key(loaded), device_type=device.type, device_free_bytes=available_memory_bytes(device),
-        host_free_bytes=available_memory_bytes(torch.device("cpu")), num_layers=len(model.layers), num_experts=moe,
-        top_k=top_k,
-        kv_bytes_per_token=PoolGeometry(spec, 1, loaded.dtype).page_bytes,
+        host_free_bytes=available_memory_bytes(torch.device("cpu")), **model_shape(loaded),
         decode_attention=LinearCost.fit(DECODE_ATTENTION, *rows["decode"]),
         prefill_attention=LinearCost.fit(PREFILL_ATTENTION, *rows["prefill"]),
         feed_forward=TabulatedCost(tuple((r["tokens"], t) for r, t in zip(*rows["ffn"]))),
