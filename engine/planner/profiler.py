@@ -145,6 +145,8 @@ def profile_model(loaded: LoadedModel, progress: bool | None = None) -> CostCurv
         del pool
         copy_rate = _copy_bytes_per_s(device, measure)
         bar.update()
+    if device.type == "cuda":  # what the profile allocated stays in torch's cache, which mem_get_info counts as used
+        torch.cuda.empty_cache()
     curves = CostCurves(
         key=profile_key(loaded), device_type=device.type, device_free_bytes=available_memory_bytes(device),
         host_free_bytes=available_memory_bytes(torch.device("cpu")), **model_shape(loaded),
