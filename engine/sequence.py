@@ -71,7 +71,17 @@ class Sequence:
         return self.generated[-1] if self.generated else self.prompt_ids[-1]
 
     def rng_seed(self, step: int) -> int | None:
-        """Counter-based seed: a seeded sample draws the same numbers whatever batch it runs in."""
+        """Counter-based seed: a seeded sample draws the same numbers whatever batch it runs in. Seed, sample and
+        step are mixed (splitmix64), not summed: a sum gave sample i at step s + 7919 the numbers of sample i + 1 at
+        step s."""
         if self.sampling.seed is None:
             return None
-        return (self.sampling.seed * 1_000_003 + self.sample_index * 7_919 + step) % (2**63 - 1)
+        return _mix(_mix(_mix(self.sampling.seed) ^ self.sample_index) ^ step) % (2**63 - 1)
+
+
+def _mix(value: int) -> int:
+    """splitmix64's finaliser: a 64-bit value whose every bit depends on every bit of `value`."""
+    value = (value + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return value ^ (value >> 31)

@@ -131,6 +131,15 @@ def test_a_tokenizer_with_named_chat_templates_renders_its_default(demo):
     assert render_chat(tokenizer, turns, chat_template="{{ 'x' }}") == tokenizer.encode("x", add_special_tokens=False)
 
 
+def test_samples_of_one_seeded_request_never_share_a_step_seed():
+    """Sample i at step s + 7919 drew sample i + 1's numbers at step s: n > 1 outputs past 7,919 tokens correlated."""
+    samples = [Sequence(i, "r", i, [1], SamplingParams(seed=7, n=4), frozenset(), i) for i in range(4)]
+    seeds = [s.rng_seed(step) for s in samples for step in range(20_000)]
+    assert len(set(seeds)) == len(seeds)
+    other = Sequence(9, "q", 0, [1], SamplingParams(seed=8), frozenset(), 9)
+    assert other.rng_seed(0) not in seeds
+
+
 class ByteTokenizer:
     """Token id = one UTF-8 byte (a byte-level BPE's fallback): a CJK character or an emoji is 3-4 tokens."""
 
