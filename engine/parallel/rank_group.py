@@ -90,11 +90,13 @@ def join_rank_group(address: GroupAddress, rank: int, size: int, device: torch.d
     if rank == 0 and os.path.exists(path):  # left by a crashed group that had this port
         os.unlink(path)
     channel = SharedMemoryChannel(path, rank, size, create=True, group=control) if rank == 0 else None
-    dist.barrier(group=control)
-    channel = channel or SharedMemoryChannel(path, rank, size, create=False, group=control)
-    dist.barrier(group=control)
-    if rank == 0:
-        os.unlink(path)
+    try:
+        dist.barrier(group=control)
+        channel = channel or SharedMemoryChannel(path, rank, size, create=False, group=control)
+        dist.barrier(group=control)
+    finally:  # also when a rank failed before mapping it: the segment does not outlive the group's start
+        if rank == 0 and os.path.exists(path):
+            os.unlink(path)
     return RankGroup(rank, size, world, control, channel)
 
 
