@@ -61,6 +61,7 @@ class BalancingAgent:
         self._holding = 0  # adopted requests whose Result has not been sent back yet
         self._serving = 0  # calls of this actor's UDF in progress
         self._checkpointed: dict[str, int] = {}  # request id -> generated tokens at its last checkpoint
+        self._done: list[str] = []  # this actor's requests finished since the last exchange
         self._copied_bytes, self._copy_s = 0, 0.0
         self._last_checkpoint = time.monotonic()
         self._lock = threading.Lock()
@@ -87,9 +88,8 @@ class BalancingAgent:
             self._serving += 1
         try:
             results = await self.loop.run(request_ids, restore_or_add)
-            for rid in request_ids:
-                self._checkpointed.pop(rid, None)
-            self.balancer.done.remote(request_ids)
+            with self._lock:  # told by the exchange, after any checkpoint of them it is storing
+                self._done.extend(request_ids)
             await self._linger()
         finally:
             with self._lock:
@@ -166,6 +166,12 @@ class BalancingAgent:
         if time.monotonic() - self._last_checkpoint > CHECKPOINT_S:
             self._last_checkpoint = time.monotonic()
             await self._store_checkpoints(await asyncio.wrap_future(self.loop.snapshot(self._checkpoint_is_recent)))
+        with self._lock:
+            finished, self._done = self._done, []
+        if finished:  # after their last checkpoints: one stored after `done` was kept by the balancer for good
+            for rid in finished:
+                self._checkpointed.pop(rid, None)
+            await self.balancer.done.remote(finished)
 
     def _checkpoint_is_recent(self, request_id: str, generated: int) -> bool:
         last = self._checkpointed.get(request_id)

@@ -31,6 +31,7 @@ it from the prompt, by the costs the engine actors measured (operators/recovery_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -81,6 +82,7 @@ class BalancerStats:
     recomputed: int = 0  # requests recovered from their prompt
     checkpoints: int = 0
     checkpoint_bytes: int = 0
+    held_checkpoints: int = 0  # kept now: requests not yet done (or never told done: a leak)
     busy_s: dict[str, float] = field(default_factory=dict)  # engine actor -> time in engine steps
 
 
@@ -241,7 +243,7 @@ class WorkBalancer:
         return {rid: ref for rid, ref in self.recover(known).items() if ref is not None}
 
     def summary(self) -> BalancerStats:
-        return self.stats
+        return dataclasses.replace(self.stats, held_checkpoints=len(self._checkpoints))
 
     # ------------------------------------------------------------ failures
     async def watch_workers(self) -> None:

@@ -5,6 +5,8 @@ and recomputes the others."""
 
 from __future__ import annotations
 
+import time
+
 import pyarrow as pa
 import pytest
 import ray
@@ -110,4 +112,9 @@ def test_a_dead_actors_checkpointed_requests_restore_from_kv_and_the_others_are_
     stats = ray.get(balancer.summary.remote())
     assert stats.checkpoints > 0 and stats.restored > 0, stats
     assert stats.restored < 12  # the requests on the device when it died had no checkpoint: recomputed
+    deadline = time.monotonic() + 10  # the restarted actor's agent tells `done` at its next exchange
+    while stats.held_checkpoints and time.monotonic() < deadline:
+        time.sleep(0.1)
+        stats = ray.get(balancer.summary.remote())
+    assert stats.held_checkpoints == 0, stats  # every request done, none of its checkpoints kept
     ray.kill(balancer)
