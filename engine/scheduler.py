@@ -30,6 +30,7 @@ PREFIX_WINDOW = 32  # how far into the waiting queue admission looks for prompts
 
 HOST_FULL = "host page pool is full: raise host_kv_budget_bytes"
 
+
 @dataclass(frozen=True)
 class PrefillChunk:
     """Prompt positions [start, end) of `seq` to prefill this step (start > 0: earlier chunks' KV is in
