@@ -51,6 +51,10 @@ class Decode:
             try:
                 if prefilled is None:
                     raise InvalidRequestError("the row reached decode without a prefill output")
+                n = prefilled.request.sampling.n
+                if n > 1 and not self.list_outputs:  # the schema has room for one sample: the rest would be lost
+                    raise InvalidRequestError(f"sampling_params: n={n} needs list outputs; build Decode with "
+                                              "list_outputs=True (as Tokenize decided for this job)")
                 # a task run again after its actor died: a row this actor decodes for that actor is not added again
                 if not self.loop.runs_for_another(prefilled.request.request_id):
                     self.engine.check_prefilled(prefilled)

@@ -171,6 +171,18 @@ def test_split_stages_give_what_batchgen_gives(batchgen, split_stages, prompts):
     assert stop_word not in out.column("generated_text")[2].as_py()
 
 
+def test_decode_in_scalar_mode_refuses_rows_of_several_samples(split_stages, prompts):
+    """Tokenize with a default n > 1 lists its samples; a Decode left in scalar mode kept the first sample of each row
+    and dropped the others, silently."""
+    _, prefill, decode = split_stages
+    sampled = {**SAMPLING, "n": 2, "temperature": 0.9, "seed": 3}
+    prefilled = call(prefill, call(Tokenize(decode.engine.loaded.uri, sampled), pa.table({"prompt": prompts[:2]})))
+    out = call(decode, prefilled)
+    assert out.column("error").to_pylist() == ["sampling_params: n=2 needs list outputs; build Decode with "
+                                               "list_outputs=True (as Tokenize decided for this job)"] * 2
+    assert out.column("generated_token_ids").to_pylist() == [None, None]
+
+
 def test_split_stages_send_a_shared_prefix_once_a_batch(batchgen, split_stages, prompts):
     """Rows sharing a long prefix: the first row's KV carries it, the others only what follows its whole
     pages (`KV_START`); decode rebuilds them from its page cache and gives what BatchGen gives."""
