@@ -400,10 +400,10 @@ class MatchReport:
 def compare(reference: list[list[int]], other: list[list[int]], probe: Probe | None = None, tie_gap: float = 0.0,
             routing_tie_gap: float = 0.0) -> MatchReport:
     """Token-for-token comparison. With `probe` (reference_probe), each divergence reports the reference
-    model's top-2 logit gap at the first differing position, how far the other system's token trails the
-    top logit and its rank there, and the smallest routing margin over the shared prefix; a divergence
-    whose token trails by less than `tie_gap`, or whose prefix routes through a margin under
-    `routing_tie_gap`, is a tie (`tie_kind` "logits" or "routing")."""
+    model's top-2 logit gap at the first differing position, how far each system's token trails the top logit
+    and the other's rank there, and the smallest routing margin over the shared prefix; a divergence whose two
+    tokens both trail by less than `tie_gap`, or whose prefix routes through a margin under `routing_tie_gap`,
+    is a tie (`tie_kind` "logits" or "routing")."""
     prefixes, first, divergences = [], None, []
     for index, (a, b) in enumerate(zip(reference, other)):
         prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -419,9 +419,12 @@ def compare(reference: list[list[int]], other: list[list[int]], probe: Probe | N
             top2 = logits.topk(2).values
             where["top2_gap"] = float(top2[0] - top2[1])
             where["other_gap"] = float(top2[0] - logits[where["other"]])  # how far the other's pick trails
+            where["reference_gap"] = float(top2[0] - logits[where["reference"]])  # and the reference system's
             where["other_rank"] = int((logits > logits[where["other"]]).sum())
             where["router_margin"] = margin
-            where["tie_kind"] = ("logits" if where["other_gap"] < tie_gap else
+            # both picks within tie_gap of the top: a system far below it is wrong however near the other one is
+            near_top = max(where["other_gap"], where["reference_gap"]) < tie_gap
+            where["tie_kind"] = ("logits" if near_top else
                                  "routing" if margin is not None and margin < routing_tie_gap else None)
             where["tie"] = where["tie_kind"] is not None
         divergences.append(where)
