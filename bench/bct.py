@@ -552,7 +552,7 @@ def run(args: argparse.Namespace, log) -> dict:
         f"output tokens (max {max(workload.max_tokens)}); torch threads {torch.get_num_threads()}, {device}, "
         f"load average {load_at_start[0]:.2f}")
 
-    peaks = measure_peaks(device=device)
+    peaks = measure_peaks(device=device, dtype=getattr(torch, args.dtype))
     bound = workload_bound(shape, [len(p) for p in workload.prompts], workload.max_tokens, peaks)
     log(f"roofline: matmul {peaks.matmul_flops / 1e9:.0f} GFLOP/s, read {peaks.read_bandwidth / 1e9:.1f} GB/s"
         f" -> bound {bound.seconds:.2f} s (prefill {bound.prefill_seconds:.2f} s, {bound.decode_steps} "

@@ -128,14 +128,15 @@ def _best_seconds(fn, repeats: int, device: torch.device) -> float:
 
 
 def measure_peaks(device: torch.device | None = None, gemm_size: int = 2048, stream_mib: int = 512,
-                  repeats: int = 5) -> MachinePeaks:
-    """Best-of-`repeats` fp32 GEMM FLOP/s and streaming bandwidth, with torch's default thread count. On CPU the GEMM
-    is the faster of torch.mm (BLAS) and the engine's own (oneDNN: 2.3x MKL on the dev box's AMD cores)."""
+                  repeats: int = 5, dtype: torch.dtype = torch.float32) -> MachinePeaks:
+    """Best-of-`repeats` GEMM FLOP/s in `dtype` (the systems' own: bfloat16 runs on a GPU's tensor cores, several
+    times float32's rate) and streaming bandwidth, with torch's default thread count. On CPU the float32 GEMM is the
+    faster of torch.mm (BLAS) and the engine's own (oneDNN: 2.3x MKL on the dev box's AMD cores)."""
     device = device or torch.device("cpu")
-    a = torch.randn(gemm_size, gemm_size, device=device)
-    b = torch.randn(gemm_size, gemm_size, device=device)
+    a = torch.randn(gemm_size, gemm_size, device=device, dtype=dtype)
+    b = torch.randn(gemm_size, gemm_size, device=device, dtype=dtype)
     gemm = _best_seconds(lambda: torch.mm(a, b), repeats, device)
-    if device.type == "cpu":
+    if device.type == "cpu" and dtype == torch.float32:
         gemm = min(gemm, _best_seconds(lambda: gemm_onednn.linear(a, b), repeats, device))
     x = torch.ones(stream_mib * 2**20 // 4, device=device)
     y = torch.empty_like(x)

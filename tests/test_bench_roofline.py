@@ -1,5 +1,6 @@
-"""bench/roofline.py's C streaming read, which prices every bound's memory time: it must read every element
-once (a loop that skipped some would report a faster read and a looser bound)."""
+"""bench/roofline.py's measured peaks: the C streaming read, which prices every bound's memory time, must read every
+element once (a loop that skipped some would report a faster read and a looser bound); the GEMM runs in the
+systems' dtype."""
 
 import pytest
 import torch
@@ -19,3 +20,13 @@ def test_read_sum_refuses_what_it_cannot_stream(monkeypatch):
         roofline.read_sum(torch.ones(8, dtype=torch.float64))
     with pytest.raises(ValueError, match="not contiguous"):
         roofline.read_sum(torch.ones(8, 2)[:, 0])
+
+
+def test_the_gemm_peak_is_measured_in_the_systems_dtype(monkeypatch):
+    """bct --dtype bfloat16 priced its compute at a float32 GEMM's rate (on a GPU's tensor cores several times
+    slower than bfloat16's): its bounds were not bounds."""
+    roofline = import_bench(monkeypatch, "roofline")
+    seen, mm = [], torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: seen.append(a.dtype) or mm(a, b))
+    peaks = roofline.measure_peaks(gemm_size=64, stream_mib=1, repeats=1, dtype=torch.bfloat16)
+    assert set(seen) == {torch.bfloat16} and peaks.matmul_flops > 0
