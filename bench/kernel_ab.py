@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from batchgen.kernels import (
+    argmax_cpu,
     attention_cpu,
     linear_cpu,
     moe_cpu,
@@ -42,11 +43,13 @@ from batchgen.kernels import (
     norm_cpu,
     prefill_cpu,
     rotary_cpu,
+    router_cpu,
     write_kv_cpu,
 )
 from batchgen.kernels.c_library import CFunction
 
-C_MODULES = (attention_cpu, linear_cpu, moe_cpu, norm_cpu, prefill_cpu, rotary_cpu, write_kv_cpu)
+C_MODULES = (argmax_cpu, attention_cpu, linear_cpu, moe_cpu, norm_cpu, prefill_cpu, rotary_cpu, router_cpu,
+             write_kv_cpu)
 REPO = Path(__file__).resolve().parent.parent
 BASE_C_LIBRARY = "_kernel_ab_base_c_library"
 COLD_LAYERS = 6  # the MoE cases' calls per point; the cold ones read a different layer's 100 MB of weights in each
@@ -68,7 +71,12 @@ def base_kernels(rev: str) -> dict[tuple[types.ModuleType, str], CFunction]:
         name = module.__name__.rsplit(".", 1)[1]
         old = types.ModuleType(f"_kernel_ab_base_{name}")
         sys.modules[old.__name__] = old
-        text = source_at(rev, f"kernels/{name}.py").replace("batchgen.kernels.c_library", BASE_C_LIBRARY)
+        try:
+            text = source_at(rev, f"kernels/{name}.py").replace("batchgen.kernels.c_library", BASE_C_LIBRARY)
+        except subprocess.CalledProcessError:  # a kernel newer than rev
+            print(f"kernel_ab: kernels/{name}.py is not in {rev}: its cases run this tree's build as both",
+                  file=sys.stderr)
+            continue
         exec(compile(text, old.__name__, "exec"), old.__dict__)
         for attr, function in vars(module).items():
             before = getattr(old, attr, None)
@@ -103,8 +111,11 @@ class Builds:
             setattr(module, attr, function)
 
 
-def alternate(builds: Builds, cases: dict[str, Callable[[], torch.Tensor]], rounds: int) -> dict[str, dict]:
-    """Median seconds of each case under each build, the builds taking turns within a round."""
+def alternate(builds: Builds, cases: dict[str, Callable[[], torch.Tensor | tuple[torch.Tensor, float]]],
+              rounds: int) -> dict[str, dict]:
+    """Median seconds of each case under each build, the builds taking turns within a round. A case returns its
+    output, or (output, seconds) when only part of the call is the work measured (an engine run's BCT, not its
+    construction and warm-up)."""
     seconds = {name: {"head": [], "base": []} for name in cases}
     outputs = {}
     for _ in range(rounds + 1):  # the first round warms both builds up (compile, load, caches) and is dropped
@@ -112,8 +123,12 @@ def alternate(builds: Builds, cases: dict[str, Callable[[], torch.Tensor]], roun
             builds.use(which)
             for name, case in cases.items():
                 start = time.perf_counter()
-                outputs[(name, which)] = case()
-                seconds[name][which].append(time.perf_counter() - start)
+                result = case()
+                took = time.perf_counter() - start
+                if isinstance(result, tuple):
+                    result, took = result
+                outputs[(name, which)] = result
+                seconds[name][which].append(took)
     builds.use("head")
     report = {}
     for name, times in seconds.items():
@@ -177,9 +192,9 @@ def engine_case() -> dict[str, Callable[[], torch.Tensor]]:
     host = bct.all_contexts_bytes(shape, workload)
     config = bct.planned_for(loaded, bct.engine_config("coroutine", 2 * host, host), workload)
 
-    def run() -> torch.Tensor:
-        tokens = bct.run_engine(loaded, config, workload).tokens
-        return torch.tensor([t for row in tokens for t in row])
+    def run() -> tuple[torch.Tensor, float]:
+        ran = bct.run_engine(loaded, config, workload)
+        return torch.tensor([t for row in ran.tokens for t in row]), ran.bct_s
 
     return {"engine_bct": run}
 

@@ -36,6 +36,15 @@ def test_a_commits_kernels_are_its_sources_and_take_turns_with_this_trees(bench,
     assert moe_cpu._GROUPED is builds.head[(moe_cpu, "_GROUPED")]  # this tree's kernels back in place
 
 
+def test_a_case_that_times_part_of_itself_reports_that_part(bench):
+    """The engine case's figure is its run's BCT, not the engines built and warmed up around it."""
+    builds = bench.Builds(head={}, base={})
+    calls = iter([0.25, 0.5, 0.25, 0.5])  # the warm-up round's pair is dropped
+    report = bench.alternate(builds, {"engine": lambda: (torch.zeros(1), next(calls))}, rounds=1)
+    assert report["engine"]["head_ms"] == 250.0 and report["engine"]["base_ms"] == 500.0
+    assert report["engine"]["head_over_base"] == 0.5 and report["engine"]["identical"]
+
+
 def test_json_report_of_every_kernel_case(bench, capsys):
     bench.main(["--base", "HEAD", "--rounds", "1", "--json"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
