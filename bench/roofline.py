@@ -196,9 +196,12 @@ def step_cost(shape: MoEShape, step: StepShape) -> tuple[float, float]:
     per_token = shape.layers * (shape.dense_params_per_layer + shape.top_k * shape.expert_params)
     attended = step.prompt_attended + step.decode_kv
     flops = 2 * tokens * per_token + shape.layers * 4 * shape.heads * shape.head_dim * attended
-    flops += 2 * shape.vocab * shape.hidden * (step.prompts_completed + step.decoded)  # logits
+    logit_rows = step.prompts_completed + step.decoded
+    flops += 2 * shape.vocab * shape.hidden * logit_rows
     weights = shape.layers * (shape.dense_params_per_layer + _experts_touched(shape, tokens) * shape.expert_params)
-    weights += shape.vocab * shape.hidden + tokens * shape.hidden  # LM head + embedding rows
+    weights += tokens * shape.hidden  # embedding rows
+    if logit_rows:  # a step of prompt chunks that complete none never runs the LM head
+        weights += shape.vocab * shape.hidden
     kv_read = step.prompt_kv_read + step.decode_kv
     return flops, weights * shape.dtype_bytes + kv_read * shape.kv_bytes_per_token
 

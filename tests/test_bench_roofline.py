@@ -30,3 +30,13 @@ def test_the_gemm_peak_is_measured_in_the_systems_dtype(monkeypatch):
     monkeypatch.setattr(torch, "mm", lambda a, b: seen.append(a.dtype) or mm(a, b))
     peaks = roofline.measure_peaks(gemm_size=64, stream_mib=1, repeats=1, dtype=torch.bfloat16)
     assert set(seen) == {torch.bfloat16} and peaks.matmul_flops > 0
+
+
+def test_a_step_without_logits_reads_no_lm_head(monkeypatch):
+    roofline = import_bench(monkeypatch, "roofline")
+    shape = roofline.MoEShape(vocab=100, hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, experts=4, top_k=2,
+                              intermediate=16, dtype_bytes=4)
+    chunk = roofline.StepShape(prompt_tokens=10, prompt_attended=55)
+    done = roofline.StepShape(prompt_tokens=10, prompt_attended=55, prompts_completed=1)
+    (_, without), (_, with_head) = roofline.step_cost(shape, chunk), roofline.step_cost(shape, done)
+    assert with_head - without == 100 * 8 * 4  # the head's weights, read only when a row needs its logits
