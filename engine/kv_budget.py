@@ -98,7 +98,7 @@ def cgroup_room_bytes(proc_cgroup: str, root: Path) -> int | None:
         try:
             limit = (where / names[0]).read_text().strip()
             usage = int((where / names[1]).read_text())
-            stat = dict(line.split() for line in (where / "memory.stat").read_text().splitlines())
+            stat = dict(entry.split() for entry in (where / "memory.stat").read_text().splitlines())
         except (OSError, ValueError):
             continue
         if limit == "max" or int(limit) >= 1 << 60:  # none set ("max"; v1: a page-rounded 2^63)
