@@ -445,8 +445,8 @@ def scenario_summary(runs: dict[str, SystemRun], output_tokens: int, bound_s: fl
     schedule = {name: schedule_bound(shape, run.steps, peaks) for name, run in runs.items() if run.steps}
     vs_lockstep = compare(lockstep.tokens, batchgen.tokens, probe, tie_gap, routing_tie_gap)
     vs_hf = compare(hf.tokens, batchgen.tokens, probe, tie_gap, routing_tie_gap)
-    engine_keys = ("scheduler_share", "yields", "restores", "bytes_moved", "peak_active", "peak_suspended",
-                   "prefill_steps", "decode_steps", "mixed_steps", "moe_calls", "frozen_objects",
+    engine_keys = ("scheduler_share", "yields", "restores", "recomputes", "bytes_moved", "peak_active",
+                   "peak_suspended", "prefill_steps", "decode_steps", "mixed_steps", "moe_calls", "frozen_objects",
                    "decode_graph_captures", "decode_graph_replays", "decode_graph_refusals")
     return {
         "bct_s": {name: run.bct_s for name, run in runs.items()},

@@ -40,7 +40,7 @@ from batchgen.engine.request_normalizer import RequestNormalizer
 from batchgen.engine.sampler import sample_next_tokens
 from batchgen.engine.sampling_params import InvalidRequestError
 from batchgen.engine.scheduler import DecodePlan, PrefillPlan, Scheduler, StepPlan
-from batchgen.engine.sequence import Phase, Sequence
+from batchgen.engine.sequence import KVLocation, Phase, Sequence
 from batchgen.engine.stop_checker import finish_reason, output_text
 
 _UNBOUNDED = 1 << 62
@@ -202,7 +202,8 @@ class Engine(Generates):
         """Adopt a prompt prefilled elsewhere (checked with check_prefilled): place its KV, then decode its
         samples like any other. A prompt whose KV leaves out a prefix (`kv_start`) takes it from the page
         cache, where the batch's earlier prompt carrying it left it; if that prompt went elsewhere (a
-        batch split between engines), this engine prefills the prompt itself and keeps the first tokens."""
+        batch split between engines) or neither KV pool has room for it now, this engine prefills the prompt itself
+        when its turn comes and keeps the first tokens."""
         self.check_prefilled(prefilled)
         self.stats.mark_start()
         request = prefilled.request
@@ -211,7 +212,8 @@ class Engine(Generates):
         location = self.scheduler.import_location(prefilled.num_tokens, samples=request.sampling.n)
         for index, logprob in enumerate(prefilled.first_logprobs):
             seq = self.new_sequence(request, index, list(request.prompt_token_ids), prefilled.submitted_at)
-            if not self.kv.load(seq, location, prefilled.kv, prefilled.num_tokens, prefilled.kv_start):
+            if location is None or not self.kv.load(seq, location, prefilled.kv, prefilled.num_tokens,
+                                                    prefilled.kv_start):
                 state.prefilled = prefilled  # only the first sample can miss: later ones find its pages
                 state.samples.append(seq)
                 self.scheduler.admit(seq)
@@ -278,10 +280,10 @@ class Engine(Generates):
         request = Request(request_id, list(first.prompt_ids), sampling=state.request.sampling)
         migrated = MigratedRequest(request, [], first.submitted_at, first.first_scheduled_at)
         for seq in state.samples:
-            if seq.phase is Phase.WAITING:
+            if seq.phase is Phase.WAITING and not seq.recomputing:
                 continue
             kv = None
-            if seq.phase is not Phase.FINISHED:
+            if seq.phase is not Phase.FINISHED and seq.kv_len:  # (a sample waiting for a recompute has none)
                 kv = torch.empty(self.kv.geometry.packed_nbytes(seq.kv_len), dtype=torch.uint8)
                 self.kv.export(seq, kv)
             logprobs = None if seq.logprobs is None else list(seq.logprobs)  # a checkpoint is read as it decodes on
@@ -337,7 +339,11 @@ class Engine(Generates):
             if seq.finish_reason is not None:
                 seq.phase = Phase.FINISHED
                 continue
-            self.kv.load(seq, self.scheduler.import_location(sample.kv_len), sample.kv, sample.kv_len)
+            location = None if sample.kv is None else self.scheduler.import_location(sample.kv_len)
+            if location is None:  # KV dropped before the move, or no room for it here: prefilled again
+                self.scheduler.admit(seq)
+                continue
+            self.kv.load(seq, location, sample.kv, sample.kv_len)
             self.scheduler.place_decoding(seq)
 
     # --------------------------------------------- shared with PrefillExporter
@@ -381,7 +387,7 @@ class Engine(Generates):
         chunks = prefill.chunks if prefill else []
         now = time.perf_counter()
         for chunk in chunks:
-            if chunk.start == 0:
+            if chunk.seq.first_scheduled_at is None:  # (a cached prefix starts its first chunk past 0)
                 chunk.seq.first_scheduled_at = now
             self.stats.prompt_tokens += chunk.end - chunk.start
         self.stats.chunked_prefills += sum(1 for c in chunks if not c.completes)
@@ -398,14 +404,21 @@ class Engine(Generates):
         return logits
 
     def _first_tokens(self, plan: PrefillPlan, logits: torch.Tensor) -> None:
-        """Prompts whose prefill completed: fork n > 1 samples, draw each sample's first token."""
+        """Prompts whose prefill completed: fork n > 1 samples, draw each sample's first token (a recomputed
+        sequence's next one)."""
         rows, seqs = [], []
         for row, parent in enumerate(plan.completed):
+            if parent.recomputing:
+                rows.append(row)
+                seqs.append(parent)
+                continue
             state = self._requests[parent.request_id]
             for index in range(1, parent.sampling.n):  # forks share the parent's logits row
                 child = self.new_sequence(state.request, index, parent.prompt_ids, parent.submitted_at)
                 child.first_scheduled_at = parent.first_scheduled_at
-                self.kv.fork(parent, child, self.scheduler.fork_location(parent, plan.location))
+                location = self.scheduler.fork_location(parent, plan.location)
+                if location is not None:  # else it takes its first token here and is prefilled again
+                    self.kv.fork(parent, child, location)
                 state.samples.append(child)
             if state.prefilled is not None:  # prefilled again here: the first tokens were drawn already
                 for seq in state.samples:
@@ -429,10 +442,13 @@ class Engine(Generates):
                 self.scheduler.remove(seq)
 
     def _continue_or_finish(self, seq: Sequence, token: int) -> None:
-        """A sequence whose KV was just written takes its first token, then decodes or is done."""
+        """A sequence whose KV was just written takes its first token, then decodes or is done (a fork that found
+        no pages waits to be prefilled again)."""
         if self._accept_token(seq, token):
             self.kv.free(seq)
             seq.phase = Phase.FINISHED
+        elif seq.kv_location is KVLocation.NONE:
+            self.scheduler.recompute(seq)
         else:
             self.scheduler.place_decoding(seq)
 

@@ -87,17 +87,18 @@ class KVManager:
         self._set_pages(seq, location, pages)
 
     def allocate_prompt(self, seq: Sequence, location: KVLocation) -> int:
-        """Pages for a new prompt (and its first generated token): its longest cached prefix shared, the rest
-        allocated. Returns the number of prompt tokens whose KV is already there (`seq.kv_len`). At least
-        the last prompt token is left to compute: its logits give the first generated token."""
+        """Pages for a prefill (Sequence.prefill_ids: a new prompt, or a recompute's prompt and generated tokens) and
+        the token it draws: its longest cached prefix shared, the rest allocated. Returns the number of tokens
+        whose KV is already there (`seq.kv_len`). At least the last token is left to compute: its logits give the
+        next one."""
         pool = self.pool(location)
         cached = []
         if pool.cache is not None:
-            prompt = seq.prompt_ids
+            prompt = seq.prefill_ids
             cached = pool.cache.match(prompt, self.page_size, (len(prompt) - 1) // self.page_size)
             self.prefix_query_tokens += len(prompt)
             self.prefix_hit_tokens += len(cached) * self.page_size
-        self._place(seq, location, cached, self.pages_needed(len(seq.prompt_ids) + 1))
+        self._place(seq, location, cached, self.pages_needed(len(seq.prefill_ids) + 1))
         seq.kv_len = len(cached) * self.page_size
         return seq.kv_len
 
@@ -116,7 +117,7 @@ class KVManager:
         pool = self.pool(location)
         if pool.cache is None:
             return 0, None
-        prompt, size = seq.prompt_ids, self.page_size
+        prompt, size = seq.prefill_ids, self.page_size
         reusable = (len(prompt) - 1) // size
         cached = pool.cache.match(prompt, size, reusable)
         if len(cached) == reusable:
@@ -125,10 +126,11 @@ class KVManager:
         return len(cached), (cached[-1] if cached else ROOT, tuple(prompt[start : start + size]))
 
     def cache_prompt(self, seq: Sequence, num_tokens: int) -> None:
-        """Index the whole prompt pages among the first `num_tokens` of the sequence's KV (just written)."""
+        """Index the whole pages of prefilled tokens among the first `num_tokens` of the sequence's KV (just
+        written)."""
         pool = self.pool(seq.kv_location)
         if pool.cache is not None:
-            size, prompt = self.page_size, seq.prompt_ids
+            size, prompt = self.page_size, seq.prefill_ids
             whole = min(num_tokens, len(prompt)) // size
             _register(pool, self.pages_of(seq), [prompt[i * size : (i + 1) * size] for i in range(whole)])
 

@@ -41,6 +41,7 @@ class EngineMetrics:
     decode_micro_batches: int = 0  # attention micro-batches of decoding sequences, over all steps
     yields: int = 0
     restores: int = 0
+    recomputes: int = 0  # recompute preemptions: KV dropped, prefilled again (no host room to keep it)
     # steps with no sequence of its own in which this rank of an expert-parallel engine served its experts
     expert_only_steps: int = 0
     partitioned_steps: int = 0  # steps of a straggler decoded over every rank of its group (PARTITION)
@@ -109,7 +110,7 @@ class EngineMetrics:
         self.max_ffn_tokens = max(self.max_ffn_tokens, num_tokens)
 
     def record_step(self, scheduler) -> None:
-        self.yields, self.restores = scheduler.yields, scheduler.restores
+        self.yields, self.restores, self.recomputes = scheduler.yields, scheduler.restores, scheduler.recomputes
         self.peak_active = max(self.peak_active, len(scheduler.running))
         self.peak_suspended = max(self.peak_suspended, len(scheduler.suspended))
 
@@ -167,6 +168,7 @@ class EngineMetrics:
             "decode_micro_batches": self.decode_micro_batches,
             "yields": self.yields,
             "restores": self.restores,
+            "recomputes": self.recomputes,
             "bytes_moved": kv.bytes_moved,
             "prefill_tokens_saved": kv.prefix_hit_tokens,  # prompt tokens whose KV came from cached pages
             "prefix_hit_rate": kv.prefix_hit_tokens / kv.prefix_query_tokens if kv.prefix_query_tokens else 0.0,

@@ -23,6 +23,7 @@ class MigratedSample:
     generated: list[int]
     logprobs: list[TokenLogprob] | None
     kv: torch.Tensor | None  # uint8, PoolGeometry.packed_views of its first `kv_len` tokens; None once finished
+    # or while waiting to be prefilled again (its KV dropped by a recompute preemption: `kv_len` 0)
     kv_len: int
     finish_reason: str | None = None  # set for a sample that finished before the move
     stop_text_end: int | None = None

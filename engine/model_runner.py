@@ -115,7 +115,7 @@ class ModelRunner:
         pool = self.kv.pool(chunks[0].seq.kv_location)
         page_size = self.kv.page_size
         lengths = [c.end - c.start for c in chunks]
-        tokens = list(chain.from_iterable(c.seq.prompt_ids[c.start : c.end] for c in chunks))
+        tokens = list(chain.from_iterable(c.seq.prefill_ids[c.start : c.end] for c in chunks))
         table = page_table([self.kv.pages_of(c.seq) for c in chunks], pool.device)
         rows, positions = span_positions([c.start for c in chunks], lengths, pool.device)
         slots = token_slots(table, rows, positions, page_size)

@@ -12,6 +12,11 @@ Two policies share the same queues and KV manager:
   under a threshold.
 - lockstep: vLLM-style continuous batching. Only device-resident sequences run; on page
   shortage the newest sequence is preempted (swapped to host) until pages free up.
+
+When the host pool has no room either (for a YIELD, or for a host-resident sequence's next token), the
+newest sequence of the pool that is short is preempted by recompute, as vLLM does: its KV is dropped and it
+waits first in line to be prefilled again over its prompt and generated tokens; no prompt is admitted until
+a sequence leaves, so the freed pages go to the sequences already running.
 """
 
 from __future__ import annotations
@@ -28,8 +33,6 @@ from batchgen.engine.sequence import KVLocation, Phase, Sequence
 
 PREFIX_WINDOW = 32  # how far into the waiting queue admission looks for prompts with a cached prefix
 
-HOST_FULL = "host page pool is full: raise host_kv_budget_bytes"
-
 
 @dataclass(frozen=True)
 class PrefillChunk:
@@ -42,7 +45,7 @@ class PrefillChunk:
 
     @property
     def completes(self) -> bool:
-        return self.end == len(self.seq.prompt_ids)
+        return self.end == len(self.seq.prefill_ids)
 
 
 @dataclass
@@ -96,9 +99,11 @@ class Scheduler:
         self.suspended: dict[int, Sequence] = {}  # KV in host pages, FIFO
         self.prefilling: Sequence | None = None  # a prompt part-way through chunked prefill
         self._refilling = True
+        self._held = False  # a recompute preemption holds refills until a sequence leaves
         self._head = (-1, 0)  # (the waiting head's seq_id, how often a later prompt went before it)
         self.yields = 0
         self.restores = 0
+        self.recomputes = 0
 
     @property
     def coroutine(self) -> bool:
@@ -139,7 +144,7 @@ class Scheduler:
         return None if prefill is None and decode is None else StepPlan(prefill, decode)
 
     def _should_refill(self) -> bool:
-        if not self.waiting:
+        if not self.waiting or (self._held and (self.running or self.suspended)):
             return False
         if not self.coroutine:
             return True
@@ -157,9 +162,9 @@ class Scheduler:
         room = self.config.max_num_seqs - self.num_decoding()
         if self.prefilling is not None:  # the chunked prompt goes on first; its pages are already there
             seq = self.prefilling
-            chunks.append(PrefillChunk(seq, seq.kv_len, min(len(seq.prompt_ids), seq.kv_len + budget)))
+            chunks.append(PrefillChunk(seq, seq.kv_len, min(len(seq.prefill_ids), seq.kv_len + budget)))
             location = seq.kv_location
-            room -= seq.sampling.n
+            room -= seq.prefill_samples
             self.prefilling = None if chunks[0].completes else seq
         tokens = sum(c.end - c.start for c in chunks)
         samples_total = 0
@@ -169,12 +174,12 @@ class Scheduler:
             seq = self._next_prompt(computing, location or KVLocation.DEVICE, states)
             if seq is None:
                 break  # every candidate's next prefix page is being computed: they start next step, cached
-            samples = seq.sampling.n
+            samples = seq.prefill_samples
             if tokens >= budget or (chunks and samples > room):
                 break
             if not chunks and samples > room and self.num_decoding() > 0:
                 break
-            pages = self.kv.pages_needed(len(seq.prompt_ids) + 1) * samples
+            pages = self.kv.pages_needed(len(seq.prefill_ids) + 1) * samples
             where = self._prefill_location(pages, samples_total + samples)
             if where is None or (location is not None and where is not location):
                 break
@@ -187,7 +192,7 @@ class Scheduler:
             location = where
             start = self.kv.allocate_prompt(seq, where)  # past its cached prefix
             seq.phase = Phase.PREFILL
-            chunks.append(PrefillChunk(seq, start, min(len(seq.prompt_ids), start + budget - tokens)))
+            chunks.append(PrefillChunk(seq, start, min(len(seq.prefill_ids), start + budget - tokens)))
             tokens += chunks[-1].end - start
             samples_total += samples
             room -= samples
@@ -268,13 +273,17 @@ class Scheduler:
                 if victims is None:
                     victims = sorted(self.running.values(), key=self._victim_order)
                 victim = victims.pop()
-                if victim.seq_id in self.running:
+                if victim.seq_id not in self.running:
+                    continue
+                if self.kv.fits(KVLocation.HOST, victim.kv_len):
                     self._yield(victim)
+                else:  # no host room to keep its KV: the newest running sequence recomputes instead
+                    self.recompute(_newest(self.running.values()))
         staged: list[list[Sequence]] = []
         if self.coroutine:
-            for seq in self.suspended.values():
-                if not self.kv.grow(seq, seq.kv_len + 1):
-                    raise RuntimeError(HOST_FULL)
+            for seq in list(self.suspended.values()):
+                while seq.seq_id in self.suspended and not self.kv.grow(seq, seq.kv_len + 1):
+                    self.recompute(_newest(self.suspended.values()))
             # a sequence larger than the staging pool waits in host pages for a device restore
             streamable = [s for s in self.suspended.values()
                           if self.kv.pages_needed(s.kv_len + 1) <= self.kv.host_decode_pages]
@@ -288,14 +297,27 @@ class Scheduler:
         return (seq.arrival,)  # vLLM: preempt the newest
 
     def _yield(self, seq: Sequence) -> None:
-        """YIELD a sequence off the device: checkpoint its KV to host pages."""
-        if not self.kv.fits(KVLocation.HOST, seq.kv_len):
-            raise RuntimeError(HOST_FULL)  # before anything moves (the pool's error left the device pages leaked)
+        """YIELD a sequence off the device: checkpoint its KV to host pages (the caller checked they have room)."""
         del self.running[seq.seq_id]
         self.kv.migrate(seq, KVLocation.HOST)
         seq.phase = Phase.SUSPENDED
         self.suspended[seq.seq_id] = seq
         self.yields += 1
+
+    def recompute(self, seq: Sequence) -> None:
+        """Preempt by recompute: drop a sequence's KV (it has generated tokens); it waits first in line for a
+        prefill over its prompt and generated tokens (Sequence.recomputing), which draws its next token as a
+        decode step would."""
+        if seq.phase is Phase.DECODE:
+            del self.running[seq.seq_id]
+        elif seq.phase is Phase.SUSPENDED:
+            del self.suspended[seq.seq_id]
+        self.kv.free(seq)
+        seq.kv_len = 0
+        seq.phase = Phase.WAITING
+        self.waiting.appendleft(seq)
+        self.recomputes += 1
+        self._held = True
 
     def _staging_groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
         groups: list[list[Sequence]] = []
@@ -313,15 +335,22 @@ class Scheduler:
         seq.phase = Phase.WAITING
         self.waiting.append(seq)
 
-    def fork_location(self, parent: Sequence, planned: KVLocation) -> KVLocation:
-        """Where an n > 1 sample's copy of its parent's prompt KV goes: beside the parent when it fits."""
-        return planned if self.kv.fits(planned, parent.kv_len + 1) else KVLocation.HOST
+    def fork_location(self, parent: Sequence, planned: KVLocation) -> KVLocation | None:
+        """Where an n > 1 sample's copy of its parent's prompt KV goes: beside the parent when it fits, else host
+        pages when they have room; None when neither has (the step's decode took the pages admission counted on:
+        the sample is `recompute`d)."""
+        for location in (planned, KVLocation.HOST):
+            if self.kv.fits(location, parent.kv_len + 1):
+                return location
+        return None
 
-    def import_location(self, num_tokens: int, samples: int = 1) -> KVLocation:
+    def import_location(self, num_tokens: int, samples: int = 1) -> KVLocation | None:
         """Where KV prefilled elsewhere lands, for `samples` sequences together: device pages when they have room
-        for all, else host pages."""
-        return KVLocation.DEVICE if self.kv.fits(KVLocation.DEVICE, num_tokens + 1, samples=samples) else \
-            KVLocation.HOST
+        for all, else host pages when those have; None when neither has now (the caller prefills it again)."""
+        for location in (KVLocation.DEVICE, KVLocation.HOST):
+            if self.kv.fits(location, num_tokens + 1, samples=samples):
+                return location
+        return None
 
     def place_decoding(self, seq: Sequence) -> None:
         """A sequence whose KV was just written (prefill, fork, import) joins the decode pool."""
@@ -335,6 +364,7 @@ class Scheduler:
     def remove(self, seq: Sequence) -> None:
         """A finished or aborted sequence leaves whichever queue holds it (O(1) unless still waiting) and
         frees its KV."""
+        self._held = False
         if seq.phase is Phase.WAITING:
             self.waiting.remove(seq)
         elif seq is self.prefilling:
@@ -345,3 +375,8 @@ class Scheduler:
             del self.suspended[seq.seq_id]
         self.kv.free(seq)
         seq.phase = Phase.FINISHED
+
+
+def _newest(seqs) -> Sequence:
+    """The sequence submitted last: the one a preemption takes first, as vLLM's."""
+    return max(seqs, key=lambda s: s.arrival)

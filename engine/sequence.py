@@ -18,7 +18,7 @@ from batchgen.engine.sampling_params import SamplingParams
 
 
 class Phase(enum.Enum):
-    WAITING = "waiting"  # prompt not prefilled yet
+    WAITING = "waiting"  # prompt not prefilled yet, or its KV dropped by a recompute preemption
     PREFILL = "prefill"
     DECODE = "decode"  # KV resident in device pages
     SUSPENDED = "suspended"  # yielded: KV checkpointed in the host store
@@ -65,6 +65,23 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.generated)
+
+    @property
+    def recomputing(self) -> bool:
+        """Whether a prefill of this sequence recomputes KV it had (recompute preemption dropped it): it has
+        generated tokens, so the prefill covers them too and draws its next token, no first one."""
+        return bool(self.generated)
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """The tokens a prefill of this sequence computes KV for: its prompt, and its generated tokens when
+        `recomputing`."""
+        return self.prompt_ids + self.generated if self.generated else self.prompt_ids
+
+    @property
+    def prefill_samples(self) -> int:
+        """Sequences its prefill yields: the request's n for a prompt (forked after), one for a recompute."""
+        return 1 if self.generated else self.sampling.n
 
     @property
     def last_token(self) -> int:

@@ -89,6 +89,17 @@ def test_tight_kv_budget_evicts_and_restores_without_changing_tokens(moe_case, m
         assert metrics["staged_decode_batches"] > 0
 
 
+@pytest.mark.parametrize("mode", ["coroutine", "lockstep"])
+def test_a_host_pool_too_small_for_the_yields_recomputes_without_changing_tokens(moe_case, mode):
+    loaded, batch, expected = moe_case
+    page = kv_bytes_per_token(loaded) * 4
+    engine = Engine(loaded, mode=mode, page_size=4, kv_budget_bytes=page * 16, host_kv_budget_bytes=page * 8,
+                    b_attn=3, b_moe=16)
+    assert in_order(tokens_by_id(engine.generate(greedy_requests(batch))), len(batch)) == expected
+    metrics = engine.metrics()
+    assert metrics["recomputes"] > 0 and metrics["yields"] > 0
+
+
 @pytest.mark.parametrize("stream_host_kv", [False, True])
 def test_host_resident_sequences_decode_in_the_resident_micro_batches_where_the_tiers_are_one_memory(
         moe_case, stream_host_kv):
@@ -176,6 +187,33 @@ def test_prefilled_samples_that_fit_the_device_one_at_a_time_land_together_on_th
     while decode.has_unfinished():
         results += decode.step()
     assert [o.token_ids for o in results[0].outputs] == [expected[4]] * 3
+
+
+def test_prefilled_prompts_finding_no_room_in_either_pool_are_prefilled_again_when_their_turn_comes(moe_case):
+    """A decode engine handed more prefilled prompts than its device and host pages hold keeps them waiting and
+    prefills each itself when room frees (the first tokens as the prefill engine drew them); it used to fail
+    when the host pool ran out."""
+    loaded, batch, expected = moe_case
+    exported = PrefillExporter(Engine(loaded, page_size=4)).prefill(greedy_requests(batch))
+    page = kv_bytes_per_token(loaded) * 4
+    decode = Engine(loaded, page_size=4, kv_budget_bytes=page * 14, host_kv_budget_bytes=page * 4)
+    for prefilled in exported.outputs:
+        decode.add_prefilled(prefilled)
+    assert decode.metrics()["handoff_prefills"] > 0
+    got = {}
+    while decode.has_unfinished():
+        got.update(tokens_by_id(decode.step()))
+    assert in_order(got, len(batch)) == expected
+
+
+def test_a_sample_whose_fork_finds_no_pages_takes_its_first_token_and_is_prefilled_again(moe_case, monkeypatch):
+    loaded, batch, expected = moe_case
+    engine = Engine(loaded, page_size=4)
+    monkeypatch.setattr(engine.scheduler, "fork_location", lambda parent, planned: None)  # every pool full
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
+    [result] = engine.generate([Request("r", prompt_token_ids=batch[1], sampling=params)])
+    assert [o.token_ids for o in result.outputs] == [expected[1]] * 2
+    assert engine.metrics()["recomputes"] == 1 and engine.metrics()["prefill_steps"] == 2
 
 
 def test_seeded_sampling_is_independent_of_batch_composition(moe_case):

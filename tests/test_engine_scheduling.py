@@ -210,13 +210,42 @@ def test_a_prompt_whose_samples_fit_no_pool_together_is_rejected_up_front(mode, 
     scheduler.check_fits(16, 10, samples=2)  # 6 pages
 
 
-def test_a_yield_the_host_pool_cannot_hold_names_the_budget_and_moves_nothing():
+def test_a_yield_the_host_pool_cannot_hold_recomputes_the_newest_sequence():
+    """Lockstep, the device full, the host pool too small to keep a YIELD's KV: the newest sequence's KV is dropped
+    (it waits first in line, its tokens kept), no prompt is admitted until a sequence leaves, then it is prefilled
+    over its prompt and generated tokens. The engine used to fail here."""
     kv = manager(device_pages=4, host_pages=1)
     scheduler = Scheduler(scheduler_config(mode="lockstep"), kv)
-    a, b = (decoding(scheduler, kv, sequence(i, prompt_len=8)) for i in range(2))  # 2 pages each: the device full
-    with pytest.raises(RuntimeError, match="host page pool is full: raise host_kv_budget_bytes"):
-        scheduler.schedule()  # a's next token needs a page: b would yield to a host pool of 1 page
-    assert set(scheduler.running) == {0, 1} and len(b.device_pages) == 2 and kv.device.free_pages == 0
+    a, b = (decoding(scheduler, kv, sequence(i, prompt_len=7, generated=1)) for i in range(2))  # 2 pages each
+    scheduler.admit(sequence(2, prompt_len=3))
+    plan = scheduler.schedule()  # a's next token needs a third page: b would yield to a host pool of 1 page
+    assert plan.prefill is None and plan.decode.resident == [a]
+    assert list(scheduler.waiting)[0] is b and b.phase is Phase.WAITING and b.kv_len == 0 and b.device_pages == []
+    assert (scheduler.recomputes, scheduler.yields, kv.host.free_pages, len(a.device_pages)) == (1, 0, 1, 3)
+    a.kv_len += 1
+    assert scheduler.schedule().prefill is None  # held: a keeps the pages b freed
+    scheduler.remove(a)
+    first = scheduler.schedule().prefill.chunks[0]
+    assert (first.seq, first.start, first.end, first.completes) == (b, 0, 8, True)
+    assert b.prefill_ids == [1] * 7 + [5] and b.prefill_samples == 1
+
+
+def test_a_host_resident_sequence_the_full_host_pool_cannot_grow_recomputes_the_newest_one():
+    kv = manager(device_pages=2, host_pages=4, stream_host=False)
+    scheduler = Scheduler(scheduler_config(mode="coroutine"), kv)
+    a, b = (decoding(scheduler, kv, sequence(i, prompt_len=7, generated=1), KVLocation.HOST) for i in range(2))
+    plan = scheduler.schedule()
+    assert plan.decode.seqs == [a] and list(scheduler.waiting) == [b] and scheduler.recomputes == 1
+    assert len(a.host_pages) == 3 and b.kv_location is KVLocation.NONE
+
+
+def test_a_fork_finding_no_pages_is_told_to_recompute():
+    kv = manager(device_pages=4, host_pages=1)
+    scheduler = Scheduler(scheduler_config(mode="coroutine"), kv)
+    parent = decoding(scheduler, kv, sequence(0, prompt_len=7))
+    assert scheduler.fork_location(parent, KVLocation.DEVICE) is KVLocation.DEVICE
+    decoding(scheduler, kv, sequence(1, prompt_len=7))  # the device full, the host's one page too few
+    assert scheduler.fork_location(parent, KVLocation.DEVICE) is None
 
 
 def test_prefilled_samples_land_together_where_all_of_them_fit():
@@ -224,6 +253,8 @@ def test_prefilled_samples_land_together_where_all_of_them_fit():
     assert scheduler.import_location(9, samples=2) is KVLocation.DEVICE  # 3 pages each
     assert scheduler.import_location(9, samples=3) is KVLocation.HOST  # 9 > 8: the second sample found no page
     scheduler.check_fits(12, 9, samples=3, imported=True)  # so an imported prompt may exceed the device
+    full = Scheduler(scheduler_config(mode="lockstep"), manager(device_pages=8, host_pages=8))
+    assert full.import_location(9, samples=3) is None  # neither pool has room now: the caller prefills it again
 
 
 def test_combine_requires_one_program_point_and_partition_restores_rows():

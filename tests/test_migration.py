@@ -109,6 +109,31 @@ def test_a_request_mid_prefill_is_not_movable_and_bad_imports_are_refused(demo):
         other.import_request(migrated)
 
 
+@pytest.mark.parametrize("mode", ["coroutine", "lockstep"])
+def test_samples_preempted_by_recompute_finish_as_unconstrained_and_move_without_kv(demo, mode):
+    """Device and host pools too small to keep every sequence: samples are preempted by recompute (KV dropped,
+    prefilled again over prompt and generated tokens) with this workload's seeded n > 1 samples, structured
+    outputs, penalties, bad words, stops and logprobs finishing as in an engine with room for all; a request
+    moved while a sample waits for its recompute travels without that sample's KV and finishes the same."""
+    expected = by_id(Engine(demo, page_size=16).generate(workload()))
+    page = kv_bytes_per_token(demo) * 16
+    small = dict(mode=mode, page_size=16, kv_budget_bytes=page * 8, host_kv_budget_bytes=page * 2)
+    engine = Engine(demo, **small)
+    assert by_id(engine.generate(workload())) == expected
+    assert engine.metrics()["recomputes"] > 0
+    source, target = Engine(demo, **small), Engine(demo, page_size=16)
+    for request in workload():
+        source.add_request(request)
+    finished = []
+    while not any(s.recomputing for s in source.scheduler.waiting):
+        finished.extend(source.step())
+    rid = next(s.request_id for s in source.scheduler.waiting if s.recomputing)
+    moved = source.export_request(rid)
+    assert any(s.kv is None and s.kv_len == 0 and s.generated and s.finish_reason is None for s in moved.samples)
+    target.import_request(moved)
+    assert by_id(finished + drain(source) + drain(target)) == expected
+
+
 def test_a_checkpoint_of_a_suspended_request_continues_elsewhere_as_the_request_does_here(demo):
     """Engine.snapshot_request copies a request held in host pages and leaves it running: both the source
     and an engine that imports the copy finish it with the expected tokens."""

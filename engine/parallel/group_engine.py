@@ -43,8 +43,8 @@ STOP_TIMEOUT_S = 30.0
 SUMMED_METRICS = (
     "generated_tokens", "prompt_tokens", "finished_requests", "failed_requests", "aborted_requests",
     "prefill_steps", "decode_steps", "mixed_steps", "chunked_prefills", "handoff_prefills", "migrated_out",
-    "migrated_in", "staged_decode_batches", "yields", "restores", "bytes_moved", "prefill_tokens_saved", "moe_calls",
-    "expert_only_steps", "partitioned_steps",
+    "migrated_in", "staged_decode_batches", "yields", "restores", "recomputes", "bytes_moved", "prefill_tokens_saved",
+    "moe_calls", "expert_only_steps", "partitioned_steps",
 )
 
 

@@ -21,7 +21,7 @@ META = torch.device("meta")
 
 
 class ReplayError(RuntimeError):
-    """The configuration cannot run the workload (a sequence that never fits, a full host pool)."""
+    """The configuration cannot run the workload (a sequence that never fits, no end in sight)."""
 
 
 def replay_schedule(config: EngineConfig, budget: KVBudget, spec: KVSpec, dtype: torch.dtype,
