@@ -167,6 +167,17 @@ def test_sharers_wait_one_step_for_a_prefix_being_prefilled(demo):
     assert engine.metrics()["prefill_tokens_saved"] == cacheable * (len(batch) - 2)
 
 
+def test_a_prompt_starting_past_its_cached_prefix_records_when_it_was_first_scheduled(demo):
+    """Its first chunk starts past 0: the time it was first scheduled was never set, so its result reported the
+    time it finished."""
+    batch = shared_prefix_requests(demo.model.vocab_size, count=3)
+    engine = Engine(demo, page_size=16)
+    first, second = (engine.generate([request])[0] for request in batch[::2])  # one prefix
+    assert engine.metrics()["prefill_tokens_saved"] > 0
+    for result in (first, second):
+        assert result.submitted_at <= result.first_scheduled_at < result.finished_at
+
+
 def decoded(decode: Engine, exported) -> dict[str, list[list[int]]]:
     for out in exported:
         decode.add_prefilled(out)
