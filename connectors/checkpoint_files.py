@@ -23,6 +23,7 @@ CONFIG_FILE = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Small files copied next to config.json for transformers (tokenizers, chat templates, generation config).
 METADATA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+TEMPLATES_DIR = "additional_chat_templates"  # a tokenizer's named chat templates, one .jinja file each
 
 
 class CheckpointError(ValueError):
@@ -83,6 +84,12 @@ def metadata_dir(fs, root: str, files: set[str]) -> Iterator[str]:
         for name in files:
             if name.endswith(METADATA_SUFFIXES):
                 fs.get_file(posixpath.join(root, name), str(Path(tmp) / name))
+        if TEMPLATES_DIR in files:
+            (Path(tmp) / TEMPLATES_DIR).mkdir()
+            for path in fs.ls(posixpath.join(root, TEMPLATES_DIR), detail=False):
+                name = posixpath.basename(path.rstrip("/"))
+                if name.endswith(".jinja"):
+                    fs.get_file(path, str(Path(tmp) / TEMPLATES_DIR / name))
         yield tmp
 
 

@@ -66,6 +66,19 @@ def test_metadata_and_tokenizer(mixtral_dir, where):
     assert load_tokenizer(uri).encode(text) == ids
 
 
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_named_chat_templates_come_with_the_tokenizer(tmp_path, where):
+    """transformers saves a tokenizer's named templates as additional_chat_templates/<name>.jinja: a remote
+    checkpoint's copy of its small files left that folder out, and the named templates were lost."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = {"default": "{{ 'D' }}", "tool_use": "{{ 'T' }}"}
+    tokenizer.save_pretrained(tmp_path)
+    assert (tmp_path / "additional_chat_templates" / "tool_use.jinja").is_file()
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config("llama").to_dict()))
+    uri = tmp_path if where == "local" else copy_to_memory(tmp_path, "test-named-templates")
+    assert load_tokenizer(uri).chat_template == {"default": "{{ 'D' }}", "tool_use": "{{ 'T' }}"}
+
+
 def test_no_tokenizer_gives_none(tmp_path):
     save_tiny_checkpoint("llama", tmp_path)
     loaded = load_model(tmp_path)

@@ -80,8 +80,8 @@ def copy_to_memory(directory: str | Path, name: str) -> str:
     target = f"/{name}"
     if fs.exists(target):
         fs.rm(target, recursive=True)
-    for path in sorted(Path(directory).iterdir()):
-        fs.pipe_file(f"{target}/{path.name}", path.read_bytes())
+    for path in sorted(p for p in Path(directory).rglob("*") if p.is_file()):
+        fs.pipe_file(f"{target}/{path.relative_to(directory).as_posix()}", path.read_bytes())
     return f"memory://{target}"
 
 
