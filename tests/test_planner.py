@@ -334,29 +334,32 @@ def test_the_feed_forward_is_timed_over_layers_whose_weights_leave_the_cache(loa
     assert profiler._feed_forward_layers(loaded.model, moe[0], loaded.device) == moe[:1]
 
 
-def test_a_changed_kernel_source_changes_the_profile_key(tmp_path, monkeypatch):
-    """Cost curves are cached by profile key: measured with other kernels they would price steps wrongly."""
-    import pathlib
+def test_a_changed_kernel_or_model_source_changes_the_profile_key(tmp_path):
+    """Cost curves are cached by profile key: measured with other kernels or layers they would price steps wrongly.
+    The model code used to be left out (a changed layer kept its stale curves)."""
     import shutil
-    import types
 
-    from batchgen import kernels
     from batchgen.engine.planner import profiler
 
-    save_tiny_checkpoint("mixtral", tmp_path / "model")
-    loaded = load_model(str(tmp_path / "model"))
-    copy = tmp_path / "kernels"
-    shutil.copytree(pathlib.Path(kernels.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(profiler, "kernels", types.SimpleNamespace(__file__=str(copy / "__init__.py")))
-    profiler.kernels_digest.cache_clear()
-    try:
-        before = profiler.profile_key(loaded)
-        source = copy / "moe_cpu.py"
-        source.write_text(source.read_text().replace("SMALL_ROWS = ", "SMALL_ROWS = 1 + "))
-        profiler.kernels_digest.cache_clear()
-        assert profiler.profile_key(loaded) != before
-    finally:
-        profiler.kernels_digest.cache_clear()  # the next caller digests the real package
+    copy = tmp_path / "package"
+    for pattern in profiler.PRICED_SOURCES:
+        for path in profiler.PACKAGE_ROOT.glob(pattern):
+            target = copy / path.relative_to(profiler.PACKAGE_ROOT)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, target)
+    (copy / "engine" / "engine.py").write_text("# not priced")
+    digests = [profiler.code_digest(copy)]
+    assert digests[0] == profiler.code_digest()  # the copy holds every priced source
+    for name, old, new in [("kernels/moe_cpu.py", "SMALL_ROWS = ", "SMALL_ROWS = 1 + "),
+                           ("engine/models/layers.py", "import torch", "import torch  # changed"),
+                           ("engine/engine.py", "not", "still not")]:
+        source = copy / name
+        assert old in source.read_text()
+        source.write_text(source.read_text().replace(old, new, 1))
+        profiler.code_digest.cache_clear()
+        digests.append(profiler.code_digest(copy))
+    profiler.code_digest.cache_clear()
+    assert len(set(digests[:3])) == 3 and digests[3] == digests[2]
 
 
 def test_the_profile_key_tells_cpu_generations_apart_that_share_a_model_name(tmp_path, monkeypatch):

@@ -58,7 +58,8 @@ HOST_REPEATS = 2
 
 def profile_key(loaded: LoadedModel) -> str:
     """What the measurements depend on: device (on a CPU its model and threads), model shape, dtype, weight placement,
-    versions, and the kernels' own sources (a changed kernel costs differently: its curves are measured anew)."""
+    versions, and the sources that run a step (a changed kernel or layer costs differently: its curves are measured
+    anew)."""
     device = loaded.device
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
@@ -68,22 +69,32 @@ def profile_key(loaded: LoadedModel) -> str:
     shape = {k: v for k, v in sorted(config.items()) if isinstance(v, (int, str, bool, list, tuple))
              and not k.endswith(IGNORED_SUFFIXES) and k not in ("_name_or_path", "transformers_version", "dtype")}
     text = json.dumps([where, shape, str(loaded.dtype), loaded.weight_placement, torch.__version__, PROFILE_VERSION,
-                       kernels_digest()], sort_keys=True)
+                       code_digest()], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-PROFILE_VERSION = 10  # bump when what is measured changes
+PROFILE_VERSION = 10  # bump when what the curves mean changes in a file code_digest does not cover
 # config entries that do not change what a layer costs (token ids, names, init and rope details)
 IGNORED_SUFFIXES = ("token_id", "_token_ids", "_range", "_eps", "_theta", "architectures", "torch_dtype",
                     "rope_scaling", "rope_parameters", "id2label", "label2id")
 
 
+PACKAGE_ROOT = Path(kernels.__file__).parent.parent
+# the sources whose change changes what a profiled step costs: the kernels (the C kernels' sources included), the
+# model code and the runner's batch building around them, and the profiler's own measurements
+PRICED_SOURCES = ("kernels/*.py", "engine/models/*.py", "engine/model_runner.py", "engine/coroutine.py",
+                  "engine/batch_index.py", "engine/attention_context.py", "engine/decode_graphs.py",
+                  "engine/planner/profiler.py")
+
+
 @functools.cache
-def kernels_digest() -> str:
-    """A digest of the kernel package's sources (the C kernels' included)."""
+def code_digest(root: Path = PACKAGE_ROOT) -> str:
+    """A digest of the PRICED_SOURCES under `root` (the package's own by default)."""
     digest = hashlib.sha256()
-    for path in sorted(Path(kernels.__file__).parent.glob("*.py")):
-        digest.update(path.read_bytes())
+    for pattern in PRICED_SOURCES:
+        for path in sorted(root.glob(pattern)):
+            digest.update(path.relative_to(root).as_posix().encode())
+            digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
