@@ -181,9 +181,7 @@ class EngineMetrics:
             "decode_step_seconds": self.decode_step_seconds,
             "scheduler_share": 1 - self.model_seconds / self.step_seconds if self.step_seconds else 0.0,
             **self._host_overhead(),
-            "completion_time_p50": self.completion_times.quantile(0.50),
-            "completion_time_p95": self.completion_times.quantile(0.95),
-            "completion_time_p99": self.completion_times.quantile(0.99),
+            **completion_quantiles(self.completion_times),
             "max_ffn_tokens": self.max_ffn_tokens,
             "expert_only_steps": self.expert_only_steps,
             "partitioned_steps": self.partitioned_steps,
@@ -193,3 +191,8 @@ class EngineMetrics:
             "peak_active": self.peak_active,
             "peak_suspended": self.peak_suspended,
         }
+
+
+def completion_quantiles(times: QuantileSketch) -> dict[str, float | None]:
+    """The completion-time quantiles a summary reports, from the sketch of every finished request."""
+    return {f"completion_time_p{round(q * 100)}": times.quantile(q) for q in (0.50, 0.95, 0.99)}

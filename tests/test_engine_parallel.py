@@ -17,11 +17,13 @@ from tiny_models import kv_bytes_per_token, prompts, save_tiny_checkpoint
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
+from batchgen.engine.metrics import completion_quantiles
 from batchgen.engine.models.layers import FusedExperts
 from batchgen.engine.parallel import group_engine
 from batchgen.engine.parallel.group_engine import GroupEngine, rank_spec, start_engine_group
 from batchgen.engine.parallel.rank_group import device_of_rank, use_device
 from batchgen.engine.parallel.rank_worker import GroupStartError, common_budgets
+from batchgen.engine.quantile_sketch import QuantileSketch
 from batchgen.engine.reference import ReferenceRunner
 from batchgen.operators.engine_factory import load_engine
 from batchgen.pipelines.cli import summary_text
@@ -86,6 +88,9 @@ def test_two_rank_expert_parallel_engine_gives_the_single_engines_tokens(arch, p
     assert all(rank["finished_requests"] > 0 for rank in ranks)  # both ranks attended to sequences of their own
     assert ranks[1]["frozen_objects"] > 10_000  # the rank process froze its imports' heap (a test process does not)
     assert metrics["finished_requests"] == len(batch) and metrics["yields"] > 0
+    times = QuantileSketch()  # the quantiles are of every rank's requests (they were rank 0's alone)
+    times.add_many([r.finished_at - r.submitted_at for r in results])
+    assert {k: metrics[k] for k in completion_quantiles(times)} == completion_quantiles(times)
     if partition:  # the long first request was left alone at the end: every rank decoded it
         assert metrics["partitions"] >= 1 and metrics["partitioned_steps"] > 0, metrics
     else:  # the rank without it only served its experts meanwhile

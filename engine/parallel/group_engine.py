@@ -30,12 +30,14 @@ from typing import Any
 from batchgen.engine.engine_load import EngineLoad
 from batchgen.engine.errors import InvalidRequestError
 from batchgen.engine.generation import Generates
+from batchgen.engine.metrics import completion_quantiles
 from batchgen.engine.migration import MigratedRequest
 from batchgen.engine.parallel.partition import RankEngines, join_heads
 from batchgen.engine.parallel.rank_group import RankGroup, free_address, leave_rank_group
 from batchgen.engine.parallel.rank_round import RankCall, RankReply, Round, broadcast_round, gather_replies, run_round
 from batchgen.engine.parallel.rank_worker import RankSpec, build_rank_engine
 from batchgen.engine.prefill_output import PrefillOutput
+from batchgen.engine.quantile_sketch import QuantileSketch
 from batchgen.engine.request import Request, Result
 
 STOP_TIMEOUT_S = 30.0
@@ -179,7 +181,8 @@ class GroupEngine(Generates):
                           sum(x.batch for x in loads))
 
     def metrics(self) -> dict:
-        answers = self._ask({rank: [RankCall("metrics", ())] for rank in range(self.ranks)})
+        answers = self._ask({rank: [RankCall("metrics", ()), RankCall("completion_times", ())]
+                             for rank in range(self.ranks)})
         per_rank = [answers[rank][0] for rank in range(self.ranks)]
         merged = dict(per_rank[0])
         if self.replicated:  # every rank ran every request
@@ -187,6 +190,10 @@ class GroupEngine(Generates):
         merged["partitions"] = self.partitions
         for key in SUMMED_METRICS:
             merged[key] = sum(m[key] for m in per_rank)
+        times = QuantileSketch()
+        for rank in range(self.ranks):  # each rank finished its own requests
+            times.merge(answers[rank][1])
+        merged.update(completion_quantiles(times))
         merged["bct_s"] = max(m["bct_s"] for m in per_rank)
         merged["tokens_per_s"] = merged["generated_tokens"] / merged["bct_s"] if merged["bct_s"] else 0.0
         merged["ranks"] = per_rank

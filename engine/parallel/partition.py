@@ -30,6 +30,7 @@ from batchgen.engine.migration import MigratedRequest, MigratedSample
 from batchgen.engine.models.layers import FusedExperts
 from batchgen.engine.models.tensor_parallel import keep_tensor_shard
 from batchgen.engine.parallel.rank_group import RankGroup
+from batchgen.engine.quantile_sketch import QuantileSketch
 from batchgen.kernels.expert_parallel import ExpertShareDispatcher, LocalDispatcher
 
 
@@ -169,6 +170,13 @@ class RankEngines:
         stats = copy.deepcopy(self.engine.stats)
         stats.absorb_partition(self.partition.stats)
         return stats.summary(self.engine.kv)
+
+    def completion_times(self) -> QuantileSketch:
+        """The rank's completion-time sketch, a running partition's counted in on the leader (as in `metrics`)."""
+        times = copy.deepcopy(self.engine.stats.completion_times)
+        if self.partition is not None and self.group.is_leader:
+            times.merge(self.partition.stats.completion_times)
+        return times
 
     def end_partition(self, request_id: str) -> MigratedRequest | None:
         """Drop the partition's engine: its request (this rank's heads) if it is still there, else None.

@@ -22,7 +22,7 @@ RANK_METHODS = frozenset({
     "snapshot_request", "suspended_requests", "movable_requests",
 })
 # RankEngines methods: a straggler PARTITIONed over every rank (engine/parallel/partition.py), and metrics
-PARTITION_METHODS = frozenset({"start_partition", "end_partition", "partition_error", "metrics"})
+PARTITION_METHODS = frozenset({"start_partition", "end_partition", "partition_error", "metrics", "completion_times"})
 
 
 @dataclass(frozen=True)
