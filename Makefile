@@ -3,6 +3,8 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 # Dev and CI pin the CPU build of torch; users installing the package get an unpinned torch.
 CONSTRAINTS := constraints.txt
+# where the pinned "+cpu" torch comes from when pip's own sources (PyPI, a local wheel house) do not have it
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: venv run test lint bench clean
 
@@ -11,7 +13,10 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q --no-compile -c $(CONSTRAINTS) -e '.[dev]'
+	@# a second index only where needed: an index pip cannot reach costs its retries on every package
+	index=$$($(VENV)/bin/pip install -q --dry-run --no-deps --ignore-installed "$$(grep '^torch==' $(CONSTRAINTS))" \
+		> /dev/null 2>&1 || echo "--extra-index-url $(TORCH_INDEX)"); \
+	$(VENV)/bin/pip install -q --no-compile -c $(CONSTRAINTS) $$index -e '.[dev]'
 	@# the bytecode pip would compile on one core, on every core (about half the time: the longest part of the
 	@# install); a file only a newer Python parses fails here, as it does silently under pip
 	$(VENV)/bin/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
