@@ -389,7 +389,10 @@ class Engine(Generates):
         for chunk in chunks:
             if chunk.seq.first_scheduled_at is None:  # (a cached prefix starts its first chunk past 0)
                 chunk.seq.first_scheduled_at = now
-            self.stats.prompt_tokens += chunk.end - chunk.start
+            if chunk.seq.recomputing:
+                self.stats.recomputed_tokens += chunk.end - chunk.start
+            else:
+                self.stats.prompt_tokens += chunk.end - chunk.start
         self.stats.chunked_prefills += sum(1 for c in chunks if not c.completes)
         self.stats.decoding = decode is not None
         logits = self._timed(self.runner.step, chunks, decode)

@@ -23,7 +23,8 @@ class EngineMetrics:
     started_at: float | None = None
     last_finished_at: float | None = None
     generated_tokens: int = 0
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens prefilled (a cached prefix's not counted)
+    recomputed_tokens: int = 0  # tokens prefilled again after a recompute preemption (prompt and generated ones)
     finished_requests: int = 0
     failed_requests: int = 0
     aborted_requests: int = 0
@@ -152,6 +153,7 @@ class EngineMetrics:
             "bct_s": bct,
             "generated_tokens": self.generated_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
             "tokens_per_s": self.generated_tokens / bct if bct > 0 else 0.0,
             "finished_requests": self.finished_requests,
             "failed_requests": self.failed_requests,

@@ -98,6 +98,7 @@ def test_a_host_pool_too_small_for_the_yields_recomputes_without_changing_tokens
     assert in_order(tokens_by_id(engine.generate(greedy_requests(batch))), len(batch)) == expected
     metrics = engine.metrics()
     assert metrics["recomputes"] > 0 and metrics["yields"] > 0
+    assert metrics["prompt_tokens"] == sum(map(len, batch)) and metrics["recomputed_tokens"] > metrics["recomputes"]
 
 
 @pytest.mark.parametrize("stream_host_kv", [False, True])

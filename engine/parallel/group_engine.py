@@ -43,10 +43,10 @@ from batchgen.engine.request import Request, Result
 STOP_TIMEOUT_S = 30.0
 # metrics that add up over ranks (the rest are the leader's)
 SUMMED_METRICS = (
-    "generated_tokens", "prompt_tokens", "finished_requests", "failed_requests", "aborted_requests",
-    "prefill_steps", "decode_steps", "mixed_steps", "chunked_prefills", "handoff_prefills", "migrated_out",
-    "migrated_in", "staged_decode_batches", "yields", "restores", "recomputes", "bytes_moved", "prefill_tokens_saved",
-    "moe_calls", "expert_only_steps", "partitioned_steps",
+    "generated_tokens", "prompt_tokens", "recomputed_tokens", "finished_requests", "failed_requests",
+    "aborted_requests", "prefill_steps", "decode_steps", "mixed_steps", "chunked_prefills", "handoff_prefills",
+    "migrated_out", "migrated_in", "staged_decode_batches", "yields", "restores", "recomputes", "bytes_moved",
+    "prefill_tokens_saved", "moe_calls", "expert_only_steps", "partitioned_steps",
 )
 
 
