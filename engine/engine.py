@@ -448,8 +448,7 @@ class Engine(Generates):
         """A sequence whose KV was just written takes its first token, then decodes or is done (a fork that found
         no pages waits to be prefilled again)."""
         if self._accept_token(seq, token):
-            self.kv.free(seq)
-            seq.phase = Phase.FINISHED
+            self.scheduler.leave_after_prefill(seq)
         elif seq.kv_location is KVLocation.NONE:
             self.scheduler.recompute(seq)
         else:

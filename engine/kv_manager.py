@@ -96,8 +96,9 @@ class KVManager:
         if pool.cache is not None:
             prompt = seq.prefill_ids
             cached = pool.cache.match(prompt, self.page_size, (len(prompt) - 1) // self.page_size)
-            self.prefix_query_tokens += len(prompt)
-            self.prefix_hit_tokens += len(cached) * self.page_size
+            if not seq.recomputing:  # the hit rate is the prompts'
+                self.prefix_query_tokens += len(prompt)
+                self.prefix_hit_tokens += len(cached) * self.page_size
         self._place(seq, location, cached, self.pages_needed(len(seq.prefill_ids) + 1))
         seq.kv_len = len(cached) * self.page_size
         return seq.kv_len

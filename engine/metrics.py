@@ -13,9 +13,9 @@ from batchgen.engine.quantile_sketch import QuantileSketch
 ROUTES_PER_FOLD = 64  # MoE calls' routing decisions kept before one bincount counts them
 
 # what a PARTITIONed straggler's engine adds to its rank's counters
-ABSORBED = ("generated_tokens", "finished_requests", "failed_requests", "aborted_requests", "prefill_steps",
-            "decode_steps", "mixed_steps", "chunked_prefills", "model_seconds", "forward_seconds", "step_seconds",
-            "prefill_step_seconds", "decode_step_seconds", "sequence_steps")
+ABSORBED = ("generated_tokens", "recomputed_tokens", "finished_requests", "failed_requests", "aborted_requests",
+            "prefill_steps", "decode_steps", "mixed_steps", "chunked_prefills", "model_seconds", "forward_seconds",
+            "step_seconds", "prefill_step_seconds", "decode_step_seconds", "sequence_steps")
 
 
 @dataclass

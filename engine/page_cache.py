@@ -3,7 +3,8 @@
 A cached page is keyed by (its parent page, its tokens): the page holding prompt tokens
 [i*P, (i+1)*P) under the page holding [(i-1)*P, i*P). Keys compare the tokens exactly, so a match is
 never a hash collision, and the chain makes a page's key name its whole prefix. Only whole pages of
-prompt tokens are cached, and a registered page's parent is always registered: a sequence registers
+prefilled tokens are cached (prompts', and a recompute's generated tokens, whose KV depends on the tokens
+before them alone as well), and a registered page's parent is always registered: a sequence registers
 its pages in order and stops at the first one another sequence registered first.
 
 Pages no sequence holds stay cached and count as free; the pool takes them back least recently used

@@ -36,16 +36,17 @@ PREFIX_WINDOW = 32  # how far into the waiting queue admission looks for prompts
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """Prompt positions [start, end) of `seq` to prefill this step (start > 0: earlier chunks' KV is in
-    its pages)."""
+    """Positions [start, end) of `seq`'s prefill (Sequence.prefill_ids: `length` tokens) to compute this step
+    (start > 0: earlier chunks' KV is in its pages)."""
 
     seq: Sequence
     start: int
     end: int
+    length: int  # fixed when planned: the tokens a prefill draws grow prefill_ids of a recomputed sequence
 
     @property
     def completes(self) -> bool:
-        return self.end == len(self.seq.prefill_ids)
+        return self.end == self.length
 
 
 @dataclass
@@ -143,8 +144,12 @@ class Scheduler:
             decode = self._plan_decode()
         return None if prefill is None and decode is None else StepPlan(prefill, decode)
 
+    def _holding(self) -> bool:
+        """Whether a recompute preemption holds refills: until a sequence leaves, while any decodes."""
+        return self._held and bool(self.running or self.suspended)
+
     def _should_refill(self) -> bool:
-        if not self.waiting or (self._held and (self.running or self.suspended)):
+        if not self.waiting or self._holding():
             return False
         if not self.coroutine:
             return True
@@ -162,7 +167,8 @@ class Scheduler:
         room = self.config.max_num_seqs - self.num_decoding()
         if self.prefilling is not None:  # the chunked prompt goes on first; its pages are already there
             seq = self.prefilling
-            chunks.append(PrefillChunk(seq, seq.kv_len, min(len(seq.prefill_ids), seq.kv_len + budget)))
+            length = len(seq.prefill_ids)
+            chunks.append(PrefillChunk(seq, seq.kv_len, min(length, seq.kv_len + budget), length))
             location = seq.kv_location
             room -= seq.prefill_samples
             self.prefilling = None if chunks[0].completes else seq
@@ -170,7 +176,7 @@ class Scheduler:
         samples_total = 0
         computing: set[PageKey] = set()  # the first prefix page each prompt of this step computes
         states: dict[tuple[int, KVLocation], tuple[int, PageKey | None]] = {}
-        while self.waiting and self.prefilling is None:
+        while self.waiting and self.prefilling is None and not self._holding():
             seq = self._next_prompt(computing, location or KVLocation.DEVICE, states)
             if seq is None:
                 break  # every candidate's next prefix page is being computed: they start next step, cached
@@ -192,7 +198,8 @@ class Scheduler:
             location = where
             start = self.kv.allocate_prompt(seq, where)  # past its cached prefix
             seq.phase = Phase.PREFILL
-            chunks.append(PrefillChunk(seq, start, min(len(seq.prefill_ids), start + budget - tokens)))
+            length = len(seq.prefill_ids)
+            chunks.append(PrefillChunk(seq, start, min(length, start + budget - tokens), length))
             tokens += chunks[-1].end - start
             samples_total += samples
             room -= samples
@@ -250,7 +257,9 @@ class Scheduler:
         reserve = self.kv.reserve_pages * samples if self.running else 0
         if pages + reserve <= self.kv.device.free_pages:
             return KVLocation.DEVICE
-        if self.coroutine and pages <= self.kv.host.free_pages:
+        # lockstep too for samples more than the whole device holds together: a prompt prefilled elsewhere, adopted
+        # when no pool had room (check_fits admits it for the host), prefilled here again
+        if (self.coroutine or pages > self.kv.device.num_pages) and pages <= self.kv.host.free_pages:
             return KVLocation.HOST
         return None
 
@@ -275,10 +284,14 @@ class Scheduler:
                 victim = victims.pop()
                 if victim.seq_id not in self.running:
                     continue
-                if self.kv.fits(KVLocation.HOST, victim.kv_len):
+                newest = _newest(self.running.values())
+                # room for its KV and its next token on the host (else it would be recomputed right after the copy)
+                if self.kv.fits(KVLocation.HOST, victim.kv_len + 1):
                     self._yield(victim)
-                else:  # no host room to keep its KV: the newest running sequence recomputes instead
-                    self.recompute(_newest(self.running.values()))
+                elif self.kv.fits(KVLocation.HOST, newest.kv_len + 1):
+                    self._yield(newest)
+                else:  # no host room to keep it: the newest running sequence recomputes
+                    self.recompute(newest)
         staged: list[list[Sequence]] = []
         if self.coroutine:
             for seq in list(self.suspended.values()):
@@ -360,6 +373,12 @@ class Scheduler:
         else:
             seq.phase = Phase.SUSPENDED
             self.suspended[seq.seq_id] = seq
+
+    def leave_after_prefill(self, seq: Sequence) -> None:
+        """A sequence done at the token its prefill drew (in no queue): frees its KV."""
+        self._held = False
+        self.kv.free(seq)
+        seq.phase = Phase.FINISHED
 
     def remove(self, seq: Sequence) -> None:
         """A finished or aborted sequence leaves whichever queue holds it (O(1) unless still waiting) and

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class RecoveryCosts:
     copy_bytes_per_s: float  # checkpoint bytes over the time to store them
-    prefill_s_per_token: float  # engine time in prefill steps per prompt token
+    prefill_s_per_token: float  # engine time in prefill steps per token prefilled
     decode_step_s: float  # engine time per decode step
 
 
@@ -47,5 +47,6 @@ def measured_costs(stats: EngineMetrics, copied_bytes: int, copy_s: float) -> Re
     decode_only = stats.decode_steps - stats.mixed_steps
     if not (copied_bytes and copy_s > 0 and stats.prompt_tokens and decode_only and stats.prefill_step_seconds):
         return None
-    return RecoveryCosts(copied_bytes / copy_s, stats.prefill_step_seconds / stats.prompt_tokens,
+    prefilled = stats.prompt_tokens + stats.recomputed_tokens  # (recompute preemptions prefill in those steps too)
+    return RecoveryCosts(copied_bytes / copy_s, stats.prefill_step_seconds / prefilled,
                          stats.decode_step_seconds / decode_only)

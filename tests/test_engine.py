@@ -95,9 +95,13 @@ def test_a_host_pool_too_small_for_the_yields_recomputes_without_changing_tokens
     page = kv_bytes_per_token(loaded) * 4
     engine = Engine(loaded, mode=mode, page_size=4, kv_budget_bytes=page * 16, host_kv_budget_bytes=page * 8,
                     b_attn=3, b_moe=16)
+    completed = []  # as a bench's roofline reads the steps, after they ran
+    engine.observe_steps(lambda plan: completed.extend(plan.prefill.completed if plan.prefill else []))
     assert in_order(tokens_by_id(engine.generate(greedy_requests(batch))), len(batch)) == expected
     metrics = engine.metrics()
     assert metrics["recomputes"] > 0 and metrics["yields"] > 0
+    assert len(completed) == len(batch) + metrics["recomputes"]  # every prefill counted once it completed
+    assert metrics["prefill_tokens_saved"] == 0  # the prompts share nothing (a recompute's own cached pages aside)
     assert metrics["prompt_tokens"] == sum(map(len, batch)) and metrics["recomputed_tokens"] > metrics["recomputes"]
 
 

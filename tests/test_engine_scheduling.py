@@ -239,6 +239,49 @@ def test_a_host_resident_sequence_the_full_host_pool_cannot_grow_recomputes_the_
     assert len(a.host_pages) == 3 and b.kv_location is KVLocation.NONE
 
 
+def test_a_yield_the_host_cannot_hold_takes_the_newest_sequence_where_its_kv_fits():
+    """Coroutine mode yields the most progressed sequence first; where the host has no room for it but has for the
+    newest, the newest moves there (and keeps its KV) instead of being recomputed."""
+    kv = manager(device_pages=4, host_pages=2, stream_host=False)
+    scheduler = Scheduler(scheduler_config(mode="coroutine"), kv)
+    a = decoding(scheduler, kv, sequence(0, prompt_len=7, generated=5))  # 12 tokens, 3 pages: 13 needs a 4th
+    b = decoding(scheduler, kv, sequence(1, prompt_len=3, generated=1))  # 4 tokens, the device's last page
+    plan = scheduler.schedule()
+    assert (scheduler.yields, scheduler.recomputes) == (1, 0) and b.kv_location is KVLocation.HOST
+    assert set(plan.decode.seqs) == {a, b} and len(a.device_pages) == 4
+
+
+def test_no_prompt_joins_a_held_step_even_when_a_chunked_prompt_completes_in_it():
+    """A recompute preemption holds refills until a sequence leaves: the last chunk of a prompt already part-way
+    through its prefill goes on, but the waiting prompts stay where they are."""
+    kv = manager(device_pages=32)
+    scheduler = Scheduler(scheduler_config(mode="coroutine", max_prefill_tokens=4), kv)
+    a, b = (decoding(scheduler, kv, sequence(i, prompt_len=3, generated=1)) for i in range(2))
+    chunked = sequence(2, prompt_len=6)
+    scheduler.admit(chunked)
+    assert scheduler.schedule().prefill.chunks[0].end == 4 and scheduler.prefilling is chunked
+    chunked.kv_len = 4
+    scheduler.recompute(b)
+    scheduler.admit(sequence(3, prompt_len=2))
+    plan = scheduler.schedule()
+    assert [(c.seq, c.start, c.end, c.completes) for c in plan.prefill.chunks] == [(chunked, 4, 6, True)]
+    assert [s.seq_id for s in scheduler.waiting] == [1, 3]
+    scheduler.leave_after_prefill(chunked)  # done at its first token: the hold ends
+    assert [c.seq.seq_id for c in scheduler.schedule().prefill.chunks] == [1]  # (its 4 tokens fill the step)
+
+
+def test_lockstep_prefills_an_adopted_prompt_whose_samples_exceed_the_device_into_host_pages():
+    """n=3 samples of a 9-token prompt need 9 pages, the device has 8: check_fits admits such a prompt prefilled
+    elsewhere for the host; adopted when no pool had room, it is prefilled again here, into host pages (lockstep
+    never offered them: it waited forever)."""
+    scheduler = Scheduler(scheduler_config(mode="lockstep"), manager(device_pages=8, host_pages=12))
+    scheduler.check_fits(12, 9, samples=3, imported=True)
+    prompt = sequence(0, prompt_len=9)
+    prompt.sampling = SamplingParams(max_tokens=3, n=3)
+    scheduler.admit(prompt)
+    assert scheduler.schedule().prefill.location is KVLocation.HOST
+
+
 def test_a_fork_finding_no_pages_is_told_to_recompute():
     kv = manager(device_pages=4, host_pages=1)
     scheduler = Scheduler(scheduler_config(mode="coroutine"), kv)

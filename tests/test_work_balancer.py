@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 
 from batchgen.engine import EngineLoad, Result
+from batchgen.engine.metrics import EngineMetrics
 from batchgen.operators import work_balancer
-from batchgen.operators.recovery_cost import Checkpoint, RecoveryCosts, restore_is_faster
+from batchgen.operators.recovery_cost import Checkpoint, RecoveryCosts, measured_costs, restore_is_faster
 from batchgen.operators.work_balancer import WorkBalancer
 
 
@@ -168,3 +169,10 @@ def test_recovery_cost_compares_the_copy_with_prefill_and_decode_again():
     # recompute: 100 * 1 ms + 10 * 20 ms = 0.3 s
     assert restore_is_faster(Checkpoint("r", kv_bytes=2 * 10**7, prompt_tokens=100, generated=10), costs)  # 0.2 s
     assert not restore_is_faster(Checkpoint("r", kv_bytes=4 * 10**7, prompt_tokens=100, generated=10), costs)
+
+
+def test_the_prefill_rate_counts_the_tokens_recompute_preemptions_prefilled_in_the_same_steps():
+    stats = EngineMetrics(prompt_tokens=300, recomputed_tokens=100, prefill_step_seconds=2.0, decode_steps=12,
+                          mixed_steps=2, decode_step_seconds=0.5)
+    costs = measured_costs(stats, copied_bytes=10**6, copy_s=0.01)
+    assert costs == RecoveryCosts(copy_bytes_per_s=1e8, prefill_s_per_token=2.0 / 400, decode_step_s=0.05)

@@ -294,8 +294,9 @@ class GroupEngine(Generates):
         migrated = self._call_now(rank, "export_request", rid)
         if migrated is None:  # part-way through its prefill: not movable yet
             return
-        if not migrated.samples:  # still waiting for its prefill: the partition's engine would prefill it, and a
-            # partition ended part-way through that prefill could not give it back (export_request: None)
+        if not migrated.samples or any(s.kv is None and s.finish_reason is None for s in migrated.samples):
+            # still waiting for its prefill (or a sample for its recompute): the partition's engine would prefill it,
+            # and a partition ended part-way through that prefill could not give it back (export_request: None)
             self._calls[rank].append(RankCall("import_request", (migrated,), rid))
             return
         self._ask({r: [RankCall("start_partition", (migrated,))] for r in range(self.ranks)})
