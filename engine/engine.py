@@ -303,6 +303,16 @@ class Engine(Generates):
         self.stats.migrated_out += 1
         return migrated
 
+    def export_straggler(self, request_id: str) -> MigratedRequest | None:
+        """`export_request` for a PARTITION over an engine group's ranks: a request whose every unfinished sample is
+        decoding, or None with nothing moved (the partition's engine would prefill the others, and a partition
+        ended part-way through that prefill could not give the request back)."""
+        state = self._requests.get(request_id)
+        if state is None or len(state.samples) < state.request.sampling.n or any(
+                s.phase not in (Phase.DECODE, Phase.SUSPENDED, Phase.FINISHED) for s in state.samples):
+            return None
+        return self.export_request(request_id)
+
     def _movable(self, state: _RequestState) -> bool:
         """Not adopted from a prefill engine and re-prefilling, and no sample in (or part-way through) a
         prefill: its KV is whole."""

@@ -142,6 +142,8 @@ class Scheduler:
         decode = None
         if (self.running or self.suspended) and (prefill is None or self.config.mixed_steps):
             decode = self._plan_decode()
+            if not decode.seqs:  # every decoding sequence was preempted by recompute
+                decode = None
         return None if prefill is None and decode is None else StepPlan(prefill, decode)
 
     def _holding(self) -> bool:

@@ -282,6 +282,14 @@ def test_lockstep_prefills_an_adopted_prompt_whose_samples_exceed_the_device_int
     assert scheduler.schedule().prefill.location is KVLocation.HOST
 
 
+def test_a_step_whose_every_decoding_sequence_was_recomputed_has_no_decode_part():
+    """It was an empty decode plan, which the engine counted as a decode step."""
+    kv = manager(device_pages=2, host_pages=3, stream_host=False)
+    scheduler = Scheduler(scheduler_config(mode="coroutine"), kv)
+    a = decoding(scheduler, kv, sequence(0, prompt_len=11, generated=1), KVLocation.HOST)  # the host's 3 pages
+    assert scheduler.schedule() is None and list(scheduler.waiting) == [a] and scheduler.recomputes == 1
+
+
 def test_a_fork_finding_no_pages_is_told_to_recompute():
     kv = manager(device_pages=4, host_pages=1)
     scheduler = Scheduler(scheduler_config(mode="coroutine"), kv)

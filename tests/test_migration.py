@@ -14,6 +14,7 @@ from tiny_models import kv_bytes_per_token
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, EngineLoop, InvalidRequestError, Request, SamplingParams
 from batchgen.engine.parallel.partition import partition_pages
+from batchgen.engine.sequence import Phase
 
 PROMPTS = ["Tell me about the old river.", "Write a poem about a cat.", "What would you do?",
            "Give 3 ideas for a game about the moon.", "Describe a day on the farm with your friend.",
@@ -132,6 +133,23 @@ def test_samples_preempted_by_recompute_finish_as_unconstrained_and_move_without
     assert any(s.kv is None and s.kv_len == 0 and s.generated and s.finish_reason is None for s in moved.samples)
     target.import_request(moved)
     assert by_id(finished + drain(source) + drain(target)) == expected
+
+
+def test_only_a_request_whose_every_sample_decodes_is_exported_as_a_straggler(demo):
+    """A PARTITION's engine would prefill a waiting sample, and one ended part-way through that prefill could not
+    give the request back: such a request stays where it is."""
+    page = kv_bytes_per_token(demo) * 16
+    engine = Engine(demo, page_size=16, kv_budget_bytes=page * 8, host_kv_budget_bytes=page * 2)
+    for request in workload():
+        engine.add_request(request)
+    assert engine.export_straggler("0") is None and engine.export_straggler("missing") is None  # waiting prompts
+    while not any(s.recomputing for s in engine.scheduler.waiting):
+        engine.step()
+    waiting = next(s.request_id for s in engine.scheduler.waiting if s.recomputing)
+    assert engine.export_straggler(waiting) is None and waiting in engine._requests
+    decoding = next(rid for rid in (s.request_id for s in engine.scheduler.running.values()) if all(
+        s.phase in (Phase.DECODE, Phase.SUSPENDED, Phase.FINISHED) for s in engine._requests[rid].samples))
+    assert engine.export_straggler(decoding).request.request_id == decoding and decoding not in engine._requests
 
 
 def test_a_checkpoint_of_a_suspended_request_continues_elsewhere_as_the_request_does_here(demo):

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pytest
 import torch
 from pipeline_helpers import ENGINE, SAMPLING, engine_outputs, stop_string, workload
+from tiny_models import kv_bytes_per_token
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.connectors.checkpoint_files import load_tokenizer
@@ -169,6 +170,25 @@ def test_split_stages_give_what_batchgen_gives(batchgen, split_stages, prompts):
         assert out.column(name).to_pylist() == direct.column(name).to_pylist(), name
     assert out.column("finish_reason")[2].as_py() == "stop"
     assert stop_word not in out.column("generated_text")[2].as_py()
+
+
+def test_stages_with_kv_pools_too_small_for_their_batch_recompute_and_give_the_same_tokens(tiny_moe_dir, prompts,
+                                                                                             expected):
+    """10 device and 3 host pages of 16 tokens for six prompts of up to 95 tokens: Decode adopts prefilled prompts
+    no pool has room for by prefilling them again, and both engines preempt by recompute; the engines used to fail
+    every row of the batch on a full host pool."""
+    token = kv_bytes_per_token(load_model(tiny_moe_dir))
+    small = {"max_model_len": MAX_MODEL_LEN, "page_size": 16, "kv_budget_bytes": token * 16 * 10,
+             "host_kv_budget_bytes": token * 16 * 3}
+    tokenize, prefill = Tokenize(tiny_moe_dir, SAMPLING), Prefill(tiny_moe_dir, max_model_len=MAX_MODEL_LEN)
+    decode, batchgen = Decode(tiny_moe_dir, **small), BatchGen(tiny_moe_dir, SAMPLING, **small)
+    split = call(decode, call(prefill, call(tokenize, pa.table({"prompt": prompts}))))
+    direct = call(batchgen, pa.table({"prompt": prompts}))
+    for out in (split, direct):
+        assert out.column("error").to_pylist() == [None] * len(prompts)
+        assert out.column("generated_token_ids").to_pylist() == expected
+    assert decode.engine.metrics()["handoff_prefills"] > 0
+    assert decode.engine.metrics()["recomputes"] > 0 and batchgen.engine.metrics()["recomputes"] > 0
 
 
 def test_decode_in_scalar_mode_refuses_rows_of_several_samples(split_stages, prompts):

@@ -291,13 +291,8 @@ class GroupEngine(Generates):
         (rid, rank), = self._where.items()
         if self._replies[rank].load.requests != 1:  # placed but not yet there, or not in the engine any more
             return
-        migrated = self._call_now(rank, "export_request", rid)
-        if migrated is None:  # part-way through its prefill: not movable yet
-            return
-        if not migrated.samples or any(s.kv is None and s.finish_reason is None for s in migrated.samples):
-            # still waiting for its prefill (or a sample for its recompute): the partition's engine would prefill it,
-            # and a partition ended part-way through that prefill could not give it back (export_request: None)
-            self._calls[rank].append(RankCall("import_request", (migrated,), rid))
+        migrated = self._call_now(rank, "export_straggler", rid)
+        if migrated is None:  # waiting for or part-way through a prefill (a sample's recompute too): not yet
             return
         self._ask({r: [RankCall("start_partition", (migrated,))] for r in range(self.ranks)})
         self._partitioned = rid

@@ -18,7 +18,7 @@ from batchgen.engine.request import Result
 
 # Engine methods the leader may call on a rank (nothing else runs from a round).
 RANK_METHODS = frozenset({
-    "add_request", "abort", "add_prefilled", "check_prefilled", "import_request", "export_request",
+    "add_request", "abort", "add_prefilled", "check_prefilled", "import_request", "export_request", "export_straggler",
     "snapshot_request", "suspended_requests", "movable_requests",
 })
 # RankEngines methods: a straggler PARTITIONed over every rank (engine/parallel/partition.py), and metrics

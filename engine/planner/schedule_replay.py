@@ -15,7 +15,7 @@ from batchgen.engine.planner.step_model import StepShape
 from batchgen.engine.planner.workload import WorkloadShape
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.scheduler import DecodePlan, Scheduler
-from batchgen.engine.sequence import Phase, Sequence
+from batchgen.engine.sequence import Sequence
 
 META = torch.device("meta")
 
@@ -91,5 +91,4 @@ def _accept(scheduler: Scheduler, seq: Sequence, targets: dict[int, int], decodi
     if decoding:
         scheduler.remove(seq)
     else:
-        scheduler.kv.free(seq)
-        seq.phase = Phase.FINISHED
+        scheduler.leave_after_prefill(seq)
