@@ -30,7 +30,7 @@ import pytest
 import uvicorn
 from pipeline_helpers import stop_string
 
-from batchgen.engine import Completion, Engine, EngineLoad, EngineLoop, Request, SamplingParams
+from batchgen.engine import Completion, Engine, EngineLoad, EngineLoop, Request, Result, SamplingParams
 from batchgen.operators import BatchGen
 from batchgen.pipelines.cli import build_parser
 from batchgen.pipelines.openai_batch.serve_cli import create_serve_app, open_store
@@ -635,37 +635,43 @@ def test_completion_window_expires_unfinished_requests(client):
 
 
 class _BrokenEngine:
-    """Takes requests, then raises at its first step (a lost device, say)."""
+    """Finishes the first request it takes, then raises at its next step (a lost device, say)."""
 
     def __init__(self, normalizer) -> None:
-        self.normalizer, self.requests = normalizer, 0
+        self.normalizer, self.taken, self.stepped = normalizer, [], False
 
     def add_request(self, request: Request) -> None:
-        self.requests += 1
+        self.taken.append(request)
 
     def has_unfinished(self) -> bool:
-        return self.requests > 0
+        return bool(self.taken)
 
     def load(self) -> EngineLoad:
-        return EngineLoad(self.requests, 0, 0.0)
+        return EngineLoad(len(self.taken), 0, 0.0)
 
     def step(self):
-        raise RuntimeError("device lost")
+        if self.stepped:
+            raise RuntimeError("device lost")
+        self.stepped = True
+        first = self.taken.pop(0)
+        return [Result(first.request_id, [5, 6], outputs=[Completion(0, [7, 8], "done", "length")])]
 
     def abort(self, request_id: str) -> bool:
         return False
 
 
-def test_engine_failure_fails_every_batch(engine, tmp_path):
+def test_engine_failure_fails_every_batch_keeping_what_finished(engine, tmp_path):
+    """The failed batch's finished line is in its output file and the other in its error file with the failure
+    (both were lost, and request_counts did not add up)."""
     from fastapi.testclient import TestClient
 
     loop = EngineLoop(lambda: _BrokenEngine(engine.normalizer), max_outstanding=64)
     args = build_parser().parse_args(["serve", "--model", "broken", "--storage", str(tmp_path / "storage")])
     app = create_serve_app(args, loop, open_store(args))
     with TestClient(app) as http:
-        def run_batch() -> dict:
-            upload = http.post("/v1/files", files={"file": ("in.jsonl", _jsonl([_line("a", {"prompt": "x"},
-                                                                                        model="broken")]))},
+        def run_batch(custom_ids: str) -> dict:
+            lines = [_line(custom_id, {"prompt": "x"}, model="broken") for custom_id in custom_ids]
+            upload = http.post("/v1/files", files={"file": ("in.jsonl", _jsonl(lines))},
                                data={"purpose": "batch"}).json()
             batch = http.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/completions",
                                                    "completion_window": "24h"}).json()
@@ -675,16 +681,92 @@ def test_engine_failure_fails_every_batch(engine, tmp_path):
                 batch = http.get(f"/v1/batches/{batch['id']}").json()
             return batch
 
-        running = run_batch()  # fails while in progress
+        def read(file_id: str) -> list[dict]:
+            return [json.loads(line) for line in http.get(f"/v1/files/{file_id}/content").text.splitlines()]
+
+        running = run_batch("ab")  # fails while in progress, after its first line finished
         assert running["status"] == "failed" and running["in_progress_at"] is not None
         [error] = running["errors"]["data"]
         assert error["code"] == "engine_error" and "device lost" in error["message"], error
+        assert running["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+        [done] = read(running["output_file_id"])
+        assert done["custom_id"] == "a" and done["response"]["body"]["choices"][0]["text"] == "done"
+        [lost] = read(running["error_file_id"])
+        assert lost["custom_id"] == "b" and lost["error"]["code"] == "engine_error"
+        assert "device lost" in lost["error"]["message"]
         health = http.get("/health")
         assert health.status_code == 503 and "device lost" in health.json()["message"]
-        later = run_batch()  # fails at validation
+        later = run_batch("c")  # fails at validation
         assert later["status"] == "failed" and later["in_progress_at"] is None
         assert later["errors"]["data"][0]["code"] == "engine_error"
     loop.close()
+
+
+def test_a_cancelled_batch_past_its_window_ends_cancelled_and_a_drained_one_is_not_expired(loop, tmp_path):
+    """A batch being cancelled when its window passed ended expired, its lines batch_expired; one whose every
+    request had finished when the window passed (before the runner looked) ended expired with nothing unfinished."""
+    from batchgen.pipelines.openai_batch.backend import BackendConfig
+    from batchgen.pipelines.openai_batch.runner import BatchRunner, RunningBatch
+    from batchgen.pipelines.openai_batch.store import BatchStore
+
+    store = BatchStore(str(tmp_path / "storage"), None, None)
+    runner = BatchRunner(loop, store, BackendConfig(served_model=SERVED))
+    cancelling, drained = (store.create_batch("/v1/completions", "file-x", "24h", -1, None) for _ in range(2))
+    store.set_status(cancelling.id, "cancelling")
+    assert runner._stop_code(RunningBatch(cancelling, [])) == "batch_cancelled"
+    done = RunningBatch(drained, [])  # nothing pending, nothing in flight
+    runner._active.append(done)
+    runner._apply_stops()
+    assert done.stop_code is None
+
+
+def test_a_running_batch_whose_input_no_longer_validates_on_restart_keeps_what_finished(loop, tmp_path):
+    """Resumed after a restart whose input check now fails (a changed --served-model-name, an unreadable file), it
+    used to end failed with no files and its finished requests lost."""
+    from batchgen.pipelines.openai_batch.backend import BackendConfig
+    from batchgen.pipelines.openai_batch.runner import BatchRunner
+    from batchgen.pipelines.openai_batch.store import BatchStore, ResultRow
+
+    store = BatchStore(str(tmp_path / "storage"), None, None)
+    record = store.create_batch("/v1/completions", "file-" + "0" * 24, "24h", 3600, None)
+    store.set_status(record.id, "in_progress", total=2)
+    store.add_results(record.id, [ResultRow(0, True, {"custom_id": "a", "response": {"status_code": 200}}, 3, 4)])
+    BatchRunner(loop, store, BackendConfig(served_model=SERVED))._resume(store.get_batch(record.id))
+    batch = store.get_batch(record.id)
+    assert (batch.status, batch.total, batch.completed, batch.failed) == ("failed", 2, 1, 1)
+    assert batch.errors[0]["code"] == "input_file_unreadable"
+    assert [json.loads(line)["custom_id"] for line in store.read_file(batch.output_file_id).splitlines()] == ["a"]
+
+
+def test_a_storage_error_while_finalizing_is_retried_not_fatal_to_the_runner(loop, model_dir, tmp_path, caplog):
+    """The runner thread died on it: the batch stayed finalizing and every later batch waited forever."""
+    from fastapi.testclient import TestClient
+
+    args = build_parser().parse_args(["serve", "--model", str(model_dir), "--served-model-name", SERVED,
+                                      "--storage", str(tmp_path / "storage")])
+    store = open_store(args)
+    finalize, failures = store.finalize, []
+
+    def flaky(*a, **k):
+        if not failures:
+            failures.append(1)
+            raise OSError("disk full")
+        return finalize(*a, **k)
+
+    store.finalize = flaky
+    with TestClient(create_serve_app(args, loop, store)) as http:
+        ids = []
+        for custom_id in "ab":  # the second batch runs after the first one's failed finalize
+            upload = http.post("/v1/files", files={"file": ("in.jsonl", _jsonl([_line(custom_id, {
+                "prompt": "x", "max_tokens": 2})]))}, data={"purpose": "batch"}).json()
+            ids.append(http.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/completions",
+                                                      "completion_window": "24h"}).json()["id"])
+        deadline = time.time() + 60
+        while time.time() < deadline and any(http.get(f"/v1/batches/{i}").json()["status"] != "completed"
+                                             for i in ids):
+            time.sleep(0.05)
+        assert [http.get(f"/v1/batches/{i}").json()["request_counts"]["completed"] for i in ids] == [1, 1]
+    assert failures and "a round failed; retrying" in caplog.text
 
 
 # ---- auth, s3 storage, restart ---------------------------------------------------------------------

@@ -151,6 +151,12 @@ class BatchBackendBase(ABC):
             self.store.set_status(record.id, "cancelled")
             return
         lines, errors = self._parse(record)
+        if errors and record.in_progress_at is not None:  # it ran before (the server's settings changed since)
+            results = self.store.results(record.id)
+            self.store.finalize(record.id, "failed", (line for _, (ok, line) in sorted(results.items()) if ok),
+                                (line for _, (ok, line) in sorted(results.items()) if not ok),
+                                unfinished=record.total - len(results), errors=errors)
+            return
         if errors:
             self.store.set_status(record.id, "failed", errors=errors)
             return
@@ -163,7 +169,7 @@ class BatchBackendBase(ABC):
     def _parse(self, record: BatchRecord) -> tuple[list[BatchLine], list[dict[str, Any]]]:
         try:
             data = self.store.read_file(record.input_file_id)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # (ValueError: not a file id of this store)
             return [], [{"code": "input_file_unreadable", "message": f"cannot read the input file: {exc}",
                          "param": "input_file_id", "line": None}]
         parsed = parse_batch_input(data, record.endpoint, self.config.served_model,
@@ -171,11 +177,11 @@ class BatchBackendBase(ABC):
         return parsed.lines, parsed.errors
 
     def _stop_code(self, batch: QueuedBatch) -> str | None:
-        """Why the batch must stop now (its window passed, or it is being cancelled), or None."""
-        if time.time() >= batch.record.expires_at:
-            return "batch_expired"
+        """Why the batch must stop now (it is being cancelled, or its window passed), or None."""
         if self.store.get_batch(batch.id).status == "cancelling":
             return "batch_cancelled"
+        if time.time() >= batch.record.expires_at:
+            return "batch_expired"
         return None
 
     def _rejected_row(self, batch: QueuedBatch, index: int, exc: Exception) -> ResultRow:
@@ -197,27 +203,39 @@ class BatchBackendBase(ABC):
         if code is None and not self.store.set_status(batch.id, "finalizing", only_from=("in_progress",)):
             if self.store.get_batch(batch.id).status == "cancelling":
                 code = "batch_cancelled"
+        self._write_files(batch, _FINAL_STATUS[code], code)
+
+    def _fail(self, batch: QueuedBatch, errors: list[dict[str, Any]]) -> None:
+        """The batch's engine or job failed: the lines that finished keep their results in the output and error
+        files, the others are failed with the failure's code and message (a batch being cancelled ends cancelled)."""
+        if self.store.get_batch(batch.id).status == "cancelling":
+            self._write_files(batch, "cancelled", "batch_cancelled")
+        else:
+            self._write_files(batch, "failed", errors[0]["code"], errors[0]["message"], errors=errors)
+
+    def _write_files(self, batch: QueuedBatch, status: str, code: str | None, message: str | None = None,
+                     **values: Any) -> None:
+        """Write the output file (successes) and the error file (failures, never-run lines: `code`) in input order,
+        and move the batch to `status`."""
         results = self.store.results(batch.id)
         unfinished = [i for i in range(len(batch.lines)) if i not in results]
         self.store.finalize(
-            batch.id, _FINAL_STATUS[code],
+            batch.id, status,
             output_lines=(line for _, (ok, line) in sorted(results.items()) if ok),
-            error_lines=self._error_lines(batch, results, code),
-            unfinished=len(unfinished))
-        log.info("batch %s %s", batch.id, _FINAL_STATUS[code])
+            error_lines=self._error_lines(batch, results, code, message),
+            unfinished=len(unfinished), **values)
+        log.info("batch %s %s", batch.id, status)
 
     @staticmethod
-    def _error_lines(batch: QueuedBatch, results: dict[int, tuple[bool, str]], code: str | None):
+    def _error_lines(batch: QueuedBatch, results: dict[int, tuple[bool, str]], code: str | None,
+                     message: str | None):
         for index, entry in enumerate(batch.lines):
             if index in results:
                 ok, line = results[index]
                 if not ok:
                     yield line
             else:
-                yield json.dumps(unfinished_line(entry.custom_id, code))
-
-    def _fail(self, batch: QueuedBatch, errors: list[dict[str, Any]]) -> None:
-        self.store.set_status(batch.id, "failed", errors=errors)
+                yield json.dumps(unfinished_line(entry.custom_id, code, message))
 
     def _failure_errors(self) -> list[dict[str, Any]]:
         return [{"code": "engine_error", "message": self.failure, "param": None, "line": None}]

@@ -123,11 +123,25 @@ class RayBackend(BatchBackendBase):
     def _run(self) -> None:
         while not self._stopping.is_set():
             self._wake.clear()
-            self._check_waiting()
-            if self._waiting:
-                self._process(self._waiting.popleft())
-            else:
-                self._wake.wait(self.config.idle_poll_s)
+            try:
+                if self._round():
+                    continue
+            except Exception:  # the storage (a full disk, an S3 error): the same work is tried again next round
+                log.exception("batch backend: a round failed; retrying")
+            self._wake.wait(self.config.idle_poll_s)
+
+    def _round(self) -> bool:
+        """Run the oldest waiting batch; False when none waits."""
+        self._check_waiting()
+        if not self._waiting:
+            return False
+        batch = self._waiting.popleft()
+        try:
+            self._process(batch)
+        except Exception:
+            self._waiting.appendleft(batch)
+            raise
+        return True
 
     def _check_waiting(self) -> None:
         """Queue new batches; close the waiting ones that were cancelled or expired."""
@@ -135,8 +149,8 @@ class RayBackend(BatchBackendBase):
         for batch in list(self._waiting):
             batch.stop_code = batch.stop_code or self._stop_code(batch)
             if batch.stop_code is not None:
-                self._waiting.remove(batch)
                 self._close(batch)
+                self._waiting.remove(batch)
 
     def _process(self, batch: RayBatch) -> None:
         """Run the batch's job until it ends or must stop, then finalize (unless the server is stopping)."""

@@ -56,21 +56,27 @@ class BatchRunner(BatchBackendBase):
     def _run(self) -> None:
         while not self._stopping.is_set():
             self._wake.clear()  # a wake-up during the work below makes the wait return at once
-            self._active.extend(self._take_incoming())
-            self._record()
-            if self.failure is None and self.loop.failure is not None:
-                self._engine_failed(self.loop.failure)
-            if self.failure is not None:
-                self._fail_active()
-            else:
-                self._apply_stops()
-                self._fill()
-                self._finish_drained()
+            try:
+                self._work()
+            except Exception:  # the storage (a full disk, an S3 error): the same work is tried again next round
+                log.exception("batch runner: a round failed; retrying")
             self._wake.wait(self.config.idle_poll_s)
+
+    def _work(self) -> None:
+        self._active.extend(self._take_incoming())
+        self._record()
+        if self.failure is None and self.loop.failure is not None:
+            self._engine_failed(self.loop.failure)
+        if self.failure is not None:
+            self._fail_active()
+        else:
+            self._apply_stops()
+            self._fill()
+            self._finish_drained()
 
     def _apply_stops(self) -> None:
         for batch in self._active:
-            if batch.stop_code is not None:
+            if batch.stop_code is not None or not (batch.pending or batch.in_flight):  # (all done: it completes)
                 continue
             batch.stop_code = self._stop_code(batch)
             if batch.stop_code is not None:  # stop work now; what finishes before the abort is kept
@@ -132,8 +138,8 @@ class BatchRunner(BatchBackendBase):
 
     def _finish_drained(self) -> None:
         for batch in [b for b in self._active if not b.pending and not b.in_flight]:
-            self._active.remove(batch)
             self._finalize(batch)
+            self._active.remove(batch)
 
     def _engine_failed(self, exc: BaseException) -> None:
         """The engine raised: from now on every batch fails, running ones now, later ones at validation."""
@@ -142,9 +148,9 @@ class BatchRunner(BatchBackendBase):
             self.failure = str(exc)
 
     def _fail_active(self) -> None:
-        for batch in self._active:
+        for batch in list(self._active):
             self._fail(batch, self._failure_errors())
-        self._active.clear()
+            self._active.remove(batch)
 
 
 def _request_id(batch: RunningBatch, index: int) -> str:

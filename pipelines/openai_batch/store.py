@@ -271,13 +271,14 @@ class BatchStore:
         return {index: (bool(ok), line) for index, ok, line in rows}
 
     def finalize(self, batch_id: str, status: str, output_lines: Iterable[str], error_lines: Iterable[str],
-                 unfinished: int) -> None:
+                 unfinished: int, **values: Any) -> None:
         """Write the output and error files, then in one transaction register them, count the unfinished
-        requests as failed, move the batch to its final status and drop its result rows."""
+        requests as failed, move the batch to its final status (with `values`: a failure's errors) and drop its
+        result rows."""
         files = [self._write_lines(f"{batch_id}_{kind}.jsonl", lines)
                  for kind, lines in (("output", output_lines), ("error", error_lines))]
         values = {"status": status, f"{status}_at": int(time.time()), "output_file_id": files[0] and files[0].id,
-                  "error_file_id": files[1] and files[1].id}
+                  "error_file_id": files[1] and files[1].id, **{k: _to_column(v) for k, v in values.items()}}
         with self._lock, self._db:
             for f in files:
                 if f is not None:
