@@ -17,6 +17,8 @@ there is no second record to disagree with.
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
 import math
 import posixpath
 import re
@@ -90,7 +92,8 @@ class IndexedParquetSource(Datasource):
                  rows_per_block: int = 256) -> None:
         super().__init__()
         self.uri = uri
-        self.fs, files = list_files(uri, ".parquet", storage_options)
+        self.fs, sizes = list_files(uri, ".parquet", storage_options)
+        files = list(sizes)
         self.skip = skip
         self.rows_per_block = rows_per_block
         self.fragments: list[_Fragment] = []
@@ -101,7 +104,7 @@ class IndexedParquetSource(Datasource):
             schema = meta.schema.to_arrow_schema()
             if self.schema is None:
                 self.schema = schema
-            elif schema.names != self.schema.names:
+            elif sorted(schema.names) != sorted(self.schema.names):  # (in any order: read in the first's)
                 raise StorageError(f"input file {path!r} has columns {schema.names}, but {files[0]!r} has "
                                    f"{self.schema.names}; every input file needs the same columns")
             for g in range(meta.num_row_groups):
@@ -111,6 +114,13 @@ class IndexedParquetSource(Datasource):
         if ROW_INDEX in self.schema.names:
             raise StorageError(f"input {uri!r} already has a '{ROW_INDEX}' column; the job reserves it")
         self.num_rows = next_row
+        # what a resumed job checks its input against: each file's name, size and rows (an edited or swapped file
+        # with the same total of rows would otherwise pair old outputs with new prompts)
+        rows_of = {path: 0 for path in files}
+        for fragment in self.fragments:
+            rows_of[fragment.path] += fragment.num_rows
+        listing = [(posixpath.basename(path), sizes[path], rows_of[path]) for path in files]
+        self.digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:24]
 
     def _metadata(self, path: str) -> pq.FileMetaData:
         try:
@@ -166,14 +176,15 @@ class IndexedParquetSource(Datasource):
             rows = sum(f.num_rows for f in fragments)
             meta = BlockMetadata(num_rows=rows, size_bytes=sum(f.size_bytes for f in fragments),
                                  exec_stats=None, input_files=tuple(dict.fromkeys(f.path for f in fragments)))
-            read = _reader(self.fs, fragments, self.skip, self.rows_per_block)
+            read = _reader(self.fs, fragments, self.skip, self.rows_per_block, self.schema.names)
             tasks.append(ReadTask(read, meta, schema=schema, per_task_row_limit=per_task_row_limit))
         return tasks
 
 
-def _reader(fs, fragments: list[_Fragment], skip: RangeSet, rows_per_block: int):
+def _reader(fs, fragments: list[_Fragment], skip: RangeSet, rows_per_block: int, columns: list[str]):
     """Decodes one block at a time, not a row group at a time: a row group (pyarrow writes up to a
-    million rows per group by default) may hold far more rows than a read worker should hold."""
+    million rows per group by default) may hold far more rows than a read worker should hold. Every block has
+    `columns` in that order, whatever order its file has them in."""
 
     def read() -> Iterator[Block]:
         for frag in fragments:
@@ -182,7 +193,7 @@ def _reader(fs, fragments: list[_Fragment], skip: RangeSet, rows_per_block: int)
                 for batch in pq.ParquetFile(f).iter_batches(batch_size=rows_per_block, row_groups=[frag.row_group]):
                     index = np.arange(first, first + batch.num_rows, dtype=np.int64)
                     first += batch.num_rows
-                    table = pa.Table.from_batches([batch]).append_column(ROW_INDEX, pa.array(index))
+                    table = pa.Table.from_batches([batch]).select(columns).append_column(ROW_INDEX, pa.array(index))
                     keep = ~skip.mask(index)
                     if not keep.all():
                         table = table.filter(pa.array(keep))
@@ -206,8 +217,9 @@ def part_name(first: int, last: int) -> str:
 def recover_output_parts(uri: str, storage_options: dict[str, Any] | None = None) -> list[PartFile]:
     """The complete part files under `uri`, sorted, after DELETING the leftovers of a crashed run.
 
-    Removed: temporary files, files whose footer does not read or whose row count disagrees with
-    their name, and files overlapping one kept before them (their rows get redone).
+    Removed: temporary files, files whose footer is not Parquet's or whose row count disagrees with
+    their name, and files overlapping one kept before them (their rows get redone). A file that cannot be
+    read raises (OSError) and nothing after it is removed.
     """
     fs, path = filesystem(uri, storage_options)
     kept: list[PartFile] = []
@@ -244,10 +256,12 @@ def _part_file(entry: str) -> PartFile | None:
 
 
 def _complete(fs, part: PartFile) -> bool:
+    """Whether the file is a whole part file. A read that fails (a network error, expired credentials) raises:
+    deleting a finished file for it would redo its rows, and then fail the job's final check."""
     try:
         with fs.open(part.path, "rb") as f:
             return pq.ParquetFile(f).metadata.num_rows == part.last - part.first + 1
-    except Exception:
+    except pa.ArrowInvalid:  # not Parquet, or a torn footer
         return False
 
 

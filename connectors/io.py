@@ -23,22 +23,38 @@ def filesystem(uri: str, storage_options: dict[str, Any] | None = None
     return url_to_fs(uri, **(storage_options or {}))
 
 
+# data files a job reads only in Parquet: met beside Parquet files, they are an error, not rows left out silently
+OTHER_DATA_SUFFIXES = (".jsonl", ".json.gz", ".jsonl.gz", ".csv", ".csv.gz", ".tsv", ".orc", ".avro", ".feather",
+                       ".arrow")
+
+
 def list_files(uri: str, suffix: str, storage_options: dict[str, Any] | None = None) -> tuple[
-        fsspec.AbstractFileSystem, list[str]]:
-    """`uri` itself when it is a file, else every file under it ending in `suffix`, sorted by path."""
+        fsspec.AbstractFileSystem, dict[str, int]]:
+    """{path: size in bytes} of `uri` itself when it is a file, else of every file under it (or matching it, a glob
+    pattern such as s3://bucket/prompts/*.parquet) whose name ends in `suffix` (any case), sorted by path."""
     fs, path = filesystem(uri, storage_options)
     fs.invalidate_cache(path)  # object-store listings are cached per filesystem instance
     try:
-        if fs.isfile(path):
-            return fs, [path]
-        if not fs.isdir(path):
+        if fsspec.core.has_magic(path):
+            found = {p: info for p, info in fs.glob(path, detail=True).items() if info.get("type") == "file"}
+            root = path[: path.index(next(c for c in path if c in "*?["))].rsplit("/", 1)[0]
+        elif fs.isfile(path):
+            return fs, {path: fs.size(path)}
+        elif not fs.isdir(path):
             raise StorageError(f"input {uri!r} does not exist")
-        files = sorted(p for p in fs.find(path)
-                       if p.endswith(suffix) and not _hidden(posixpath.relpath(p, path)))
+        else:
+            found, root = fs.find(path, detail=True), path
     except (OSError, PermissionError) as exc:
         raise StorageError(f"cannot read input {uri!r}: {exc}") from exc
+    visible = {p: info for p, info in found.items() if not _hidden(posixpath.relpath(p, root))}
+    files = {p: int(info.get("size") or 0) for p, info in sorted(visible.items()) if p.lower().endswith(suffix)}
     if not files:
         raise StorageError(f"input {uri!r} holds no '*{suffix}' files")
+    others = [p for p in visible if p.lower().endswith(OTHER_DATA_SUFFIXES)]
+    if others:
+        raise StorageError(f"input {uri!r} holds other data files beside its '*{suffix}' files, which the job would "
+                           f"leave out: {', '.join(sorted(others)[:3])}{' ...' if len(others) > 3 else ''}; "
+                           f"convert them or move them elsewhere")
     return fs, files
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from batchgen.connectors.io import filesystem
+from batchgen.connectors.io import list_files
 from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.planner import WorkloadShape
 from batchgen.engine.request_normalizer import RequestNormalizer
@@ -20,22 +20,25 @@ def input_workload(uri: str, loaded: LoadedModel, defaults: SamplingParams, stor
                    ) -> WorkloadShape:
     """The prompt lengths and max_tokens of the input's first rows, parsed as the pipeline parses them
     (rows it would reject are left out)."""
-    fs, path = filesystem(uri, storage_options)
-    files = sorted(f for f in fs.find(path) if f.endswith(".parquet")) if fs.isdir(path) else [path]
+    fs, files = list_files(uri, ".parquet", storage_options)  # the files the job reads, in its order
     parser = RowParser(RequestNormalizer(loaded.tokenizer, loaded.model.vocab_size, loaded.max_model_len), defaults,
                        list_outputs=True)
     prompts, outputs = [], []
     for file in files:
         with fs.open(file, "rb") as f:
-            table = pq.read_table(f)
-        names = [c for c in (*PROMPT_COLUMNS, SAMPLING_PARAMS) if c in table.column_names]
-        for row in table.select(names).slice(0, SAMPLED_ROWS - len(prompts)).to_pylist():
-            parsed = parser.parse(row)
-            if not isinstance(parsed, str):
-                prompts.append(len(parsed.prompt_token_ids))
-                outputs.append(parsed.sampling.max_tokens * parsed.sampling.n)
+            reader = pq.ParquetFile(f)
+            names = [c for c in (*PROMPT_COLUMNS, SAMPLING_PARAMS) if c in reader.schema_arrow.names]
+            # the first rows only, of the columns parsed: not a multi-gigabyte file whole in the planning worker
+            for batch in reader.iter_batches(batch_size=256, columns=names):
+                for row in batch.to_pylist():
+                    parsed = parser.parse(row)
+                    if not isinstance(parsed, str):
+                        prompts.append(len(parsed.prompt_token_ids))
+                        outputs.append(parsed.sampling.max_tokens * parsed.sampling.n)
+                if len(prompts) >= SAMPLED_ROWS:
+                    break
         if len(prompts) >= SAMPLED_ROWS:
             break
     if not prompts:
         raise ValueError(f"no row of {uri} has a prompt the model can take: nothing to plan for")
-    return WorkloadShape(tuple(prompts), tuple(outputs))
+    return WorkloadShape(tuple(prompts[:SAMPLED_ROWS]), tuple(outputs[:SAMPLED_ROWS]))

@@ -181,7 +181,7 @@ def plan_job(config: JobConfig) -> JobPlan:
         check_input_columns(source.columns, f"input {config.input!r}")
     except (StorageError, ValueError) as exc:
         raise JobError(str(exc)) from exc
-    _claim_output(config, source.num_rows)
+    _claim_output(config, source.num_rows, source.digest)
     source.skip = RangeSet.of((p.first, p.last) for p in recover_output_parts(config.output, config.storage_options))
     return JobPlan(config, source)
 
@@ -333,15 +333,20 @@ def _check_output(config: JobConfig) -> None:
         raise JobError(str(exc)) from exc
 
 
-def _claim_output(config: JobConfig, total_rows: int) -> None:
+def _claim_output(config: JobConfig, total_rows: int, input_digest: str) -> None:
     """Record which job the output belongs to; refuse to mix a different job's rows into it."""
     fs, path = filesystem(config.output, config.storage_options)
     manifest = posixpath.join(path, MANIFEST)
-    mine = job_record(config, total_rows)
+    mine = job_record(config, total_rows, input_digest)
     fs.invalidate_cache(path)
     if fs.exists(manifest):
-        theirs = json.loads(fs.cat_file(manifest))
-        differing = sorted(k for k in mine if theirs.get(k) != mine[k])
+        try:
+            theirs = json.loads(fs.cat_file(manifest))
+        except ValueError as exc:
+            raise JobError(f"output {config.output!r} has a damaged job record {MANIFEST!r} ({exc}); remove it to "
+                           "claim the output again") from exc
+        # a key the record lacks was not recorded by the version that wrote it (input_digest): not compared
+        differing = sorted(k for k in mine if k in theirs and theirs[k] != mine[k])
         if differing:
             raise JobError(f"output {config.output!r} holds results of a different job (differs in "
                            f"{differing}); give a new output path or remove the old one")
@@ -350,10 +355,12 @@ def _claim_output(config: JobConfig, total_rows: int) -> None:
         json.dump(mine, f, indent=2)
 
 
-def job_record(config: JobConfig, total_rows: int) -> dict:
+def job_record(config: JobConfig, total_rows: int, input_digest: str) -> dict:
     """What identifies a job's output, as its record file holds it: through JSON, so a rerun's record compares
-    equal to the one read back (JSON makes a logit_bias's token ids strings and tuples lists)."""
-    return json.loads(json.dumps({"input": config.input, "model": config.model, "total_rows": total_rows,
+    equal to the one read back (JSON makes a logit_bias's token ids strings and tuples lists). `input_digest`:
+    the input files' names, sizes and rows (IndexedParquetSource.digest)."""
+    return json.loads(json.dumps({"input": config.input, "input_digest": input_digest, "model": config.model,
+                                  "total_rows": total_rows,
                                   "sampling_params": SamplingParams.from_dict(config.sampling_params).to_dict(),
                                   "list_outputs": config.samples_as_lists}))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from batchgen.connectors.indexed_parquet import (
     ROW_INDEX,
@@ -16,6 +17,7 @@ from batchgen.connectors.indexed_parquet import (
     recover_output_parts,
     write_parquet_ordered,
 )
+from batchgen.connectors.io import StorageError
 
 
 def test_range_set_merges_and_masks():
@@ -42,6 +44,30 @@ def test_source_numbers_rows_across_files_and_skips_written_ones(tmp_path):
     assert all(b.num_rows <= 3 for b in blocks)
 
 
+def test_the_input_is_globbed_any_case_read_in_one_column_order_and_digested(tmp_path):
+    pq.write_table(pa.table({"a": [1, 2], "b": ["x", "y"]}), tmp_path / "f0.parquet")
+    pq.write_table(pa.table({"b": ["z"], "a": [3]}), tmp_path / "f1.PARQUET")  # its columns in another order
+    pq.write_table(pa.table({"a": [9], "b": ["q"]}), tmp_path / "g.parquet")
+    source = IndexedParquetSource(str(tmp_path / "f*"))  # a glob: g.parquet left out
+    assert source.num_rows == 3 and source.columns == ["a", "b"]
+    blocks = [block for task in source.get_read_tasks(parallelism=1) for block in task()]
+    assert all(block.column_names == ["a", "b", ROW_INDEX] for block in blocks)
+    assert pa.concat_tables(blocks).column("b").to_pylist() == ["x", "y", "z"]
+    digest = source.digest
+    assert IndexedParquetSource(str(tmp_path / "f*")).digest == digest
+    pq.write_table(pa.table({"a": [1, 2], "b": ["x", "a longer prompt"]}), tmp_path / "f0.parquet")  # same rows
+    assert IndexedParquetSource(str(tmp_path / "f*")).digest != digest
+
+
+def test_other_data_files_beside_the_parquet_ones_are_an_error_naming_them(tmp_path):
+    """They were left out silently: a job over the folder reported complete without their rows."""
+    pq.write_table(pa.table({"a": [1]}), tmp_path / "f0.parquet")
+    (tmp_path / "more.jsonl").write_text('{"a": 2}\n')
+    (tmp_path / "README.md").write_text("not data")
+    with pytest.raises(StorageError, match=r"other data files .*more\.jsonl"):
+        IndexedParquetSource(str(tmp_path))
+
+
 def test_sink_writes_contiguous_runs_and_scan_drops_crash_leftovers(tmp_path):
     sink = OrderedParquetSink(str(tmp_path))
     block = pa.table({ROW_INDEX: [7, 3, 4, 8, 5], "x": ["h", "d", "e", "i", "f"]})
@@ -52,9 +78,31 @@ def test_sink_writes_contiguous_runs_and_scan_drops_crash_leftovers(tmp_path):
     (tmp_path / part_name(10, 11)).write_bytes(b"PAR1 truncated")  # unreadable footer
     pq.write_table(pa.table({ROW_INDEX: [4, 5]}), tmp_path / part_name(4, 5))  # overlaps 3-5: a race
     pq.write_table(pa.table({ROW_INDEX: [12]}), tmp_path / part_name(12, 13))  # row count != name
+    (tmp_path / part_name(14, 14)).write_bytes(b"")  # empty
     parts = recover_output_parts(str(tmp_path))
     assert [(p.first, p.last) for p in parts] == [(3, 5), (7, 8)]
     assert sorted(p.name for p in tmp_path.iterdir()) == [part_name(3, 5), part_name(7, 8)]
+
+
+def test_a_part_file_that_cannot_be_read_now_is_not_deleted(tmp_path, monkeypatch):
+    """A finished part file whose read failed for a moment (an object store's 503, a timeout) was deleted as a
+    crash leftover: its rows were redone, and the job's closing check failed it."""
+    import fsspec
+
+    OrderedParquetSink(str(tmp_path)).write([pa.table({ROW_INDEX: [0, 1]})], None)
+    local = fsspec.filesystem("file")
+    opened = local.open
+
+    def unreachable(path, *args, **kwargs):
+        if path.endswith(".parquet"):
+            raise OSError("503 Slow Down")
+        return opened(path, *args, **kwargs)
+
+    monkeypatch.setattr(local, "open", unreachable)
+    with pytest.raises(OSError, match="503"):
+        recover_output_parts(str(tmp_path))
+    monkeypatch.undo()
+    assert [(p.first, p.last) for p in recover_output_parts(str(tmp_path))] == [(0, 1)]
 
 
 def test_raw_ray_data_job_keeps_input_order_without_preserve_order(ray_cluster, tmp_path):

@@ -9,6 +9,7 @@ import threading
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from pipeline_helpers import ENGINE, SAMPLING, engine_outputs, stop_string, workload
@@ -189,6 +190,20 @@ def test_stages_with_kv_pools_too_small_for_their_batch_recompute_and_give_the_s
         assert out.column("generated_token_ids").to_pylist() == expected
     assert decode.engine.metrics()["handoff_prefills"] > 0
     assert decode.engine.metrics()["recomputes"] > 0 and batchgen.engine.metrics()["recomputes"] > 0
+
+
+def test_the_planners_sample_reads_the_jobs_files_and_only_their_first_rows(tiny_moe_dir, tmp_path, monkeypatch):
+    """It listed hidden files the job skips (a broken Spark leftover failed planning) and read whole files."""
+    from batchgen.operators import workload_sample
+
+    monkeypatch.setattr(workload_sample, "SAMPLED_ROWS", 5)
+    (tmp_path / "_temporary").mkdir()
+    (tmp_path / "_temporary" / "part-0.parquet").write_bytes(b"PAR1 torn")
+    pq.write_table(pa.table({"prompt": ["one two", "three", None, "four five six"] * 3}), tmp_path / "a.parquet",
+                   row_group_size=4)
+    shape = workload_sample.input_workload(str(tmp_path), load_model(tiny_moe_dir),
+                                           SamplingParams(max_tokens=7), {})
+    assert len(shape.prompt_lens) == 5 and shape.output_lens == (7,) * 5  # the None rows left out
 
 
 def test_decode_in_scalar_mode_refuses_rows_of_several_samples(split_stages, prompts):
