@@ -33,6 +33,7 @@ from batchgen.pipelines.stderr_filter import filtered_stderr
 # command-line shortcuts for the most used sampling parameters (full set: --sampling-params JSON)
 _SAMPLING_FLAGS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "n": int, "seed": int}
 _JOB_FIELDS = {f.name for f in fields(JobConfig)}
+_OBJECT_OPTIONS = {f.name for f in fields(JobConfig) if f.type.startswith("dict")}  # JSON objects on a command line
 _ACTOR_COUNTS = {
     "--prefill-concurrency": "prefill engine actors (disaggregated)",
     "--decode-concurrency": "decode engine actors (disaggregated)",
@@ -148,6 +149,11 @@ def _read_yaml(path: str) -> dict[str, Any]:
     unknown = sorted(set(data) - known)
     if unknown:
         raise UsageError(f"config file {path!r}: unknown option(s) {unknown}; known: {sorted(known)}")
+    for name in _OBJECT_OPTIONS & set(data):  # a mapping, or the JSON text the command line takes
+        try:
+            data[name] = parse_json_object(data[name], f"config file {path!r}: {name}")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     return data
 
 

@@ -16,7 +16,7 @@ import yaml
 from pipeline_helpers import SAMPLING, engine_outputs, read_output, workload, write_input
 
 from batchgen.connectors.demo_data import demo_prompts
-from batchgen.pipelines.cli import build_parser, job_config, main
+from batchgen.pipelines.cli import UsageError, build_parser, job_config, main
 
 
 def test_config_file_holds_the_options_and_the_command_line_overrides_it(tmp_path):
@@ -34,6 +34,14 @@ def test_config_file_holds_the_options_and_the_command_line_overrides_it(tmp_pat
     assert job.sampling_params == {"top_p": 0.5, "temperature": 0.0, "max_tokens": 64}
     assert job.engine == {"max_num_seqs": 32, "page_size": 32}
     assert job.storage_options == {"endpoint_url": "http://x"}
+    # an object option as the JSON text the command line takes (it raised a TypeError), and one that is not JSON
+    config.write_text(yaml.safe_dump({"model": "m", "input": "i", "output": "o", "sampling_params": '{"top_k": 3}',
+                                      "storage_options": '{"anon": true}'}))
+    job = job_config(build_parser().parse_args(["run", "--config", str(config), "--storage-options", '{"key": "k"}']))
+    assert job.sampling_params == {"top_k": 3} and job.storage_options == {"anon": True, "key": "k"}
+    config.write_text(yaml.safe_dump({"model": "m", "input": "i", "output": "o", "engine": "max_num_seqs=3"}))
+    with pytest.raises(UsageError, match="engine must be a JSON object"):
+        job_config(build_parser().parse_args(["run", "--config", str(config)]))
 
 
 def write_prompts(path: Path, column: str = "prompt") -> str:
