@@ -36,7 +36,15 @@ def column_values(block: Block, name: str) -> list:
     if name not in names(block):
         return [None] * num_rows(block)
     if isinstance(block, pa.Table):
-        return block.column(name).to_pylist()
+        column = block.column(name)
+        try:
+            return column.to_pylist()
+        except UnicodeDecodeError:  # a text column holding bytes that are not UTF-8 (Parquet does not check them)
+            if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+                raise
+            # those values as bytes: the row parser names them per row (request_normalizer), the others go on
+            raw = column.cast(pa.large_binary()).to_pylist()
+            return [None if v is None else _text_or_bytes(v) for v in raw]
     return [None if _is_null(v) else v for v in block[name].tolist()]
 
 
@@ -76,3 +84,10 @@ def without_columns(block: Block, dropped: tuple[str, ...]) -> Block:
 def _is_null(value: Any) -> bool:
     """pandas turns nulls into None, NaN or NA depending on the column's dtype."""
     return value is None or value is pd.NA or (isinstance(value, float) and value != value)
+
+
+def _text_or_bytes(value: bytes) -> str | bytes:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return value

@@ -121,6 +121,14 @@ def test_wrong_types_are_row_errors(batchgen, prompts, expected):
     assert "prompt_token_ids: expected a list of integers" in call(batchgen, typed).column("error")[0].as_py()
     no_content = pa.table({"messages": [[{"role": "user", "content": None}]]})
     assert "messages[0].content: expected text" in call(batchgen, no_content).column("error")[0].as_py()
+    # a text column holding bytes that are not UTF-8 (Parquet files keep them): that row's error, the batch goes
+    # on (it failed the whole batch, and every rerun of the job at the same row)
+    text = (prompts[0] + "\n").encode() + b"\xff\xfe"
+    offsets = pa.array([0, len(prompts[0].encode()), len(text)], pa.int32()).buffers()[1]
+    undecodable = pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(text)])
+    out = call(batchgen, pa.table({"prompt": undecodable}))
+    assert out.column("error")[0].as_py() is None and out.column("generated_token_ids")[0].as_py() == expected[0]
+    assert "prompt: undecodable text, not valid UTF-8" in out.column("error")[1].as_py()
 
 
 def test_n_samples_come_back_as_one_list_per_sample(tiny_moe_dir, batchgen, prompts):
