@@ -193,7 +193,8 @@ def test_engine_loops_move_requests_and_their_results_return_to_the_owner(demo):
         while owner.load.requests < len(requests):  # admitted (the load is recounted after each command)
             await asyncio.sleep(0.01)
         moved = await asyncio.wrap_future(owner.export(100))  # output tokens' worth: 2 to 5 of the 6 requests
-        assert 1 < len(moved) < len(requests) and owner.load.requests == len(requests) - len(moved)
+        # (<=: the owner's engine keeps stepping meanwhile, and a short request may have finished already)
+        assert 1 < len(moved) < len(requests) and owner.load.requests <= len(requests) - len(moved)
         moved_ids.extend(m.request.request_id for m in moved)
         kept, lost = moved[:-1], moved[-1]
         back: list = []
