@@ -256,13 +256,25 @@ def _part_file(entry: str) -> PartFile | None:
 
 
 def _complete(fs, part: PartFile) -> bool:
-    """Whether the file is a whole part file. A read that fails (a network error, expired credentials) raises:
-    deleting a finished file for it would redo its rows, and then fail the job's final check."""
+    """Whether the file is a whole part file: its footer is read first, then parsed in memory, so a read that
+    fails (a network error, expired credentials) raises, while a file that is not Parquet or whose footer is torn
+    is incomplete (deleting a finished file for a failed read would redo its rows and fail the job's last check)."""
+    with fs.open(part.path, "rb") as f:
+        size = f.size
+        if size < 12:
+            return False
+        f.seek(size - 8)
+        tail = f.read(8)
+        length = int.from_bytes(tail[:4], "little")
+        if tail[4:] != b"PAR1" or length + 12 > size:
+            return False
+        f.seek(size - 8 - length)
+        footer = f.read(length)
     try:
-        with fs.open(part.path, "rb") as f:
-            return pq.ParquetFile(f).metadata.num_rows == part.last - part.first + 1
-    except pa.ArrowInvalid:  # not Parquet, or a torn footer
+        metadata = pq.ParquetFile(pa.BufferReader(b"PAR1" + footer + tail)).metadata
+    except (pa.ArrowInvalid, OSError):  # (OSError: pyarrow's for a footer it cannot deserialize, read in memory)
         return False
+    return metadata.num_rows == part.last - part.first + 1
 
 
 class OrderedParquetSink(Datasink[list[str]]):

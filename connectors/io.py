@@ -36,17 +36,20 @@ def list_files(uri: str, suffix: str, storage_options: dict[str, Any] | None = N
     fs.invalidate_cache(path)  # object-store listings are cached per filesystem instance
     try:
         if fsspec.core.has_magic(path):
-            found = {p: info for p, info in fs.glob(path, detail=True).items() if info.get("type") == "file"}
-            root = path[: path.index(next(c for c in path if c in "*?["))].rsplit("/", 1)[0]
+            visible = {}
+            for match, info in fs.glob(path, detail=True).items():  # files, and folders read whole
+                if info.get("type") == "directory":
+                    visible.update(_visible_files(fs, match))
+                elif not _hidden(posixpath.basename(match)):
+                    visible[match] = info
         elif fs.isfile(path):
             return fs, {path: fs.size(path)}
         elif not fs.isdir(path):
             raise StorageError(f"input {uri!r} does not exist")
         else:
-            found, root = fs.find(path, detail=True), path
+            visible = _visible_files(fs, path)
     except (OSError, PermissionError) as exc:
         raise StorageError(f"cannot read input {uri!r}: {exc}") from exc
-    visible = {p: info for p, info in found.items() if not _hidden(posixpath.relpath(p, root))}
     files = {p: int(info.get("size") or 0) for p, info in sorted(visible.items()) if p.lower().endswith(suffix)}
     if not files:
         raise StorageError(f"input {uri!r} holds no '*{suffix}' files")
@@ -73,6 +76,12 @@ def check_writable(uri: str, storage_options: dict[str, Any] | None = None) -> N
         raise
     except Exception as exc:  # botocore and friends raise their own types
         raise StorageError(f"output {uri!r} is not writable: {exc}") from exc
+
+
+def _visible_files(fs, folder: str) -> dict[str, dict]:
+    """{path: info} of the files under `folder`, hidden ones left out."""
+    return {p: info for p, info in fs.find(folder, detail=True).items()
+            if not _hidden(posixpath.relpath(p, folder))}
 
 
 def _hidden(relative: str) -> bool:

@@ -13,6 +13,8 @@ def parse_json_object(value: str | dict[str, Any] | None, what: str) -> dict[str
         return {}
     if isinstance(value, dict):
         return dict(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{what} must be a JSON object, got {type(value).__name__} {value!r}")
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError as exc:

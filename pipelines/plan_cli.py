@@ -37,6 +37,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_plan(args: argparse.Namespace) -> int:
     from batchgen.connectors.checkpoint import load_model
+    from batchgen.connectors.io import StorageError
     from batchgen.engine import EngineConfig, SamplingParams
     from batchgen.engine.offload.memory_constrained import place_as_engine
     from batchgen.engine.planner import CostCurves, plan_engine
@@ -78,7 +79,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.input:
         try:
             workload = input_workload(args.input, loaded, defaults, args.storage_options)
-        except ValueError as exc:
+        except (ValueError, StorageError) as exc:
             raise UsageError(str(exc)) from None
     plan = plan_engine(loaded, config, workload=workload, curves=curves)
     out = plan.summary()

@@ -738,22 +738,27 @@ def test_a_running_batch_whose_input_no_longer_validates_on_restart_keeps_what_f
     assert [json.loads(line)["custom_id"] for line in store.read_file(batch.output_file_id).splitlines()] == ["a"]
 
 
-def test_a_storage_error_while_finalizing_is_retried_not_fatal_to_the_runner(loop, model_dir, tmp_path, caplog):
-    """The runner thread died on it: the batch stayed finalizing and every later batch waited forever."""
+def test_storage_errors_while_recording_and_finalizing_are_retried_not_fatal(loop, model_dir, tmp_path, caplog):
+    """The runner thread died on them: the batch stayed finalizing and every later batch waited forever (and a
+    failed record of results lost them)."""
     from fastapi.testclient import TestClient
 
     args = build_parser().parse_args(["serve", "--model", str(model_dir), "--served-model-name", SERVED,
                                       "--storage", str(tmp_path / "storage")])
     store = open_store(args)
-    finalize, failures = store.finalize, []
+    failures: list[str] = []
 
-    def flaky(*a, **k):
-        if not failures:
-            failures.append(1)
-            raise OSError("disk full")
-        return finalize(*a, **k)
+    def flaky(name):
+        method = getattr(store, name)
 
-    store.finalize = flaky
+        def call(*a, **k):
+            if name not in failures:
+                failures.append(name)
+                raise OSError("disk full")
+            return method(*a, **k)
+        return call
+
+    store.finalize, store.add_results = flaky("finalize"), flaky("add_results")
     with TestClient(create_serve_app(args, loop, store)) as http:
         ids = []
         for custom_id in "ab":  # the second batch runs after the first one's failed finalize
@@ -766,7 +771,7 @@ def test_a_storage_error_while_finalizing_is_retried_not_fatal_to_the_runner(loo
                                              for i in ids):
             time.sleep(0.05)
         assert [http.get(f"/v1/batches/{i}").json()["request_counts"]["completed"] for i in ids] == [1, 1]
-    assert failures and "a round failed; retrying" in caplog.text
+    assert sorted(failures) == ["add_results", "finalize"] and "a round failed; retrying" in caplog.text
 
 
 # ---- auth, s3 storage, restart ---------------------------------------------------------------------

@@ -39,9 +39,10 @@ def test_config_file_holds_the_options_and_the_command_line_overrides_it(tmp_pat
                                       "storage_options": '{"anon": true}'}))
     job = job_config(build_parser().parse_args(["run", "--config", str(config), "--storage-options", '{"key": "k"}']))
     assert job.sampling_params == {"top_k": 3} and job.storage_options == {"anon": True, "key": "k"}
-    config.write_text(yaml.safe_dump({"model": "m", "input": "i", "output": "o", "engine": "max_num_seqs=3"}))
-    with pytest.raises(UsageError, match="engine must be a JSON object"):
-        job_config(build_parser().parse_args(["run", "--config", str(config)]))
+    for engine in ("max_num_seqs=3", [1]):
+        config.write_text(yaml.safe_dump({"model": "m", "input": "i", "output": "o", "engine": engine}))
+        with pytest.raises(UsageError, match="engine must be a JSON object"):
+            job_config(build_parser().parse_args(["run", "--config", str(config)]))
 
 
 def write_prompts(path: Path, column: str = "prompt") -> str:

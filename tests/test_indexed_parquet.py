@@ -50,6 +50,11 @@ def test_the_input_is_globbed_any_case_read_in_one_column_order_and_digested(tmp
     pq.write_table(pa.table({"a": [9], "b": ["q"]}), tmp_path / "g.parquet")
     source = IndexedParquetSource(str(tmp_path / "f*"))  # a glob: g.parquet left out
     assert source.num_rows == 3 and source.columns == ["a", "b"]
+    (tmp_path / "day-1").mkdir()
+    pq.write_table(pa.table({"a": [4], "b": ["w"]}), tmp_path / "day-1" / "x.parquet")
+    (tmp_path / "day-1" / "_temporary").mkdir()
+    (tmp_path / "day-1" / "_temporary" / "y.parquet").write_bytes(b"torn")
+    assert IndexedParquetSource(str(tmp_path / "d*")).num_rows == 1  # a folder matched is read whole
     blocks = [block for task in source.get_read_tasks(parallelism=1) for block in task()]
     assert all(block.column_names == ["a", "b", ROW_INDEX] for block in blocks)
     assert pa.concat_tables(blocks).column("b").to_pylist() == ["x", "y", "z"]
@@ -79,6 +84,10 @@ def test_sink_writes_contiguous_runs_and_scan_drops_crash_leftovers(tmp_path):
     pq.write_table(pa.table({ROW_INDEX: [4, 5]}), tmp_path / part_name(4, 5))  # overlaps 3-5: a race
     pq.write_table(pa.table({ROW_INDEX: [12]}), tmp_path / part_name(12, 13))  # row count != name
     (tmp_path / part_name(14, 14)).write_bytes(b"")  # empty
+    whole = (tmp_path / part_name(3, 5)).read_bytes()
+    length = int.from_bytes(whole[-8:-4], "little")  # the footer's bytes scrambled, its length and magic kept
+    torn = whole[: -8 - length] + bytes(b ^ 0x5A for b in whole[-8 - length : -8]) + whole[-8:]
+    (tmp_path / part_name(15, 17)).write_bytes(torn)
     parts = recover_output_parts(str(tmp_path))
     assert [(p.first, p.last) for p in parts] == [(3, 5), (7, 8)]
     assert sorted(p.name for p in tmp_path.iterdir()) == [part_name(3, 5), part_name(7, 8)]

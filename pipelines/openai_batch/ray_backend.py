@@ -139,7 +139,8 @@ class RayBackend(BatchBackendBase):
         try:
             self._process(batch)
         except Exception:
-            self._waiting.appendleft(batch)
+            if self.store.get_batch(batch.id).status not in TERMINAL:  # (finalized already: not again)
+                self._waiting.appendleft(batch)
             raise
         return True
 
@@ -149,7 +150,11 @@ class RayBackend(BatchBackendBase):
         for batch in list(self._waiting):
             batch.stop_code = batch.stop_code or self._stop_code(batch)
             if batch.stop_code is not None:
-                self._close(batch)
+                try:
+                    self._close(batch)
+                except Exception:  # (called during another batch's job too: that job goes on)
+                    log.exception("batch %s: closing it failed; retrying", batch.id)
+                    continue
                 self._waiting.remove(batch)
 
     def _process(self, batch: RayBatch) -> None:
@@ -263,9 +268,13 @@ class RayBackend(BatchBackendBase):
         self._remove_job(batch)
 
     def _remove_job(self, batch: QueuedBatch) -> None:
+        """Drop the job's folder; one that cannot be removed now goes at the next start (_remove_finished_jobs)."""
         path = self._files(batch).path
-        if self.fs.exists(path):
-            self.fs.rm(path, recursive=True)
+        try:
+            if self.fs.exists(path):
+                self.fs.rm(path, recursive=True)
+        except OSError as exc:
+            log.warning("batch %s: its job folder stays until the next start (%s)", batch.id, exc)
 
     def _remove_finished_jobs(self) -> None:
         """Job folders a server stopped before removing them (their batches are finished or gone)."""

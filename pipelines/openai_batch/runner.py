@@ -85,7 +85,7 @@ class BatchRunner(BatchBackendBase):
                     self.loop.abort([_request_id(batch, i) for i in batch.in_flight])
 
     def _fill(self) -> None:
-        rejected: dict[str, list[ResultRow]] = {}
+        rejected: dict[str, tuple[RunningBatch, list[ResultRow]]] = {}
         admitted: list[tuple[RunningBatch, int, Request]] = []
         for batch in self._active:
             while batch.pending and len(self._owner) + len(admitted) < self.config.max_in_flight:
@@ -94,13 +94,17 @@ class BatchRunner(BatchBackendBase):
                 try:
                     request = self.builders[batch.record.endpoint].build(_request_id(batch, index), line.body)
                 except (ValueError, TypeError) as exc:
-                    rejected.setdefault(batch.id, []).append(self._rejected_row(batch, index, exc))
+                    rejected.setdefault(batch.id, (batch, []))[1].append(self._rejected_row(batch, index, exc))
                     continue
                 admitted.append((batch, index, request))
-        for batch_id, rows in rejected.items():
-            self.store.add_results(batch_id, rows)
         if admitted:
             self._submit(admitted)
+        for batch, rows in rejected.values():
+            try:
+                self.store.add_results(batch.id, rows)
+            except Exception:  # not stored: those lines are checked again next round
+                batch.pending.extendleft(reversed([row.index for row in rows]))
+                raise
 
     def _submit(self, admitted: list[tuple[RunningBatch, int, Request]]) -> None:
         requests = [request for _, _, request in admitted]
@@ -119,22 +123,34 @@ class BatchRunner(BatchBackendBase):
 
     def _record(self) -> None:
         """Commit every settled request: its result, or nothing when aborted (it then counts as unfinished)."""
-        rows: dict[str, list[ResultRow]] = {}
+        settled = []
         while True:
             try:
-                request_id, future = self._settled.get_nowait()
+                settled.append(self._settled.get_nowait())
             except queue.Empty:
                 break
-            batch, index = self._owner.pop(request_id)
-            batch.in_flight.discard(index)
+        rows: dict[str, list[ResultRow]] = {}
+        for request_id, future in settled:
+            batch, index = self._owner[request_id]
             if future.cancelled():
                 continue
             if future.exception() is not None:
                 self._engine_failed(future.exception())
                 continue
             rows.setdefault(batch.id, []).append(self._result_row(batch, index, future.result()))
-        for batch_id, batch_rows in rows.items():
-            self.store.add_results(batch_id, batch_rows)
+        stored: set[str] = set()
+        try:
+            for batch_id, batch_rows in rows.items():
+                self.store.add_results(batch_id, batch_rows)
+                stored.add(batch_id)
+        finally:  # a batch whose rows were not stored keeps its requests in flight, recorded again next round
+            for request_id, future in settled:
+                batch, index = self._owner[request_id]
+                if batch.id in rows and batch.id not in stored:
+                    self._settled.put((request_id, future))
+                    continue
+                del self._owner[request_id]
+                batch.in_flight.discard(index)
 
     def _finish_drained(self) -> None:
         for batch in [b for b in self._active if not b.pending and not b.in_flight]:
