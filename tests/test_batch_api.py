@@ -718,6 +718,9 @@ def test_a_cancelled_batch_past_its_window_ends_cancelled_and_a_drained_one_is_n
     runner._active.append(done)
     runner._apply_stops()
     assert done.stop_code is None
+    store.set_status(drained.id, "in_progress")  # and as the Ray backend finalizes it, its stop code set
+    runner._finalize(RunningBatch(store.get_batch(drained.id), [], "batch_expired"))
+    assert store.get_batch(drained.id).status == "completed"
 
 
 def test_a_running_batch_whose_input_no_longer_validates_on_restart_keeps_what_finished(loop, tmp_path):

@@ -200,6 +200,8 @@ class BatchBackendBase(ABC):
     def _finalize(self, batch: QueuedBatch) -> None:
         """Write the output file (successes) and the error file (failures, never-run lines) in input order."""
         code = batch.stop_code
+        if code == "batch_expired" and len(self.store.results(batch.id)) == len(batch.lines):
+            code = None  # every request had finished when the window passed: nothing expired
         if code is None and not self.store.set_status(batch.id, "finalizing", only_from=("in_progress",)):
             if self.store.get_batch(batch.id).status == "cancelling":
                 code = "batch_cancelled"
