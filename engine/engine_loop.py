@@ -166,10 +166,14 @@ class EngineLoop:
     def adopt(self, migrated: list[MigratedRequest], on_result: Callable[[Result], None]) -> Future:
         """Continue requests another engine exported; `on_result(result)` runs on the engine thread as each
         finishes (a request this engine cannot run comes back as a Result with its error). The future
-        resolves once they are in the engine."""
+        resolves once they are in the engine. A request this loop runs already for another engine (its owner died,
+        and the task rerun elsewhere moved it here again) is not started twice: its Result goes to `on_result`."""
         def command() -> None:
             for item in migrated:
                 rid = item.request.request_id
+                if rid in self._adopted:
+                    self._adopted[rid] = on_result
+                    continue
                 try:
                     self.engine.import_request(item)
                 except InvalidRequestError as exc:

@@ -215,6 +215,31 @@ def test_engine_loops_move_requests_and_their_results_return_to_the_owner(demo):
     assert holder.engine.metrics()["migrated_in"] == len(moved_ids) - 1
 
 
+def test_a_request_moved_again_to_the_loop_already_running_it_runs_once(demo):
+    """Its owner died after moving it; the owner's task, rerun on another actor, moved it to the same holder again:
+    the holder refused it as a duplicate id and that error became the row (its real Result then dropped)."""
+    expected = by_id(Engine(demo, page_size=16).generate(workload()[:1]))
+    first_owner, rerun_owner, holder = (EngineLoop(lambda: Engine(demo, page_size=16)) for _ in range(3))
+    requests = workload()[:2]  # (an engine never moves its every request)
+    delivered: list = []
+    try:
+        for owner, tag in ((first_owner, "first"), (rerun_owner, "rerun")):
+            owner.submit([r.request_id for r in requests], lambda engine, i: engine.add_request(requests[i]))
+            while owner.load.requests < 2:
+                time.sleep(0.01)
+            [moved] = owner.export(24).result()  # the oldest's 24 output tokens: request "0"
+            assert moved.request.request_id == "0"
+            holder.adopt([moved], lambda result, tag=tag: delivered.append((tag, result))).result()
+        deadline = time.time() + 60
+        while not delivered and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # a second delivery would come now
+    finally:
+        for loop in (first_owner, rerun_owner, holder):
+            loop.close()
+    assert [tag for tag, _ in delivered] == ["rerun"] and by_id([delivered[0][1]]) == expected
+
+
 def test_an_aborted_request_running_elsewhere_does_not_run_again_when_its_holder_dies(demo):
     owner = EngineLoop(lambda: Engine(demo, page_size=16))
     requests = workload()
