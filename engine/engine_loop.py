@@ -96,7 +96,7 @@ class EngineLoop:
                 add(self.engine, i)
             self._refresh_load()
 
-        self._inbox.put((command, futures))
+        self._inbox.put((command, futures, None))
         return futures
 
     async def run(self, request_ids: list[str], add: Callable[[Engine, int], None]) -> list[Result]:
@@ -148,7 +148,7 @@ class EngineLoop:
                 if future is not None:
                     future.cancel()
 
-        self._inbox.put((command, []))
+        self._inbox.put((command, [], None))
 
     def export(self, tokens: int) -> Future:
         """Take requests with about `tokens` output tokens still to generate out of the engine
@@ -181,7 +181,11 @@ class EngineLoop:
                     continue
                 self._adopted[rid] = on_result
 
-        return self._call(command)
+        def failed() -> None:  # their owners record the failure (a holder waiting for them would wait for good)
+            for item in migrated:
+                on_result(Result(item.request.request_id, [], error=str(self.failure)))
+
+        return self._call(command, failed)
 
     def resolve(self, results: list[Result]) -> None:
         """Results of this loop's exported requests, finished by another engine."""
@@ -219,8 +223,9 @@ class EngineLoop:
 
         return self._call(command)
 
-    def _call(self, fn: Callable[[], object]) -> Future:
-        """Run `fn` on the engine thread between two steps (then recount the load); a future of its value."""
+    def _call(self, fn: Callable[[], object], on_failure: Callable[[], None] | None = None) -> Future:
+        """Run `fn` on the engine thread between two steps (then recount the load); a future of its value. Once
+        the engine has failed, `fn` does not run: `on_failure` does (and the future raises the failure)."""
         done: Future = Future()
 
         def command() -> None:
@@ -232,7 +237,7 @@ class EngineLoop:
             self._refresh_load()
             done.set_result(value)
 
-        self._inbox.put((command, [done]))
+        self._inbox.put((command, [done], on_failure))
         return done
 
     def close(self) -> None:
@@ -297,10 +302,12 @@ class EngineLoop:
             if item is None:
                 return False
             block = False
-            command, futures = item
+            command, futures, on_failure = item
             if self.failure is not None:
                 for future in futures:
                     future.set_exception(self.failure)
+                if on_failure is not None:
+                    on_failure()
                 continue
             try:
                 command()

@@ -31,7 +31,7 @@ from typing import Any
 
 import ray
 
-from batchgen.engine import Engine, EngineLoop, InvalidRequestError, MigratedRequest, Result
+from batchgen.engine import Engine, EngineLoad, EngineLoop, InvalidRequestError, MigratedRequest, Result
 from batchgen.operators.recovery_cost import Checkpoint, RecoveryCosts, measured_costs
 from batchgen.operators.work_balancer import REPORT_S, incarnation
 
@@ -131,8 +131,10 @@ class BalancingAgent:
     async def _exchange(self) -> None:
         with self._lock:
             serving = self._serving > 0
-        give, target = await self.balancer.report.remote(self.name, self.actor, self.loop.load, serving,
-                                                         self._costs())
+        load = self.loop.load
+        if self.loop.failure is not None:  # a failed engine takes no work, and holds none for others to wait on
+            serving, load = False, EngineLoad(0, 0, load.busy_s)
+        give, target = await self.balancer.report.remote(self.name, self.actor, load, serving, self._costs())
         if give:
             moved = await asyncio.wrap_future(self.loop.export(give))
             if moved:  # objects owned by this actor: lost with it, when its tasks run again anyway

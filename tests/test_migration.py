@@ -240,6 +240,27 @@ def test_a_request_moved_again_to_the_loop_already_running_it_runs_once(demo):
     assert [tag for tag, _ in delivered] == ["rerun"] and by_id([delivered[0][1]]) == expected
 
 
+def test_requests_moved_to_a_loop_whose_engine_failed_come_back_as_errors(demo):
+    """Its adopt command was skipped and nobody got a Result: the actor holding them, and the job, waited for
+    good."""
+    source = Engine(demo, page_size=16)
+    for request in workload()[:2]:
+        source.add_request(request)
+    source.step()
+    moved = source.export_request("0")
+    broken = EngineLoop(lambda: Engine(demo, page_size=16))
+    try:
+        [failed] = broken.submit(["x"], lambda engine, i: (_ for _ in ()).throw(RuntimeError("device lost")))
+        with pytest.raises(RuntimeError, match="device lost"):
+            failed.result(timeout=30)
+        back: list = []
+        with pytest.raises(RuntimeError, match="the engine failed"):
+            broken.adopt([moved], back.append).result()
+    finally:
+        broken.close()
+    assert [(r.request_id, "device lost" in r.error) for r in back] == [("0", True)]
+
+
 def test_an_aborted_request_running_elsewhere_does_not_run_again_when_its_holder_dies(demo):
     owner = EngineLoop(lambda: Engine(demo, page_size=16))
     requests = workload()
