@@ -97,7 +97,9 @@ class DecodeGraphs:
         padded = _padded(batch, rows, key[1])
         try:
             device = batch.hidden.device
-            recording, recorded, logits = RECORDERS[device.type](lambda: run(padded), rows, size, device)
+            # each run on a context object of its own (the same tensors): what one run caches on its context (the
+            # rotary tables) must be computed inside the recorded run, not read from a run before it (CUDA's warm-up)
+            recording, recorded, logits = RECORDERS[device.type](lambda: run(_own_context(padded)), rows, size, device)
         except capture.CaptureRefused as refused:
             self._refuse(rows, size, str(refused))
             return run(batch)
@@ -161,6 +163,11 @@ def _padded(batch: CoroutineGroup, rows: int, width: int) -> CoroutineGroup:
                                      seq_lens=ctx.seq_lens[index], page_table=_widened(ctx.page_table[index], width))
     seqs = batch.seqs + [batch.seqs[0]] * (rows - len(batch.seqs))
     return CoroutineGroup(seqs, batch.hidden[index], batch.point, padded_ctx)
+
+
+def _own_context(batch: CoroutineGroup) -> CoroutineGroup:
+    """The batch on a copy of its context: the same tensors, nothing derived from them cached yet."""
+    return CoroutineGroup(batch.seqs, batch.hidden, batch.point, dataclasses.replace(batch.ctx))
 
 
 def _bucket(width: int) -> int:

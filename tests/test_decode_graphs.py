@@ -52,6 +52,28 @@ def test_replayed_steps_give_transformers_greedy_tokens_and_the_eager_engines_co
     assert {k: replayed[k] for k in COUNTERS} == {k: eager[k] for k in COUNTERS}
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_a_recorder_that_runs_the_step_once_before_recording_it_replays_each_steps_positions(arch, tmp_path,
+                                                                                             monkeypatch):
+    """The CUDA recorder runs the step eagerly, then captures it: the rotary tables the first run cached on the
+    step's context were read by the capture, not computed, so every replay rotated by the captured step's positions
+    (shown here with the CPU recorder behind the same first run: there is no GPU)."""
+    recorder = decode_graphs.RECORDERS["cpu"]
+
+    def run_then_record(fn, rows, size, device):
+        fn()
+        return recorder(fn, rows, size, device)
+
+    monkeypatch.setitem(decode_graphs.RECORDERS, "cpu", run_then_record)
+    hf = save_tiny_checkpoint(arch, tmp_path)
+    loaded = load_model(str(tmp_path))
+    requests = _requests(loaded.model.vocab_size, (6, 12, 20, 30))
+    engine = Engine(loaded, page_size=4)
+    tokens = [r.outputs[0].token_ids for r in engine.generate(requests)]
+    assert tokens == [hf_greedy(hf, r.prompt_token_ids, r.sampling.max_tokens) for r in requests]
+    assert engine.metrics()["decode_graph_replays"] > 0
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "llama"])
 def test_larger_batches_replay_padded_to_a_recorded_size(arch, tmp_path, monkeypatch):
     """21 sequences finishing in three waves (21, 19, 17 decoding): each batch is padded to 24 rows with copies of
