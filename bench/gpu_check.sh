@@ -4,7 +4,10 @@
 #   bash bench/gpu_check.sh [OUT_DIR]      (default: $OUT, else bench/gpu_results)
 #
 # Needs only torch (CUDA), triton, transformers, safetensors, pyarrow, pandas and pytest: no Ray, no
-# install step (the checkout is put on PYTHONPATH as the `batchgen` package). Fails loudly: no CUDA is
+# install step (the checkout is put on PYTHONPATH as the `batchgen` package). A host without pytest installs it
+# from wheels carried along (WHEELS, default bench/wheels: `pip download -d bench/wheels pytest` on a machine with
+# an index; a few hundred KiB). The phases' time limits add up to 460 s, inside the 8 minutes a run may take on
+# one H200 (session 19's run of the same phases, without --profile: about 5 minutes). Fails loudly: no CUDA is
 # an error at once; after that every phase runs even when an earlier one failed (a GPU lease is short: one
 # run should show every failure), and the script exits 1 naming each failed phase (a failing, erroring or
 # wrongly skipped GPU test, a benchmark that does not exit 0 within its time limit). Writes to OUT_DIR each
@@ -17,6 +20,11 @@ PY="${PYTHON:-python3}"
 mkdir -p "$OUT_DIR"
 
 "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "gpu_check: no CUDA device")'
+if ! "$PY" -c 'import pytest' 2>/dev/null; then
+    WHEELS="${WHEELS:-$ROOT/bench/wheels}"
+    "$PY" -m pip install -q --no-index --find-links "$WHEELS" pytest ||
+        { echo "gpu_check: no pytest here and none to install from $WHEELS" >&2; exit 1; }
+fi
 "$PY" -c 'import torch, triton, transformers; print("gpu_check:", torch.cuda.get_device_name(0), "torch", torch.__version__,
     "triton", triton.__version__, "transformers", transformers.__version__)'
 
@@ -38,9 +46,11 @@ phase() {
     fi
 }
 
-# every test in these files runs: -o addopts= drops the 'not gpu' filter
-phase "GPU tests" "$OUT_DIR/gpu_tests.log" 240 \
-    "$PY" -m pytest -q -p no:cacheprovider -o addopts= -rs tests/test_kernels_gpu.py tests/test_engine_triton.py tests/test_engine_gpu.py
+# every test in these files runs but those of Triton on CPU tensors (the interpreter's, skipped on a CUDA host):
+# -o addopts= drops the 'not gpu' filter
+phase "GPU tests" "$OUT_DIR/gpu_tests.log" 110 \
+    "$PY" -m pytest -q -p no:cacheprovider -o addopts= -m "not triton_cpu" -rs \
+    tests/test_kernels_gpu.py tests/test_engine_triton.py tests/test_engine_gpu.py
 if grep "^SKIPPED" "$OUT_DIR/gpu_tests.log" | grep -v "flash-attn missing"; then
     echo "gpu_check: a GPU test was skipped on a CUDA host for a reason other than flash-attn" >&2
     failed+=("GPU tests skipped")
@@ -54,15 +64,15 @@ if ((${#failed[@]})); then
     bct_flags=(--eager)
 fi
 
-phase "bench/kernels.py (Triton vs torch vs transformers, bf16)" "$OUT_DIR/kernels.log" 180 \
+phase "bench/kernels.py (Triton vs torch vs transformers, bf16)" "$OUT_DIR/kernels.log" 70 \
     "$PY" bench/kernels.py --json --dtype bfloat16 --min-time 0.1
 
 # --profile: after the timed runs, one more BatchGen run under cProfile per scenario (where a step's host time goes)
-phase "bench/bct.py (BatchGen vs lockstep vs transformers, bf16)" "$OUT_DIR/bct.log" 300 \
+phase "bench/bct.py (BatchGen vs lockstep vs transformers, bf16)" "$OUT_DIR/bct.log" 210 \
     "$PY" bench/bct.py --json --dtype bfloat16 --profile "${bct_flags[@]}"
 
 phase "bench/offload.py (memory-constrained mode vs layer streaming at 25 % of the weights, bf16)" \
-    "$OUT_DIR/offload.log" 150 \
+    "$OUT_DIR/offload.log" 70 \
     "$PY" bench/offload.py --json --dtype bfloat16 --budgets 0.25 --num-prompts 128 --max-tokens 64
 
 # one file of figures: each benchmark's --json line under its name (null where it printed none)
