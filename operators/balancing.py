@@ -137,10 +137,14 @@ class BalancingAgent:
         give, target = await self.balancer.report.remote(self.name, self.actor, load, serving, self._costs())
         if give:
             moved = await asyncio.wrap_future(self.loop.export(give))
-            if moved:  # objects owned by this actor: lost with it, when its tasks run again anyway
-                items = [(m.request.request_id, [ray.put(m)]) for m in moved]
-                await self.balancer.send.remote(self.name, target, items, sum(m.kv_bytes for m in moved),
-                                                sum(m.remaining_tokens for m in moved))
+            try:
+                if moved:  # objects owned by this actor: lost with it, when its tasks run again anyway
+                    items = [(m.request.request_id, [ray.put(m)]) for m in moved]
+                    await self.balancer.send.remote(self.name, target, items, sum(m.kv_bytes for m in moved),
+                                                    sum(m.remaining_tokens for m in moved))
+            except Exception:  # not sent: they continue here (only this actor held them)
+                self.loop.rerun({m.request.request_id: m for m in moved})
+                raise
         incoming = await self.balancer.take.remote(self.name)
         if incoming:
             # a request whose owner died before it got here is gone with its owner's objects: nobody waits
@@ -162,8 +166,15 @@ class BalancingAgent:
         results, lost = await self.balancer.collect.remote(self.name)
         if results:
             self.loop.resolve(results)
-        if lost:
-            points = {rid: pickle.loads(await wrapped[0]) for rid, wrapped in lost.items() if wrapped is not None}
+        if lost:  # (handed over once: a checkpoint that cannot be fetched means running from the prompt)
+            points = {}
+            for rid, wrapped in lost.items():
+                if wrapped is not None:
+                    try:
+                        points[rid] = pickle.loads(await wrapped[0])
+                    except Exception:  # noqa: BLE001
+                        log.warning("engine actor %s: the checkpoint of %s is gone; it runs again from its prompt",
+                                    self.name, rid, exc_info=True)
             self.loop.rerun({rid: points.get(rid) for rid in lost})
         if time.monotonic() - self._last_checkpoint > CHECKPOINT_S:
             self._last_checkpoint = time.monotonic()

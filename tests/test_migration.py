@@ -261,6 +261,45 @@ def test_requests_moved_to_a_loop_whose_engine_failed_come_back_as_errors(demo):
     assert [(r.request_id, "device lost" in r.error) for r in back] == [("0", True)]
 
 
+def test_requests_exported_for_a_move_that_could_not_be_sent_continue_on_their_owner(demo, monkeypatch):
+    """The balancing exchange exported them, then failed to hand them over (the object store, the balancer): they
+    were held by nobody and their rows never finished."""
+    from batchgen.operators import balancing
+
+    class Remote:
+        def __init__(self, fn):
+            self.fn = fn
+
+        async def remote(self, *args):
+            return self.fn(*args)
+
+    class Balancer:
+        report = Remote(lambda *args: (100, "taker"))  # move 100 output tokens' worth to another actor
+
+        def _send(*args):
+            raise ConnectionError("the balancer is unreachable")
+
+        send = Remote(_send)
+
+    monkeypatch.setattr(balancing.ray, "put", lambda value: value)
+    expected = by_id(Engine(demo, page_size=16).generate(workload()))
+    loop = EngineLoop(lambda: Engine(demo, page_size=16))
+    agent = object.__new__(balancing.BalancingAgent)  # its exchange alone, without Ray or its thread
+    agent.balancer, agent.loop, agent.name, agent.actor = Balancer(), loop, "owner", ("actor", 0)
+    agent._lock, agent._serving, agent._copied_bytes, agent._copy_s = threading.Lock(), 1, 0, 0.0
+    requests = workload()
+    try:
+        futures = loop.submit([r.request_id for r in requests], lambda engine, i: engine.add_request(requests[i]))
+        while loop.load.requests < len(requests):
+            time.sleep(0.01)
+        with pytest.raises(ConnectionError):
+            asyncio.run(agent._exchange())
+        results = [future.result(timeout=120) for future in futures]
+    finally:
+        loop.close()
+    assert by_id(results) == expected
+
+
 def test_an_aborted_request_running_elsewhere_does_not_run_again_when_its_holder_dies(demo):
     owner = EngineLoop(lambda: Engine(demo, page_size=16))
     requests = workload()
