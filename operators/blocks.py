@@ -8,6 +8,7 @@ job agrees on the output schema (an all-null `error` column is still a string co
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -39,12 +40,12 @@ def column_values(block: Block, name: str) -> list:
         column = block.column(name)
         try:
             return column.to_pylist()
-        except UnicodeDecodeError:  # a text column holding bytes that are not UTF-8 (Parquet does not check them)
-            if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-                raise
-            # those values as bytes: the row parser names them per row (request_normalizer), the others go on
-            raw = column.cast(pa.large_binary()).to_pylist()
-            return [None if v is None else _text_or_bytes(v) for v in raw]
+        except UnicodeDecodeError:  # text holding bytes that are not UTF-8 (Parquet does not check them)
+            if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+                # those values as bytes: the row parser names them per row (request_normalizer), the others go on
+                raw = column.cast(pa.large_binary()).to_pylist()
+                return [None if v is None else _text_or_bytes(v) for v in raw]
+            return [_value_or_undecodable(column, i) for i in range(len(column))]  # nested: row by row
     return [None if _is_null(v) else v for v in block[name].tolist()]
 
 
@@ -84,6 +85,21 @@ def without_columns(block: Block, dropped: tuple[str, ...]) -> Block:
 def _is_null(value: Any) -> bool:
     """pandas turns nulls into None, NaN or NA depending on the column's dtype."""
     return value is None or value is pd.NA or (isinstance(value, float) and value != value)
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """A nested value (a `messages` list, a `sampling_params` struct) holding text that is not UTF-8: its row's
+    error (columns.RowParser)."""
+
+    reason: str
+
+
+def _value_or_undecodable(column: pa.ChunkedArray, index: int) -> Any:
+    try:
+        return column[index].as_py()
+    except UnicodeDecodeError as exc:
+        return Undecodable(f"{exc.reason} at byte {exc.start}")
 
 
 def _text_or_bytes(value: bytes) -> str | bytes:

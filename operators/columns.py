@@ -28,6 +28,7 @@ import pyarrow as pa
 
 from batchgen.engine import InvalidRequestError, RequestNormalizer, Result, SamplingParams
 from batchgen.engine.request_normalizer import sampling_params
+from batchgen.operators.blocks import Undecodable
 
 PROMPT, MESSAGES, PROMPT_TOKEN_IDS = "prompt", "messages", "prompt_token_ids"
 SAMPLING_PARAMS = "sampling_params"
@@ -86,6 +87,9 @@ class RowParser:
         self.list_outputs = list_outputs
 
     def parse(self, row: dict[str, Any]) -> ParsedRow | str:
+        for name in (SAMPLING_PARAMS, PROMPT_TOKEN_IDS, MESSAGES, PROMPT):
+            if isinstance(row.get(name), Undecodable):
+                return f"{name}: undecodable text, not valid UTF-8 ({row[name].reason})"
         try:
             sampling = sampling_params(row.get(SAMPLING_PARAMS), self.defaults)
             if sampling.n > 1 and not self.list_outputs:

@@ -129,6 +129,12 @@ def test_wrong_types_are_row_errors(batchgen, prompts, expected):
     out = call(batchgen, pa.table({"prompt": undecodable}))
     assert out.column("error")[0].as_py() is None and out.column("generated_token_ids")[0].as_py() == expected[0]
     assert "prompt: undecodable text, not valid UTF-8" in out.column("error")[1].as_py()
+    contents = pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(text)])
+    turns = pa.StructArray.from_arrays([pa.array(["user", "user"]), contents], names=["role", "content"])
+    messages = pa.ListArray.from_arrays(pa.array([0, 1, 2], pa.int32()), turns)  # one turn a row, the 2nd undecodable
+    out = call(batchgen, pa.table({"messages": messages}))
+    assert out.column("error")[0].as_py() is None
+    assert "messages: undecodable text, not valid UTF-8" in out.column("error")[1].as_py()
 
 
 def test_n_samples_come_back_as_one_list_per_sample(tiny_moe_dir, batchgen, prompts):
