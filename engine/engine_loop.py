@@ -78,7 +78,8 @@ class EngineLoop:
         its future gets a Result with the error, and the request running under that id goes on undisturbed (the
         engine's own check would fail the new one under the same id, taking the old one's future). An id this
         loop runs for another engine (`adopt`) is the same request, submitted again by a task Ray Data runs
-        here after that engine died: its future gets the Result the running request ends with."""
+        here after that engine died: its future gets the Result the running request ends with. An `add` the engine
+        refuses (InvalidRequestError) fails its request alone."""
         futures = [RequestFuture() for _ in request_ids]
 
         def command() -> None:
@@ -93,7 +94,10 @@ class EngineLoop:
                     self._pending[rid] = future
                     fresh.append(i)
             for i in fresh:
-                add(self.engine, i)
+                try:
+                    add(self.engine, i)
+                except InvalidRequestError as exc:  # refused by the engine's checks: this request alone fails
+                    self._pending.pop(request_ids[i]).set_result(Result(request_ids[i], [], error=str(exc)))
             self._refresh_load()
 
         self._inbox.put((command, futures, None))

@@ -55,10 +55,7 @@ class Decode:
                 if n > 1 and not self.list_outputs:  # the schema has room for one sample: the rest would be lost
                     raise InvalidRequestError(f"sampling_params: n={n} needs list outputs; build Decode with "
                                               "list_outputs=True (as Tokenize decided for this job)")
-                # a task run again after its actor died: a row this actor decodes for that actor is not added again
-                if not self.loop.runs_for_another(prefilled.request.request_id):
-                    self.engine.check_prefilled(prefilled)
-                todo.append((i, prefilled))
+                todo.append((i, prefilled))  # the engine checks it, on its own thread (add_prefilled)
             except InvalidRequestError as exc:
                 outcomes[i].error = str(exc)
 
