@@ -66,6 +66,9 @@ class ThreadLending:
         self._met: set[int] = set()  # peers' pids seen alive
         directory.mkdir(parents=True, exist_ok=True)
         self._publish()
+        # the files of engines that ended go now, not at this engine's first step: a replacement takes the grant
+        # of the actor it replaces, which peers that met that actor would lend on meanwhile (all its loading)
+        self.peers()
 
     def on_work(self, busy: bool) -> None:
         """EngineLoop's hook: `busy()` or `idle()`."""

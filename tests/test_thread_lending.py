@@ -88,6 +88,13 @@ def test_a_peer_that_ended_lends_its_grant_only_if_it_ran_beside_this_engine(tmp
     os.waitpid(live, 0)
     lending._checked = 0.0
     assert lending.busy() == 2 and (tmp_path / str(live)).exists()
+    # a new engine actor (the dead one's replacement, on its CPUs) removes that file as it starts: no peer lends
+    # the dead one's grant beside it while it loads
+    replacement = ThreadLending(tmp_path, granted=1, cores=2)
+    assert not (tmp_path / str(live)).exists()
+    lending._checked = 0.0
+    assert lending.busy() == 1
+    replacement.close()
 
 
 def test_a_file_whose_pid_now_names_another_process_is_an_ended_engines(tmp_path, processes, own_threads):
