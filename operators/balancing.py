@@ -163,6 +163,8 @@ class BalancingAgent:
             await self.balancer.deliver.remote(self.name, done)
             with self._lock:
                 self._holding -= len(done)
+            for result in done:  # adopted requests this actor checkpointed: finished
+                self._checkpointed.pop(result.request_id, None)
         results, lost = await self.balancer.collect.remote(self.name)
         if results:
             self.loop.resolve(results)

@@ -185,9 +185,11 @@ class WorkBalancer:
                 me.holding.pop(rid, None)
 
     def deliver(self, worker: str, results: list[Any]) -> None:
-        """Results of requests `worker` took, for their owners."""
+        """Results of requests `worker` took, for their owners (their checkpoints are of no use any more: a holder's
+        checkpoint stored after the owner said `done` was kept to the job's end)."""
         me = self._workers.get(worker)
         for result in results:
+            self._checkpoints.pop(result.request_id, None)
             owner = me.holding.pop(result.request_id, None) if me is not None else None
             if owner in self._workers:
                 self._workers[owner].results.append(result)

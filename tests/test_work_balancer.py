@@ -162,6 +162,12 @@ def test_a_rerun_task_restores_only_the_requests_worth_restoring_and_finished_on
     balancer.done(["row-2"])
     assert balancer.checkpointed(["row-1", "row-2"]) == {"row-1": 40}
     assert balancer.recovered(["row-1", "row-2", "row-3"]) == {"row-1": ["ckpt-1"]}
+    # a moved request's holder delivers its Result: its checkpoint goes too (one stored by the holder after the
+    # owner's `done` was kept for good)
+    report(balancer, "holder", 0, 0)
+    balancer.checkpoint([(Checkpoint("row-4", 1000, 50, 40), b"4")])
+    balancer.deliver("holder", [Result("row-4", [1])])
+    assert balancer.checkpointed(["row-4"]) == {} and balancer.summary().held_checkpoints == 1  # row-1's
 
 
 def test_recovery_cost_compares_the_copy_with_prefill_and_decode_again():
