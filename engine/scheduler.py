@@ -286,11 +286,12 @@ class Scheduler:
                 victim = victims.pop()
                 if victim.seq_id not in self.running:
                     continue
-                newest = _newest(self.running.values())
                 # room for its KV and its next token on the host (else it would be recomputed right after the copy)
                 if self.kv.fits(KVLocation.HOST, victim.kv_len + 1):
                     self._yield(victim)
-                elif self.kv.fits(KVLocation.HOST, newest.kv_len + 1):
+                    continue
+                newest = _newest(self.running.values())  # (a scan only when the host pool is short)
+                if self.kv.fits(KVLocation.HOST, newest.kv_len + 1):
                     self._yield(newest)
                 else:  # no host room to keep it: the newest running sequence recomputes
                     self.recompute(newest)
