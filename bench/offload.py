@@ -70,7 +70,7 @@ def config_for(system: str | None, args: argparse.Namespace, budget: int | None,
     # whole layer; no host tier to overflow into (one sequence's pages, never used)
     config = EngineConfig(**common, device_memory_bytes=budget, weight_streaming="layer",
                           host_kv_budget_bytes=geometry.page_bytes * per_seq, staging_fraction=0.0)
-    _, plan, _ = offload_plan(loaded, config, "cpu")
+    _, plan, _ = offload_plan(loaded, config, config.torch_device().type)  # as the engine plans on its device
     batch = min(args.num_prompts, plan.kv_bytes // geometry.page_bytes // per_seq)
     if batch == 0:
         raise ValueError(f"the device KV left beside a whole layer ({plan.kv_bytes} bytes) cannot hold one sequence "

@@ -25,3 +25,30 @@ def test_json_report(monkeypatch, capsys, tiny_moe_dir):
     assert tight["tokens_per_s"]["flexgen_style"] is None and tight["speedup"] is None
     assert "below this model's minimum" in tight["runs"]["flexgen_style"]["error"]
     assert tight["tokens_per_s"]["batchgen"] > 0 and tight["runs"]["batchgen"]["outputs_match"] is True
+
+
+def test_the_baselines_batch_is_sized_by_the_plan_of_the_engines_device(monkeypatch, tiny_moe_dir):
+    """It was sized from a CPU plan (one module slot) whatever the device: on a GPU (two slots) it assumed a whole
+    layer's KV more than the engine leaves."""
+    import argparse
+
+    import torch
+
+    from batchgen.connectors.checkpoint import load_model
+    from batchgen.engine import EngineConfig
+
+    offload = import_bench(monkeypatch, "offload")
+    planned_for = []
+    plan = offload.offload_plan
+
+    def recording(loaded, config, device_type):
+        planned_for.append(device_type)
+        return plan(loaded, config, "cpu")
+
+    monkeypatch.setattr(offload, "offload_plan", recording)
+    monkeypatch.setattr(EngineConfig, "torch_device", lambda self: torch.device("cuda", 0))
+    args = argparse.Namespace(prompt_tokens=16, max_tokens=8, page_size=16, b_attn=8, num_prompts=8,
+                              staging_fraction=0.25)
+    loaded = load_model(tiny_moe_dir)
+    offload.config_for("flexgen_style", args, sum(p.numel() * 4 for p in loaded.model.parameters()) // 2, loaded)
+    assert planned_for == ["cuda"]
