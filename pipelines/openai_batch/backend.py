@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -153,8 +154,7 @@ class BatchBackendBase(ABC):
         lines, errors = self._parse(record)
         if errors and record.in_progress_at is not None:  # it ran before (the server's settings changed since)
             results = self.store.results(record.id)
-            self.store.finalize(record.id, "failed", (line for _, (ok, line) in sorted(results.items()) if ok),
-                                (line for _, (ok, line) in sorted(results.items()) if not ok),
+            self.store.finalize(record.id, "failed", _result_lines(results, True), _result_lines(results, False),
                                 unfinished=record.total - len(results), errors=errors)
             return
         if errors:
@@ -223,7 +223,7 @@ class BatchBackendBase(ABC):
         unfinished = [i for i in range(len(batch.lines)) if i not in results]
         self.store.finalize(
             batch.id, status,
-            output_lines=(line for _, (ok, line) in sorted(results.items()) if ok),
+            output_lines=_result_lines(results, True),
             error_lines=self._error_lines(batch, results, code, message),
             unfinished=len(unfinished), **values)
         log.info("batch %s %s", batch.id, status)
@@ -241,3 +241,8 @@ class BatchBackendBase(ABC):
 
     def _failure_errors(self) -> list[dict[str, Any]]:
         return [{"code": "engine_error", "message": self.failure, "param": None, "line": None}]
+
+
+def _result_lines(results: dict[int, tuple[bool, str]], ok: bool) -> Iterator[str]:
+    """The stored lines of the finished requests that succeeded (`ok`) or failed, in input order."""
+    return (line for _, (good, line) in sorted(results.items()) if good is ok)
