@@ -40,12 +40,8 @@ def column_values(block: Block, name: str) -> list:
         column = block.column(name)
         try:
             return column.to_pylist()
-        except UnicodeDecodeError:  # text holding bytes that are not UTF-8 (Parquet does not check them)
-            if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-                # those values as bytes: the row parser names them per row (request_normalizer), the others go on
-                raw = column.cast(pa.large_binary()).to_pylist()
-                return [None if v is None else _text_or_bytes(v) for v in raw]
-            return [_value_or_undecodable(column, i) for i in range(len(column))]  # nested: row by row
+        except UnicodeDecodeError:  # text holding bytes that are not UTF-8 (Parquet does not check them): row by row
+            return [_value_or_undecodable(column, i) for i in range(len(column))]
     return [None if _is_null(v) else v for v in block[name].tolist()]
 
 
@@ -89,7 +85,7 @@ def _is_null(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class Undecodable:
-    """A nested value (a `messages` list, a `sampling_params` struct) holding text that is not UTF-8: its row's
+    """A value (a prompt, a `messages` list, a `sampling_params` struct) holding text that is not UTF-8: its row's
     error (columns.RowParser)."""
 
     reason: str
@@ -100,10 +96,3 @@ def _value_or_undecodable(column: pa.ChunkedArray, index: int) -> Any:
         return column[index].as_py()
     except UnicodeDecodeError as exc:
         return Undecodable(f"{exc.reason} at byte {exc.start}")
-
-
-def _text_or_bytes(value: bytes) -> str | bytes:
-    try:
-        return value.decode("utf-8")
-    except UnicodeDecodeError:
-        return value
