@@ -25,10 +25,10 @@ import ray
 import torch
 
 from batchgen.engine import EngineConfig
+from batchgen.engine.process_identity import process_alive, process_start
 
 IDLE_S = 0.5  # a peer idle this long lends its threads: not one that is between two batches
 CHECK_S = 0.25  # a busy engine recounts its threads at most this often
-UNKNOWN_START = "?"  # a process's start time where /proc cannot tell it
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class ThreadLending:
             except (OSError, ValueError):  # being replaced
                 continue
             pid = int(entry.name)
-            if _alive(pid, started):
+            if process_alive(pid, started):
                 self._met.add(pid)
                 found.append(Peer(int(granted), None if idle_since == "-" else float(idle_since)))
             elif pid in self._met:  # its stage is done while this one runs: its grant stays the job's to lend
@@ -141,27 +141,3 @@ def lend_threads(granted: int, engine_options: dict[str, Any]) -> ThreadLending 
     context = ray.get_runtime_context()
     name = f"batchgen-threads-{context.get_job_id()}-{context.get_node_id()[:16]}"
     return ThreadLending(Path(tempfile.gettempdir()) / name, granted)
-
-
-def _alive(pid: int, started: str) -> bool:
-    """Whether the engine that wrote a file (its pid, its start) still runs. An engine killed while computing
-    leaves a file saying it computes; its pid, once the system reuses it, is another process's, which the start
-    time tells apart (else a peer computing for good would halve every engine's share of idle threads)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        pass
-    now = process_start(pid)
-    return now == started or UNKNOWN_START in (now, started)
-
-
-def process_start(pid: int) -> str:
-    """When process `pid` started, in clock ticks since boot (the 22nd field of /proc/<pid>/stat; the command
-    name before it may hold spaces and parentheses), or UNKNOWN_START where that cannot be read."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return UNKNOWN_START
-    return stat.rsplit(")", 1)[1].split()[19]

@@ -24,7 +24,7 @@ from batchgen.operators.work_balancer import BalancerStats
 from batchgen.pipelines.cli_args import json_object, parse_json_object
 from batchgen.pipelines.driver_priority import driver_yields_cpu
 from batchgen.pipelines.openai_batch.serve_cli import add_serve_parser, run_serve
-from batchgen.pipelines.pipeline import JobConfig, JobError, JobSummary, execute_job, plan_job
+from batchgen.pipelines.pipeline import JobConfig, JobError, JobPlan, JobSummary, execute_job, plan_job
 from batchgen.pipelines.plan_cli import add_plan_parser, run_plan
 from batchgen.pipelines.progress import Progress
 from batchgen.pipelines.ray_runtime import init_ray
@@ -197,9 +197,16 @@ def _run(config: JobConfig, args: argparse.Namespace) -> JobSummary:
 
 
 def _execute(config: JobConfig, args: argparse.Namespace, terminal: TextIO) -> JobSummary:
+    plan = plan_job(config)  # fails fast, before Ray starts
+    try:
+        return _execute_planned(plan, args, terminal)
+    finally:
+        plan.lease.release()  # execute_job's own release, unless Ray failed to start before it
+
+
+def _execute_planned(plan: JobPlan, args: argparse.Namespace, terminal: TextIO) -> JobSummary:
     import ray
 
-    plan = plan_job(config)  # fails fast, before Ray starts
     if not ray.is_initialized():
         address = args.ray_address or os.environ.get("RAY_ADDRESS")
         # worker log lines and Ray's own warnings only with --verbose; a failing task still raises here

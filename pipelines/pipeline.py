@@ -45,6 +45,7 @@ from batchgen.operators.actor_ready import EngineActorReady
 from batchgen.operators.columns import ERROR, check_input_columns
 from batchgen.operators.work_balancer import BalancerStats, start_work_balancer
 from batchgen.pipelines.job_planning import plan_stages
+from batchgen.pipelines.output_lease import STALE_S, LeaseHeld, OutputLease
 from batchgen.pipelines.progress import Progress, ProgressTracker, ReportWritten
 from batchgen.pipelines.progress import update as update_progress
 
@@ -158,10 +159,13 @@ class JobSummary:
 
 @dataclass
 class JobPlan:
-    """A job that passed every check, ready to run: its input (rows already written skipped)."""
+    """A job that passed every check, ready to run: its input (rows already written skipped), and the lease on its
+    output that it holds from its plan to its end (execute_job releases it; a caller that plans a job and then does
+    not execute it releases it itself)."""
 
     config: JobConfig
     source: IndexedParquetSource
+    lease: OutputLease
 
 
 def run_job(config: JobConfig, on_progress: Callable[[Progress], None] | None = None,
@@ -172,7 +176,8 @@ def run_job(config: JobConfig, on_progress: Callable[[Progress], None] | None = 
 
 def plan_job(config: JobConfig) -> JobPlan:
     """Every check that can fail a job up front, with no Ray and no inference: options, model files and
-    tokenizer, output writability, input files and columns, output ownership; then the resume scan."""
+    tokenizer, output writability, input files and columns, no other run on the output (output_lease.py), output
+    ownership; then the resume scan."""
     config.validate()
     _check_model(config)
     _check_output(config)
@@ -181,13 +186,30 @@ def plan_job(config: JobConfig) -> JobPlan:
         check_input_columns(source.columns, f"input {config.input!r}")
     except (StorageError, ValueError) as exc:
         raise JobError(str(exc)) from exc
-    _claim_output(config, source.num_rows, source.digest)
-    source.skip = RangeSet.of((p.first, p.last) for p in recover_output_parts(config.output, config.storage_options))
-    return JobPlan(config, source)
+    lease = OutputLease(config.output, config.storage_options)
+    try:
+        lease.acquire()
+    except LeaseHeld as exc:
+        raise JobError(str(exc)) from exc
+    try:
+        _claim_output(config, source.num_rows, source.digest)
+        parts = recover_output_parts(config.output, config.storage_options)
+    except BaseException:
+        lease.release()
+        raise
+    source.skip = RangeSet.of((p.first, p.last) for p in parts)
+    return JobPlan(config, source, lease)
 
 
 def execute_job(plan: JobPlan, on_progress: Callable[[Progress], None] | None = None,
                 poll_s: float = 0.5) -> JobSummary:
+    try:
+        return _run_planned(plan, on_progress, poll_s)
+    finally:
+        plan.lease.release()
+
+
+def _run_planned(plan: JobPlan, on_progress: Callable[[Progress], None] | None, poll_s: float) -> JobSummary:
     config, source = plan.config, plan.source
     split = None
     if config.engine_actors is not None:
@@ -204,6 +226,9 @@ def execute_job(plan: JobPlan, on_progress: Callable[[Progress], None] | None = 
                            tracker, progress, started, on_progress, poll_s)
     progress.elapsed_s = time.perf_counter() - started
     update_progress(progress, tracker)
+    if plan.lease.lost:
+        raise JobError(f"another run took over output {config.output!r} while this one ran (this run's lease went "
+                       f"stale: stopped for longer than {STALE_S:.0f} s?); let that run finish")
     summary = _summarise(config, progress)
     summary.engine_actors, summary.started_at = ray.get(tracker.ready_actors.remote()), started_at
     summary.stage_split = split

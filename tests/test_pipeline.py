@@ -27,6 +27,7 @@ from batchgen.engine.reference import ReferenceRunner
 from batchgen.operators import BatchGen, Decode, Prefill
 from batchgen.operators.engine_factory import load_engine
 from batchgen.pipelines.cli import summary_text
+from batchgen.pipelines.output_lease import LEASE
 from batchgen.pipelines.pipeline import JobConfig, run_job
 
 pytestmark = pytest.mark.slow  # end to end on a Ray runtime
@@ -175,6 +176,7 @@ def test_killed_driver_resumes_without_redoing_or_duplicating_rows(ray_cluster, 
     assert table.column("row_index").to_pylist() == list(range(len(prompts)))
     assert table.column("generated_token_ids").to_pylist() == engine_outputs(tiny_moe_dir, prompts, sampling)
     assert not any(name.startswith(".") for name in os.listdir(output))  # no leftover temporary files
+    assert not (output / LEASE).exists()  # the killed driver's lease taken over (its process is gone), then released
 
 
 def settled_parts(output: Path) -> dict[str, tuple[int, object]]:

@@ -15,8 +15,9 @@ import torch
 from pipeline_helpers import ENGINE, SAMPLING, workload
 
 from batchgen.engine import EngineLoop, Request, SamplingParams
+from batchgen.engine.process_identity import process_start
 from batchgen.operators.engine_factory import load_engine
-from batchgen.operators.thread_lending import IDLE_S, Peer, ThreadLending, lent_threads, process_start
+from batchgen.operators.thread_lending import IDLE_S, Peer, ThreadLending, lent_threads
 
 NOW = 1000.0
 LONG_IDLE = NOW - IDLE_S - 1

@@ -179,20 +179,23 @@ class RayBackend(BatchBackendBase):
             return
         plan = plan_job(replace(self.job, input=f"{files.uri}/{INPUT}", output=f"{files.uri}/{OUTPUT}",
                                 sampling_params=defaults, list_outputs=True))
-        self._record_parts(batch, files)  # what a job before a restart wrote
-        if plan.source.skip.count:
-            log.info("batch %s: its job resumes with %d of %d rows written", batch.id, plan.source.skip.count,
-                     plan.source.num_rows)
-        self._stopper = stopper = JobStopper()
         try:
-            with stopper.armed():
-                if not self._stopping.is_set():
-                    execute_job(plan, on_progress=lambda p: self._on_progress(batch, files, p), poll_s=_POLL_S)
-        except BaseException:
-            stopper.stop()  # on_progress itself may have raised: the job must not run on unwatched
-            raise
+            self._record_parts(batch, files)  # what a job before a restart wrote
+            if plan.source.skip.count:
+                log.info("batch %s: its job resumes with %d of %d rows written", batch.id, plan.source.skip.count,
+                         plan.source.num_rows)
+            self._stopper = stopper = JobStopper()
+            try:
+                with stopper.armed():
+                    if not self._stopping.is_set():
+                        execute_job(plan, on_progress=lambda p: self._on_progress(batch, files, p), poll_s=_POLL_S)
+            except BaseException:
+                stopper.stop()  # on_progress itself may have raised: the job must not run on unwatched
+                raise
+            finally:
+                self._stopper = None
         finally:
-            self._stopper = None
+            plan.lease.release()  # execute_job's own release, unless the job never started
         self._record_parts(batch, files)
 
     def _on_progress(self, batch: RayBatch, files: JobFiles, progress: Progress) -> None:

@@ -1,0 +1,112 @@
+"""One run at a time on an output folder: a second run is refused while the first holds the folder (and leaves its
+temporary files alone), an ended holder is taken over, and of two runs claiming at once exactly one wins."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from pipeline_helpers import workload, write_input
+
+from batchgen.engine.process_identity import boot_id, process_start
+from batchgen.pipelines import output_lease
+from batchgen.pipelines.output_lease import LEASE, LeaseHeld, OutputLease
+from batchgen.pipelines.pipeline import JobConfig, JobError, plan_job
+
+
+def write_record(folder, **fields) -> None:
+    record = {"run": "0" * 32, "host": "elsewhere", "boot": "b", "pid": 1, "started": "1", "heartbeat": time.time()}
+    (folder / LEASE).write_text(json.dumps({**record, **fields}))
+
+
+def test_a_second_plan_on_a_held_output_is_refused_and_leaves_the_first_runs_files(tiny_moe_dir, tmp_path):
+    write_input(str(tmp_path / "in"), workload(4), files=1)
+    config = JobConfig(model=tiny_moe_dir, input=str(tmp_path / "in"), output=str(tmp_path / "out"))
+    first = plan_job(config)
+    writing = tmp_path / "out" / ".part-000000000000-000000000003.parquet.1234abcd.tmp"  # the first run, mid-write
+    writing.write_bytes(b"PAR1")
+    with pytest.raises(JobError, match=r"is being written by another run [0-9a-f]{8} \(pid \d+ on .+, last "
+                                       r"heartbeat 0 s ago\)"):
+        plan_job(config)
+    assert writing.exists()
+    first.lease.release()
+    assert not (tmp_path / "out" / LEASE).exists()
+    second = plan_job(config)  # the folder is free again: the leftover is a crashed run's, and goes
+    assert not writing.exists() and (tmp_path / "out" / LEASE).exists()
+    second.lease.release()
+
+
+def test_a_holder_whose_process_ended_on_this_machine_is_taken_over_at_once(tmp_path):
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(ended.stdout)
+    write_record(tmp_path, host=socket.gethostname(), boot=boot_id(), pid=pid, started="1")
+    lease = OutputLease(str(tmp_path))
+    lease.acquire()
+    assert json.loads((tmp_path / LEASE).read_text())["run"] == lease.holder.run
+    lease.release()
+
+
+def test_a_live_process_of_this_machine_holds_the_output_however_old_its_heartbeat(tmp_path):
+    write_record(tmp_path, host=socket.gethostname(), boot=boot_id(), pid=os.getpid(),
+                 started=process_start(os.getpid()), heartbeat=time.time() - 10 * output_lease.STALE_S)
+    with pytest.raises(LeaseHeld, match=rf"pid {os.getpid()} on {socket.gethostname()}"):
+        OutputLease(str(tmp_path)).acquire()
+
+
+def test_another_machines_holder_is_taken_over_only_once_its_heartbeat_is_stale(tmp_path):
+    write_record(tmp_path, heartbeat=time.time() - output_lease.STALE_S / 2)
+    with pytest.raises(LeaseHeld, match=r"run 00000000 \(pid 1 on elsewhere"):
+        OutputLease(str(tmp_path)).acquire()
+    write_record(tmp_path, heartbeat=time.time() - output_lease.STALE_S - 1)
+    lease = OutputLease(str(tmp_path))
+    lease.acquire()
+    lease.release()
+    assert not (tmp_path / LEASE).exists()
+
+
+def test_of_two_runs_claiming_at_once_exactly_one_holds_the_output(tmp_path):
+    leases = [OutputLease(str(tmp_path)) for _ in range(2)]
+    start, outcomes = threading.Barrier(2), {}
+
+    def claim(lease: OutputLease) -> None:
+        start.wait()
+        try:
+            lease.acquire()
+            outcomes[lease.holder.run] = "held"
+        except LeaseHeld as exc:
+            outcomes[lease.holder.run] = str(exc)
+
+    threads = [threading.Thread(target=claim, args=(lease,)) for lease in leases]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(v == "held" for v in outcomes.values()) == [False, True], outcomes
+    winner = next(lease for lease in leases if outcomes[lease.holder.run] == "held")
+    assert json.loads((tmp_path / LEASE).read_text())["run"] == winner.holder.run
+    for lease in leases:
+        lease.release()
+    assert not (tmp_path / LEASE).exists()
+
+
+def test_the_heartbeat_refreshes_the_lease_and_a_run_that_lost_it_leaves_the_new_holders(tmp_path, monkeypatch):
+    monkeypatch.setattr(output_lease, "HEARTBEAT_S", 0.05)
+    lease = OutputLease(str(tmp_path))
+    lease.acquire()
+    first = json.loads((tmp_path / LEASE).read_text())["heartbeat"]
+    deadline = time.monotonic() + 10
+    while json.loads((tmp_path / LEASE).read_text())["heartbeat"] == first and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert json.loads((tmp_path / LEASE).read_text())["heartbeat"] > first
+    while not lease.lost and time.monotonic() < deadline:  # again if a beat in flight wrote over it
+        write_record(tmp_path, run="f" * 32)  # another run took the folder over (this one seemed stale to it)
+        time.sleep(0.2)
+    assert lease.lost
+    lease.release()
+    assert json.loads((tmp_path / LEASE).read_text())["run"] == "f" * 32
