@@ -13,8 +13,8 @@ sorts each write's rows and the file names carry the order, so the pipeline leav
 slow batch never holds back the ones after it (head-of-line blocking would stretch the BCT).
 
 Checks that fail the job before any inference: the model's files and tokenizer (no weights read),
-the input's files, footers and prompt column, the output's writability, and that an existing
-output belongs to the same job.
+the input's files, footers and prompt column, the output's writability, that no other run is writing
+the output (output_lease.py), and that an existing output belongs to the same job.
 """
 
 from __future__ import annotations
