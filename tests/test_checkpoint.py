@@ -192,12 +192,35 @@ def test_unsupported_model_type(mixtral_dir, tmp_path, model_type):
         supported_model_types())
 
 
-def test_unsupported_config_feature(tmp_path):
-    config = tiny_config("qwen3", use_sliding_window=True, sliding_window=16, max_window_layers=0)
-    config.save_pretrained(tmp_path)
+FULL, SLIDING = ["full_attention"] * 2, ["full_attention", "sliding_attention"]
+
+
+@pytest.mark.parametrize("arch,fields", [
+    ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0)),
+    ("qwen2_moe", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2)),
+    # Mixtral and Qwen3-MoE window every layer whatever layer_types says: transformers never reads it there
+    ("mixtral", dict(sliding_window=16, layer_types=FULL)),
+    ("qwen3_moe", dict(use_sliding_window=True, sliding_window=16, layer_types=FULL)),
+])
+def test_a_sliding_window_transformers_applies_is_refused(tmp_path, arch, fields):
+    tiny_config(arch, **fields).save_pretrained(tmp_path)
     save_file({"x": torch.zeros(1)}, str(tmp_path / SHARD))
-    with pytest.raises(UnsupportedModelError, match=r"qwen3: sliding-window attention \(sliding_window=16\)"):
+    with pytest.raises(UnsupportedModelError, match=rf"{arch}: sliding-window attention \(sliding_window=16\)"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("arch,fields", [
+    ("llama", dict(sliding_window=16, layer_types=SLIDING)),  # transformers' Llama has no window at all
+    ("mixtral", dict(sliding_window=512)),  # as long as the context: every key is in the window
+    ("qwen2", dict(sliding_window=16, layer_types=FULL)),  # layer_types rules the Qwen2 / Qwen3 families
+])
+def test_window_fields_transformers_ignores_load_and_match_it(tmp_path, arch, fields):
+    hf = save_tiny_checkpoint(arch, tmp_path, **fields)
+    prompt = list(range(3, 40))  # longer than a 16-token window
+    with torch.inference_mode():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ReferenceRunner(load_model(tmp_path).model).prefill_logits(prompt), expected,
+                               atol=1e-4, rtol=0)
 
 
 def test_bad_dtype(mixtral_dir):

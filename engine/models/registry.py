@@ -29,11 +29,10 @@ class ModelFamily:
 def _common(c) -> dict:
     if c.hidden_act != "silu":
         raise UnsupportedModelError(f"{c.model_type}: activation {c.hidden_act!r} unsupported (only silu)")
-    layer_types = getattr(c, "layer_types", None)
-    sliding = "sliding_attention" in layer_types if layer_types else bool(getattr(c, "sliding_window", None))
-    if sliding:
+    window = sliding_window(c)
+    if window is not None and window < c.max_position_embeddings:  # a window past every position attends to all
         raise UnsupportedModelError(
-            f"{c.model_type}: sliding-window attention (sliding_window={c.sliding_window}) is not supported"
+            f"{c.model_type}: sliding-window attention (sliding_window={window}) is not supported"
         )
     return dict(
         vocab_size=c.vocab_size,
@@ -46,6 +45,18 @@ def _common(c) -> dict:
         rms_norm_eps=c.rms_norm_eps,
         tie_word_embeddings=bool(c.tie_word_embeddings),
     )
+
+
+def sliding_window(c) -> int | None:
+    """The attention window transformers gives some layer of this config, or None: Llama has none, Mixtral and
+    Qwen3-MoE apply `sliding_window` to every layer when it is set, Qwen2, Qwen3 and Qwen2-MoE to the layers
+    `layer_types` marks "sliding_attention" (their configs derive it from use_sliding_window and
+    max_window_layers)."""
+    if c.model_type == "llama":
+        return None
+    if c.model_type in ("mixtral", "qwen3_moe"):
+        return getattr(c, "sliding_window", None) or None
+    return c.sliding_window if "sliding_attention" in (getattr(c, "layer_types", None) or ()) else None
 
 
 def _qwen_moe_layers(c) -> tuple[int, ...]:
