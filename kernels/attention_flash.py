@@ -2,12 +2,17 @@
 
 flash-attn >= 2.1 aligns the causal mask bottom-right when queries are fewer than keys, which is the
 prefix-cached prefill contract. It needs equal head sizes for q/k and v: the smaller side is zero-padded
-(zeros add nothing to q.k, and padded value columns are cut off).
+(zeros add nothing to q.k, and padded value columns are cut off). Its kernels take head sizes up to
+MAX_HEAD_DIM: wider heads (DeepSeek's absorbed MLA attends with 576-wide q/k and 512-wide v) run torch's SDPA.
 """
 
 import torch
 import torch.nn.functional as F
 from flash_attn import flash_attn_varlen_func
+
+from batchgen.kernels.attention_torch import prefill_attention_torch
+
+MAX_HEAD_DIM = 256
 
 
 def prefill_attention_flash(
@@ -20,6 +25,8 @@ def prefill_attention_flash(
 ) -> torch.Tensor:
     """Same contract as kernels.ops.prefill_attention."""
     dim_k, dim_v = q.shape[-1], v.shape[-1]
+    if max(dim_k, dim_v) > MAX_HEAD_DIM:
+        return prefill_attention_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
     if dim_v < dim_k:
         v = F.pad(v, (0, dim_k - dim_v))
     elif dim_k < dim_v:

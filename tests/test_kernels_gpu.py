@@ -67,7 +67,7 @@ def test_paged_decode_triton_cuda(heads, kv_heads, dim_k, dim_v):
 
 
 @needs_flash_attn
-@pytest.mark.parametrize("dim_k,dim_v", [(128, 128), (192, 128)])
+@pytest.mark.parametrize("dim_k,dim_v", [(128, 128), (192, 128), (576, 512)])  # 576 / 512: MLA, past flash-attn
 def test_flash_prefill_matches_torch(dim_k, dim_v):
     g = torch.Generator(device="cuda").manual_seed(0)
     lens_q, lens_k = [17, 1, 300], [17, 40, 812]

@@ -1,9 +1,12 @@
 import importlib.util
+import sys
+import types
 
 import pytest
 import torch
 
 from batchgen.kernels import ops, registry
+from batchgen.kernels.attention_torch import prefill_attention_torch
 
 
 @pytest.fixture(autouse=True)
@@ -133,3 +136,27 @@ def test_every_c_kernel_builds_where_a_compiler_is_present():
     if c_library.compiler() is None:
         pytest.skip("no C compiler")
     assert [module.unavailable() for module in (attention_cpu, linear_cpu, moe_cpu)] == [None, None, None]
+
+
+def test_the_flash_backend_leaves_heads_wider_than_flash_attn_takes_to_sdpa(monkeypatch):
+    """flash-attn's kernels stop at 256-wide heads; DeepSeek's absorbed MLA prefill attends with 576 / 512."""
+    calls = []
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal):
+        calls.append(q.shape[-1])
+        return prefill_attention_torch(q, k, v, cu_q, cu_k, softmax_scale)
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=varlen))
+    monkeypatch.setitem(sys.modules, "batchgen.kernels.attention_flash", None)  # undone: the module built on the fake
+    del sys.modules["batchgen.kernels.attention_flash"]
+    from batchgen.kernels.attention_flash import prefill_attention_flash
+
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    for dim_k, dim_v, heads, kv_heads in ((576, 512, 4, 1), (64, 64, 4, 2)):
+        q, k = torch.randn(12, heads, dim_k, generator=g), torch.randn(12, kv_heads, dim_k, generator=g)
+        v = torch.randn(12, kv_heads, dim_v, generator=g)
+        out = prefill_attention_flash(q, k, v, cu, cu, dim_k**-0.5)
+        torch.testing.assert_close(out, prefill_attention_torch(q, k, v, cu, cu, dim_k**-0.5))
+    assert calls == [64]
+    delattr(sys.modules["batchgen.kernels"], "attention_flash")  # the package kept the fake-built module too
