@@ -45,6 +45,11 @@ logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+# quantization settings some tools keep beside config.json instead of in its quantization_config
+QUANTIZATION_FILES = ("quantize_config.json", "quant_config.json", "quantization_config.json")
+QUANTIZATION_TENSORS = frozenset({"qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_shape",
+                                  "weight_scale", "weight_scale_inv", "weight_zero_point", "input_scale", "SCB",
+                                  "absmax", "quant_map", "nested_absmax", "nested_quant_map"})
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -77,11 +82,15 @@ def load_model(
     uri = resolve_preset(str(uri)) or str(uri)
     fs, root = filesystem(uri, storage_options)
     files = list_checkpoint_files(fs, root, uri)
+    sidecars = sorted(set(QUANTIZATION_FILES) & files)
+    if sidecars:
+        raise CheckpointError(f"checkpoint {uri!r} has {sidecars[0]}: quantized checkpoints are not supported; use a "
+                              "float32, bfloat16 or float16 checkpoint")
     with metadata_dir(fs, root, files) as meta_dir:
         config, family = _read_config(meta_dir, uri)
         tokenizer = read_tokenizer(meta_dir, files, uri)
         eos_token_ids = _eos_token_ids(meta_dir, uri, files, config, tokenizer)
-    shards = _shard_paths(fs, root, files, uri)
+    shards, weight_map = _shard_paths(fs, root, files, uri)
     store = None
     if shared_host_weights and weights and torch.device(device).type == "cpu":
         identity = {"uri": uri, "files": _file_identities(fs, root, files), "dtype": str(torch_dtype),
@@ -91,7 +100,7 @@ def load_model(
                                expert_shard, tensor_shard, store.allocate if store else host_arena, experts_only)
     if weights and not (store and store.complete):
         try:
-            _fill_weights(model, family, fs, shards, uri, cuts)
+            _fill_weights(model, family, fs, shards, weight_map, uri, cuts)
         except BaseException:
             if store:
                 store.abandon()
@@ -150,11 +159,14 @@ def _eos_token_ids(meta_dir: str, uri: str, files: set[str], config, tokenizer) 
     return ()
 
 
-def _shard_paths(fs, root: str, files: set[str], uri: str) -> list[str]:
-    """The safetensors files: those the index names (each must exist), else every *.safetensors file."""
+def _shard_paths(fs, root: str, files: set[str], uri: str) -> tuple[list[str], dict[str, str] | None]:
+    """The safetensors files: those the index names (each must exist), with the index's map of tensor -> file path
+    (a tensor is read from the file it names, as transformers does); else every *.safetensors file, and None."""
     if INDEX_FILE in files:
         try:
             weight_map = json.loads(fs.cat_file(posixpath.join(root, INDEX_FILE)))["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("its weight_map is not an object of tensor name -> file name")
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{uri}/{INDEX_FILE} is not a valid safetensors index: {exc}") from exc
         names = sorted(set(weight_map.values()))
@@ -162,10 +174,12 @@ def _shard_paths(fs, root: str, files: set[str], uri: str) -> list[str]:
         if missing:
             raise CheckpointError(f"shard {missing[0]!r} named in {uri}/{INDEX_FILE} is missing")
     else:
+        weight_map = None
         names = sorted(name for name in files if name.endswith(".safetensors"))
         if not names:
             raise CheckpointError(f"checkpoint {uri!r} has no *.safetensors weights")
-    return [posixpath.join(root, name) for name in names]
+    paths = {name: posixpath.join(root, name) for name in names}
+    return list(paths.values()), None if weight_map is None else {t: paths[f] for t, f in weight_map.items()}
 
 
 def _build_empty(family: ModelFamily, config, dtype: torch.dtype, device: torch.device,
@@ -267,8 +281,8 @@ def _open_shard(fs, path: str) -> tuple[list[str], _Getter, _Shape]:
 
 
 @torch.no_grad()
-def _fill_weights(model: torch.nn.Module, family: ModelFamily, fs, shards: list[str], uri: str,
-                  cuts: dict[str, TensorSlice]) -> None:
+def _fill_weights(model: torch.nn.Module, family: ModelFamily, fs, shards: list[str],
+                  weight_map: dict[str, str] | None, uri: str, cuts: dict[str, TensorSlice]) -> None:
     every = dict(model.named_parameters())
     params = {name: p for name, p in every.items() if not p.is_meta}  # all of them, unless experts_only
     aliases = dict(_tied_parameters(model))  # a tied lm_head.weight fills embed_tokens.weight
@@ -280,6 +294,9 @@ def _fill_weights(model: torch.nn.Module, family: ModelFamily, fs, shards: list[
     for path in shards:
         names, get_part, shape_of = _open_shard(fs, path)
         for name in names:
+            if weight_map is not None and weight_map.get(name) != path:
+                continue  # the index reads this tensor from another file (or not at all)
+            _check_not_quantized(name, path)
             target = checkpoint_target(name, family.checkpoint_renames)
             param_name = aliases.get(target.param, target.param)
             if param_name not in params:
@@ -310,12 +327,24 @@ def _fill_weights(model: torch.nn.Module, family: ModelFamily, fs, shards: list[
                 )
             if param_name in aliases.values():
                 _check_tied(tied_from.setdefault(param_name, name), name, dest, tensor)
+            elif (target.expert, target.half) in filled[param_name]:
+                raise CheckpointError(f"tensor {name!r} in {path} is in the checkpoint twice (an earlier file holds "
+                                      "it too): which copy transformers would load is not defined without an index")
             dest.copy_(tensor)
             filled[param_name][(target.expert, target.half)] = dest.numel()
     _check_complete(params, filled, uri)
     if ignored:
         logger.warning("%s: ignored %d checkpoint tensors the model does not use, e.g. %s",
                        uri, len(ignored), ignored[:3])
+
+
+def _check_not_quantized(name: str, path: str) -> None:
+    """A quantization method's own tensors (GPTQ / AWQ packed weights and their scales, compressed-tensors, FP8
+    scales, bitsandbytes state), which a checkpoint may carry without a quantization_config."""
+    parts = name.split(".")
+    if parts[-1] in QUANTIZATION_TENSORS or "quant_state" in parts:
+        raise CheckpointError(f"tensor {name!r} in {path} belongs to a quantized checkpoint ({parts[-1]!r}): "
+                              "quantized checkpoints are not supported; use a float32, bfloat16 or float16 checkpoint")
 
 
 def _destination(param: torch.Tensor, target: WeightTarget, name: str, path: str) -> torch.Tensor:

@@ -97,6 +97,29 @@ def test_sharded_checkpoint_with_index(tmp_path, where):
         assert torch.equal(a, b), name
 
 
+def test_a_tensor_in_two_shards_is_read_from_the_file_the_index_names(mixtral_dir, tmp_path):
+    directory = _copy(mixtral_dir, tmp_path / "ckpt")
+    names = list(load_file(str(directory / SHARD)))
+    stale = {"model.norm.weight": torch.zeros(64)}  # a stale copy in another file, which the index does not name
+    save_file(stale, str(directory / "extra.safetensors"))
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {name: SHARD for name in names}}))
+    loaded, original = load_model(directory).model, load_model(mixtral_dir).model
+    for (name, a), (_, b) in zip(loaded.state_dict().items(), original.state_dict().items()):
+        assert torch.equal(a, b), name
+    (directory / "model.safetensors.index.json").unlink()  # no index: two copies, neither of them the one to use
+    with pytest.raises(CheckpointError, match=r"tensor 'model.norm.weight' in .*model\.safetensors is in the "
+                                              r"checkpoint twice"):
+        load_model(directory)
+
+
+def test_an_index_whose_weight_map_is_not_an_object_is_a_checkpoint_error(mixtral_dir, tmp_path):
+    directory = _copy(mixtral_dir, tmp_path / "ckpt")
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": [SHARD]}))
+    with pytest.raises(CheckpointError, match="is not a valid safetensors index: its weight_map is not an object"):
+        load_model(directory)
+
+
 def test_missing_directory(tmp_path):
     with pytest.raises(CheckpointError, match=r"checkpoint directory .*nowhere.* does not exist"):
         load_model(tmp_path / "nowhere")
@@ -254,6 +277,26 @@ def test_float8_weights_without_a_quantization_config_fail_naming_the_tensor(mix
     name = "model.layers.0.self_attn.q_proj.weight"
     _rewrite_shard(directory, lambda tensors: tensors.__setitem__(name, tensors[name].to(torch.float8_e4m3fn)))
     with pytest.raises(CheckpointError, match=f"tensor '{name}' .* is torch.float8_e4m3fn"):
+        load_model(str(directory))
+
+
+@pytest.mark.parametrize("sidecar", ["quantize_config.json", "quant_config.json"])  # AutoGPTQ's, AWQ's
+def test_quantization_settings_beside_the_config_fail_at_load_naming_the_file(mixtral_dir, tmp_path, sidecar):
+    directory = _copy(mixtral_dir, tmp_path / "ckpt")
+    (directory / sidecar).write_text(json.dumps({"bits": 4, "group_size": 128}))
+    with pytest.raises(CheckpointError, match=rf"has {sidecar}: quantized checkpoints are not supported"):
+        load_model(str(directory))
+
+
+@pytest.mark.parametrize("suffix", ["qweight", "weight_packed", "weight_scale_inv", "absmax"])
+def test_quantized_tensors_without_any_quantization_settings_fail_naming_the_tensor(mixtral_dir, tmp_path, suffix):
+    """GPTQ / AWQ (qweight), compressed-tensors (weight_packed), FP8 scales, bitsandbytes state: their layers
+    have no `.weight`, and the load would otherwise fail on a missing tensor that says nothing of quantization."""
+    directory = _copy(mixtral_dir, tmp_path / "ckpt")
+    name = f"model.layers.0.self_attn.q_proj.{suffix}"
+    _rewrite_shard(directory, lambda tensors: tensors.update(
+        {name: torch.zeros(8, 8, dtype=torch.int32 if suffix == "qweight" else torch.float32)}))
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' .* belongs to a quantized checkpoint"):
         load_model(str(directory))
 
 
