@@ -236,8 +236,10 @@ def test_a_sliding_window_transformers_applies_is_refused(tmp_path, arch, fields
     ("llama", dict(sliding_window=16, layer_types=SLIDING)),  # transformers' Llama has no window at all
     ("mixtral", dict(sliding_window=512)),  # as long as the context: every key is in the window
     ("qwen2", dict(sliding_window=16, layer_types=FULL)),  # layer_types rules the Qwen2 / Qwen3 families
+    # the families' default RoPE rotates the whole head whatever partial_rotary_factor says
+    ("llama", dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
 ])
-def test_window_fields_transformers_ignores_load_and_match_it(tmp_path, arch, fields):
+def test_config_fields_transformers_ignores_load_and_match_it(tmp_path, arch, fields):
     hf = save_tiny_checkpoint(arch, tmp_path, **fields)
     prompt = list(range(3, 40))  # longer than a 16-token window
     with torch.inference_mode():

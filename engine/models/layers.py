@@ -62,9 +62,9 @@ class RotaryEmbedding:
                 f"rope_type {rope_type!r} is not supported (supported: {', '.join(STATIC_ROPE_TYPES)})"
             )
         with torch.device("cpu"):
-            if rope_type == "default":
-                rotated = int(dim * params.get("partial_rotary_factor", 1.0))
-                exponents = torch.arange(0, rotated, 2, dtype=torch.int64).float() / rotated
+            if rope_type == "default":  # every head dim rotated: these families' default RoPE ignores a
+                # partial_rotary_factor in the config, as transformers' does
+                exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
                 inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponents), 1.0
             else:
                 inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
