@@ -135,6 +135,10 @@ def _read_config(meta_dir: str, uri: str) -> tuple[Any, ModelFamily]:
         raise CheckpointError(f"{uri}/{CONFIG_FILE} has a quantization_config (quant_method {method!r}): quantized "
                               "checkpoints are not supported; use a float32, bfloat16 or float16 checkpoint")
     family = model_family(model_type)
+    heads = [a for a in raw.get("architectures") or () if isinstance(a, str) and "For" in a]
+    if heads and not any(a.endswith("ForCausalLM") for a in heads):
+        raise CheckpointError(f"{uri}/{CONFIG_FILE} names architecture {heads[0]!r}: its head is not a language "
+                              "model's (only ...ForCausalLM checkpoints generate text)")
     try:
         return AutoConfig.from_pretrained(meta_dir), family
     except (ValueError, TypeError, KeyError) as exc:

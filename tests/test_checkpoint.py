@@ -248,6 +248,17 @@ def test_config_fields_transformers_ignores_load_and_match_it(tmp_path, arch, fi
                                atol=1e-4, rtol=0)
 
 
+def test_a_checkpoint_with_another_head_than_a_language_models_is_refused(tmp_path):
+    """A sequence classifier of a supported family whose tied embeddings would stand in for the missing lm_head."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = tiny_config("qwen3", num_labels=3)  # qwen3's tiny config ties its embeddings
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=r"names architecture 'Qwen3ForSequenceClassification': its head is "
+                                              r"not a language model's"):
+        load_model(tmp_path)
+
+
 def test_bad_dtype(mixtral_dir):
     with pytest.raises(ValueError, match=r"unsupported dtype 'int8'; use one of float32"):
         load_model(mixtral_dir, dtype="int8")
