@@ -4,7 +4,13 @@ Stage 1: one program per (sequence, KV head, split) reads its slice of the seque
 page table and computes, for all the query heads of that KV head (GQA), a partial output normalised
 within the split plus its log-sum-exp. Stage 2 merges the splits with the log-sum-exp weights.
 Dk may differ from Dv (MLA latent KV: Hkv = 1, Dk = rank + rope_dim, Dv = rank); Dk is walked in chunks,
-so non-power-of-two sizes such as 576 cost no padding to 1024.
+so non-power-of-two sizes such as 576 cost no padding to 1024. A program holds at most ACC_ELEMENTS of output
+sums (its registers): the query heads of a KV head are taken in blocks (16 at a time at Dv 512, MLA's 128 heads in
+8 programs, each reading the same pages from L2).
+
+A sequence's splits follow from its own length alone (at least min_keys_per_split keys each, at most MAX_SPLITS),
+and the merge always reduces MAX_SPLITS slots: its output does not depend on the other sequences of the batch
+(the page table's width, a decode graph's padding), bit for bit.
 """
 
 import torch
@@ -14,6 +20,7 @@ import triton.language as tl
 BLOCK_N = 32  # keys per inner step
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 16
+ACC_ELEMENTS = 8192  # BLOCK_H x BLOCK_DV float32 sums a program holds
 
 
 @triton.jit
@@ -27,10 +34,11 @@ def _decode_split_kernel(
     lse_ptr,
     scale,
     group_size,
+    head_blocks,
     dim_k,
     dim_v,
     page_size,
-    keys_per_split,
+    min_keys_per_split,
     stride_qb,
     stride_qh,
     stride_kp,
@@ -49,16 +57,20 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // head_blocks
+    head_block = tl.program_id(1) % head_blocks
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    splits = tl.maximum(1, tl.minimum(MAX_SPLITS, tl.cdiv(seq_len, min_keys_per_split)))
+    keys_per_split = tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, seq_len)
 
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = offs_h < group_size
     heads = kv_head * group_size + offs_h
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -139,10 +151,6 @@ def _merge_splits_kernel(
     )
 
 
-def default_num_splits(max_len: int) -> int:
-    return max(1, min(MAX_SPLITS, triton.cdiv(max_len, MIN_KEYS_PER_SPLIT)))
-
-
 def paged_decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -150,26 +158,28 @@ def paged_decode_attention_triton(
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    num_splits: int | None = None,
+    min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
 ) -> torch.Tensor:
-    """Same contract as kernels.ops.paged_decode_attention; num_splits defaults from the table width."""
+    """Same contract as kernels.ops.paged_decode_attention; a sequence is split into pieces of at least
+    `min_keys_per_split` keys."""
     batch, heads, dim_k = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
     dim_v = v_cache.shape[-1]
     group_size = heads // kv_heads
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("paged_decode_attention (triton): q, k_cache and v_cache need a unit stride in D")
-    max_len = page_table.shape[1] * page_size
-    num_splits = num_splits or default_num_splits(max_len)
-    keys_per_split = triton.cdiv(triton.cdiv(max_len, num_splits), BLOCK_N) * BLOCK_N
+    # the most splits any sequence of the table can have: the others' programs past their last split store nothing
+    num_splits = max(1, min(MAX_SPLITS, triton.cdiv(page_table.shape[1] * page_size, min_keys_per_split)))
     out = torch.empty(batch, heads, dim_v, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
     partial = torch.empty(batch, heads, num_splits, dim_v, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     block_dv = triton.next_power_of_2(dim_v)
+    block_h = max(16, min(triton.next_power_of_2(group_size), ACC_ELEMENTS // max(16, block_dv)))
+    head_blocks = triton.cdiv(group_size, block_h)
     dot_precision = "ieee" if q.dtype == torch.float32 else None  # exact fp32, default otherwise
-    _decode_split_kernel[(batch, kv_heads, num_splits)](
+    _decode_split_kernel[(batch, kv_heads * head_blocks, num_splits)](
         q,
         k_cache,
         v_cache,
@@ -179,10 +189,11 @@ def paged_decode_attention_triton(
         lse,
         scale,
         group_size,
+        head_blocks,
         dim_k,
         dim_v,
         page_size,
-        keys_per_split,
+        min_keys_per_split,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -197,10 +208,11 @@ def paged_decode_attention_triton(
         partial.stride(2),
         lse.stride(0),
         lse.stride(1),
-        BLOCK_H=max(16, triton.next_power_of_2(group_size)),
+        BLOCK_H=block_h,
         BLOCK_N=BLOCK_N,
         BLOCK_DK=min(64, max(16, triton.next_power_of_2(dim_k))),
         BLOCK_DV=max(16, block_dv),
+        MAX_SPLITS=MAX_SPLITS,
         DOT_PRECISION=dot_precision,
     )
     _merge_splits_kernel[(batch, heads)](
@@ -216,7 +228,7 @@ def paged_decode_attention_triton(
         lse.stride(1),
         out.stride(0),
         out.stride(1),
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        BLOCK_S=MAX_SPLITS,  # one reduction order whatever the grid's split count
         BLOCK_DV=block_dv,
     )
     return out

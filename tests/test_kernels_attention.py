@@ -126,24 +126,38 @@ def test_decode_torch_chunks_large_batches(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "heads,kv_heads,dim_k,dim_v,dtype,splits",
+    "heads,kv_heads,dim_k,dim_v,dtype,min_keys",
     [
-        (4, 4, 16, 16, torch.float32, 1),
-        (4, 1, 16, 8, torch.float32, 3),
-        (8, 1, 24, 16, torch.float16, 2),
-        (16, 2, 16, 16, torch.float16, 4),
+        (4, 4, 16, 16, torch.float32, 256),  # one split each
+        (4, 1, 16, 8, torch.float32, 8),  # 100 keys in 13 splits, 23 in 3, 9 in 2
+        (8, 1, 24, 16, torch.float16, 40),
+        (16, 2, 16, 16, torch.float16, 16),
+        (48, 1, 72, 512, torch.float32, 32),  # MLA-like: a KV head's 48 query heads in 3 blocks of 16 at Dv 512
     ],
 )
 @pytest.mark.triton_cpu
-def test_decode_triton_matches_torch(heads, kv_heads, dim_k, dim_v, dtype, splits):
+def test_decode_triton_matches_torch(heads, kv_heads, dim_k, dim_v, dtype, min_keys):
     from batchgen.kernels.decode_triton import paged_decode_attention_triton
 
     k_cache, v_cache, table, lens = make_paged(SEQ_LENS, 8, kv_heads, dim_k, dim_v, dtype=dtype)
     q = torch.randn(len(SEQ_LENS), heads, dim_k).to(dtype)
     expected = paged_decode_attention_torch(q, k_cache, v_cache, table, lens, dim_k**-0.5)
-    got = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, dim_k**-0.5, num_splits=splits)
+    got = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, dim_k**-0.5, min_keys_per_split=min_keys)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.triton_cpu
+def test_decode_triton_gives_a_sequence_the_same_bits_whatever_its_neighbours():
+    """Its splits follow from its own length: not from the page table's width, which a longer neighbour (or a decode
+    graph's padding) sets."""
+    from batchgen.kernels.decode_triton import paged_decode_attention_triton
+
+    k_cache, v_cache, table, lens = make_paged([300, 1000], 16, 1, 16, 16)
+    q = torch.randn(2, 4, 16)
+    together = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, 0.25)
+    alone = paged_decode_attention_triton(q[:1], k_cache, v_cache, table[:1, :19], lens[:1], 0.25)
+    assert torch.equal(alone[0], together[0])
 
 
 # KV groups of 1, 4 and 8 query heads (taken four at a time), and of 6 and 3 (four, then one by one)

@@ -43,7 +43,7 @@ def test_fused_moe_triton_cuda(tokens, top_k, dtype):
     torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim_k,dim_v", [(32, 8, 128, 128), (16, 1, 576, 512)])
+@pytest.mark.parametrize("heads,kv_heads,dim_k,dim_v", [(32, 8, 128, 128), (16, 1, 576, 512), (128, 1, 576, 512)])
 def test_paged_decode_triton_cuda(heads, kv_heads, dim_k, dim_v):
     g = torch.Generator(device="cuda").manual_seed(0)
     page_size, lens = 64, [1, 63, 64, 65, 2000, 4097]
