@@ -82,6 +82,11 @@ def check_decode_inputs(q, k_cache, v_cache, page_table, seq_lens) -> None:
         lambda: f"H = {q.shape[1]} is not a multiple of Hkv = {k_cache.shape[2]}",
     )
     _require(
+        q.dtype == k_cache.dtype == v_cache.dtype,
+        op,
+        lambda: f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}",
+    )
+    _require(
         page_table.dim() == 2 and page_table.shape[0] == q.shape[0],
         op,
         lambda: f"page_table must be [B, max_pages] with B = {q.shape[0]}, got {_shape(page_table)}",

@@ -106,10 +106,12 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         rows = rows.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()  # held here: a temporary's pointer would name freed memory by the call
     out = torch.empty(count, out_features, dtype=torch.float32)
     threads = min(torch.get_num_threads(), weight_bytes // THREAD_BYTES) or 1
     _KERNEL(rows.data_ptr(), count, weight.data_ptr(), weight.stride(0),
-            None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), dim, out_features, threads)
+            None if bias is None else bias.data_ptr(), out.data_ptr(), dim, out_features, threads)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 

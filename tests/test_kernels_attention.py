@@ -106,6 +106,13 @@ def test_decode_rejects_lengths_beyond_the_page_table():
         ops.paged_decode_attention(torch.randn(2, 1, 8), k_cache, v_cache, table, lens, 1.0)
 
 
+def test_decode_rejects_a_cache_of_another_dtype_than_the_queries():
+    """A backend picked by q's dtype would read the cache's bytes as q's type, past its end for a wider one."""
+    k_cache, v_cache, table, lens = make_paged([5, 9], 4, 1, 8, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"q, k_cache, v_cache dtypes differ: torch.float32, torch.float16"):
+        ops.paged_decode_attention(torch.randn(2, 1, 8), k_cache, v_cache, table, lens, 1.0)
+
+
 def test_decode_torch_chunks_large_batches(monkeypatch):
     import batchgen.kernels.attention_torch as attention_torch
 

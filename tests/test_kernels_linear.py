@@ -29,6 +29,17 @@ def reference(x, weight, bias):
     return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
 
 
+def test_c_kernel_reads_a_strided_bias_from_memory_it_holds(kernel_calls):
+    """The bias's contiguous copy lived only while its pointer was taken: the kernel read freed memory."""
+    g = torch.Generator().manual_seed(5)
+    x, weight, biases = torch.randn(3, 133, generator=g), torch.randn(301, 133, generator=g), torch.randn(301, 2)
+    bias = biases[:, 1]  # every other float
+    for _ in range(3):
+        torch.testing.assert_close(linear_cpu.linear_cpu(x, weight, bias).double(), reference(x, weight, bias),
+                                   rtol=1e-5, atol=1e-4)
+    assert kernel_calls == [3, 3, 3]
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, linear_cpu.SMALL_ROWS])
 @pytest.mark.parametrize("with_bias", [False, True])
