@@ -9,9 +9,11 @@ slots, page table, lengths) into the recorded tensors and replay it. A shape see
 
 A batch of more than EXACT_SIZES sequences shrinks by a few sequences every few steps, so it would rarely meet its
 own shape again: its rows are padded up to a multiple of PAD_ROWS with copies of its first sequence (the same token,
-position, KV slot and pages: each row's sums are its own, so the copies compute that row's values again and write
-the same bytes to its slot), recorded on its first step, and the steps of a batch shrinking from 128 to 17 sequences
-replay ~14 recordings. The counters a replay feeds (kernels/capture.py's effects) see the real rows only.
+position and pages, and no KV slot: a copy writes no KV, so the first sequence's slot holds its own row's values,
+whatever the copies' rows, which the MoE kernel may sum in another order when they join its experts' rows: its path
+per expert follows the expert's row count), recorded on its first step, and the steps of a batch shrinking from 128
+to 17 sequences replay ~14 recordings. The counters a replay feeds (kernels/capture.py's effects) see the real rows
+only.
 
 What a recording refuses runs eagerly, and no batch of that size or larger is recorded again: the paths that read
 values back to the host (a MoE expert of more rows than the C kernel takes, the torch attention) are the larger
@@ -128,7 +130,7 @@ class DecodeGraphs:
         size = len(batch.seqs)
         _fill(graph.batch.hidden, batch.hidden)
         _fill(recorded.positions, new.positions)
-        _fill(recorded.slots, new.slots)
+        _fill(recorded.slots, new.slots, padding=-1)
         _fill(recorded.seq_lens, new.seq_lens)
         _fill(recorded.page_table[:, : new.page_table.shape[1]], new.page_table)
         try:
@@ -147,19 +149,23 @@ def padded_rows(size: int, max_rows: int) -> int:
     return max(size, min(-(-size // PAD_ROWS) * PAD_ROWS, max_rows))
 
 
-def _fill(recorded: torch.Tensor, new: torch.Tensor) -> None:
-    """`new`'s rows into the first rows of `recorded`, its first row into the rest (the padding)."""
+def _fill(recorded: torch.Tensor, new: torch.Tensor, padding: int | None = None) -> None:
+    """`new`'s rows into the first rows of `recorded`, and into the rest (the padding) its first row, or `padding`."""
     recorded[: new.shape[0]].copy_(new)
-    recorded[new.shape[0] :].copy_(new[:1])
+    if padding is None:
+        recorded[new.shape[0] :].copy_(new[:1])
+    else:
+        recorded[new.shape[0] :].fill_(padding)
 
 
 def _padded(batch: CoroutineGroup, rows: int, width: int) -> CoroutineGroup:
     """The batch as a recording takes it: its page table `width` columns wide, its rows padded to `rows` with copies
-    of the first."""
+    of the first that write no KV (slot -1)."""
     ctx = batch.ctx
     index = torch.cat([torch.arange(len(batch.seqs)), torch.zeros(rows - len(batch.seqs), dtype=torch.int64)])
     index = index.to(batch.hidden.device)
-    padded_ctx = dataclasses.replace(ctx, positions=ctx.positions[index], slots=ctx.slots[index],
+    slots = torch.cat([ctx.slots, ctx.slots.new_full((rows - len(batch.seqs),), -1)])
+    padded_ctx = dataclasses.replace(ctx, positions=ctx.positions[index], slots=slots,
                                      seq_lens=ctx.seq_lens[index], page_table=_widened(ctx.page_table[index], width))
     seqs = batch.seqs + [batch.seqs[0]] * (rows - len(batch.seqs))
     return CoroutineGroup(seqs, batch.hidden[index], batch.point, padded_ctx)

@@ -12,7 +12,7 @@ from tiny_models import hf_greedy, prompts, save_tiny_checkpoint
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, Request, SamplingParams, decode_graphs
-from batchgen.kernels import attention_cpu, capture, moe_cpu, registry
+from batchgen.kernels import attention_cpu, capture, moe_cpu, ops, registry
 
 COUNTERS = ("moe_calls", "mean_expert_batch", "expert_histogram", "max_ffn_tokens", "decode_steps", "generated_tokens")
 
@@ -79,10 +79,14 @@ def test_larger_batches_replay_padded_to_a_recorded_size(arch, tmp_path, monkeyp
     """21 sequences finishing in three waves (21, 19, 17 decoding): each batch is padded to 24 rows with copies of
     its first sequence, recorded once and replayed at every size; transformers' greedy tokens, and counters equal to
     an eager engine's (the padding's routing and rows not counted)."""
-    replays = []
+    replays, slot_maps = [], []
     replay = capture.Recording.replay
     monkeypatch.setattr(capture.Recording, "replay",
-                        lambda self, rows=None: replays.append((rows, self.rows)) or replay(self, rows))
+                        lambda self, rows=None: replays.append((rows, self.rows, slot_maps[-1].tolist()))
+                        or replay(self, rows))
+    write_kv = ops.write_kv
+    monkeypatch.setattr(ops, "write_kv", lambda k, v, k_cache, v_cache, slots: slot_maps.append(slots)
+                        or write_kv(k, v, k_cache, v_cache, slots))
     hf = save_tiny_checkpoint(arch, tmp_path)
     loaded = load_model(str(tmp_path))
     requests = _requests(loaded.model.vocab_size, (5, 5, 7, 7) + (10,) * 17)
@@ -93,7 +97,10 @@ def test_larger_batches_replay_padded_to_a_recorded_size(arch, tmp_path, monkeyp
     expected = [hf_greedy(hf, r.prompt_token_ids, r.sampling.max_tokens) for r in requests]
     assert tokens[True] == expected and tokens[False] == expected
     replayed, eager = engines[True].metrics(), engines[False].metrics()
-    assert {rows for rows, recorded in replays} >= {21, 19, 17} and {recorded for _, recorded in replays} == {24}
+    assert {rows for rows, _, _ in replays} >= {21, 19, 17} and {recorded for _, recorded, _ in replays} == {24}
+    # the recording's KV slots (the last write_kv it recorded) as each replay filled them: the padding writes none
+    assert all(len(slots) == 24 and slots[rows:] == [-1] * (24 - rows) and min(slots[:rows]) >= 0
+               for rows, _, slots in replays)
     assert replayed["decode_graph_refusals"] == 0, replayed
     assert {k: replayed[k] for k in COUNTERS} == {k: eager[k] for k in COUNTERS}
 
