@@ -21,8 +21,8 @@ from batchgen.engine.metrics import completion_quantiles
 from batchgen.engine.models.layers import FusedExperts
 from batchgen.engine.parallel import group_engine
 from batchgen.engine.parallel.group_engine import GroupEngine, rank_spec, start_engine_group
-from batchgen.engine.parallel.rank_group import device_of_rank, use_device
-from batchgen.engine.parallel.rank_worker import GroupStartError, common_budgets
+from batchgen.engine.parallel.rank_group import check_rank_devices, device_of_rank, free_address, use_device
+from batchgen.engine.parallel.rank_worker import GroupStartError, RankSpec, common_budgets
 from batchgen.engine.quantile_sketch import QuantileSketch
 from batchgen.engine.reference import ReferenceRunner
 from batchgen.operators.engine_factory import load_engine
@@ -322,6 +322,21 @@ def test_a_gpu_rank_makes_its_own_gpu_the_current_device(monkeypatch):
         use_device(device_of_rank(torch.device("cuda"), rank))
     use_device(device_of_rank(torch.device("cpu"), 1))
     assert chosen == [torch.device("cuda", r) for r in range(3)]  # none for a CPU rank
+    assert [device_of_rank(torch.device("cuda:2"), rank) for rank in range(2)] == [torch.device("cuda", 2),
+                                                                                   torch.device("cuda", 3)]
+
+
+def test_a_group_on_more_gpus_than_the_process_sees_fails_before_any_rank_starts(monkeypatch):
+    """A rank on an invalid device ordinal died at once, and rank 0 waited 5 minutes for it to join, then raised
+    a store timeout that did not say why."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(group_engine.subprocess, "Popen", lambda *a, **k: pytest.fail("a rank was started"))
+    spec = RankSpec(size=2, address=free_address(), load=None, config=EngineConfig(device="cuda:1", ep_size=2),
+                    threads=1)
+    with pytest.raises(GroupStartError, match=r"an engine of 2 ranks on cuda:1 needs CUDA devices 1..2; this process "
+                                              r"sees 2"):
+        start_engine_group(spec)
+    check_rank_devices(torch.device("cuda:0"), 2)  # fits
 
 
 def test_group_sizes_must_be_positive_and_not_both_set():

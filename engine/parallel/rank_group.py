@@ -114,5 +114,18 @@ def use_device(device: torch.device) -> None:
 
 
 def device_of_rank(device: torch.device, rank: int) -> torch.device:
-    """Rank r computes on the r-th CUDA device it can see (a CPU rank on the CPU)."""
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+    """Rank r computes on the r-th CUDA device from the engine's own (cuda:2 with two ranks: cuda:2 and cuda:3; a
+    CPU rank on the CPU)."""
+    return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
+
+
+def check_rank_devices(device: torch.device, size: int) -> None:
+    """Refuse an engine of `size` ranks on CUDA devices this process cannot see, before any rank starts: a rank on a
+    device past the last fails at once, and the others would wait for it to join until the group's timeout."""
+    if device.type != "cuda":
+        return
+    first, visible = device.index or 0, torch.cuda.device_count()
+    if first + size > visible:
+        raise ValueError(f"an engine of {size} ranks on {device} needs CUDA devices {first}..{first + size - 1}; "
+                         f"this process sees {visible} (CUDA_VISIBLE_DEVICES, or the GPUs Ray gave the actor: "
+                         f"engine_num_gpus is per rank)")
