@@ -23,6 +23,7 @@ from batchgen.engine.kv_budget import (
     meminfo_available_bytes,
     plan_kv_budget,
 )
+from batchgen.engine.kv_pool import PoolGeometry
 from batchgen.engine.planner import PLANNED_FIELDS, CostCurves, LinearCost, WorkloadShape, plan_engine
 from batchgen.engine.planner.cost_curves import HOST, TabulatedCost, nnls
 from batchgen.engine.planner.layer_dag import LayerDag
@@ -31,6 +32,7 @@ from batchgen.engine.planner.schedule_pricing import SchedulePricer
 from batchgen.engine.planner.schedule_replay import replay_schedule
 from batchgen.engine.planner.stage_split import plan_stage_split
 from batchgen.engine.planner.step_model import StepShape, step_seconds
+from batchgen.engine.reference import ReferenceRunner
 from batchgen.pipelines.cli import main
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -242,6 +244,19 @@ def test_planner_respects_memory_limits_and_keeps_explicit_values(loaded):
     assert plan.searched > 10 and plan.predicted_bct_s == pytest.approx(sum(plan.step_seconds) + curves.host.seconds(
         prompts=200))
     assert plan.runner_ups[0].predicted_bct_s >= plan.predicted_bct_s
+
+
+def test_a_plan_for_a_sample_of_short_prompts_still_runs_a_request_as_long_as_the_context(loaded):
+    """A job plans from its first rows: its pools held max_num_seqs of the sample's sequences, and a longer row
+    later in the input, one the model takes, was refused as not fitting the KV budget."""
+    token_bytes = PoolGeometry(loaded.model.kv_spec(), 1, loaded.dtype).page_bytes
+    plan = plan_engine(loaded, EngineConfig(max_num_seqs=2), workload=WorkloadShape((10,) * 8, (5,) * 8),
+                       curves=synthetic_curves(device_type="cpu", kv_bytes_per_token=token_bytes))
+    prompt = [3 + i % 200 for i in range(440)]
+    request = Request("long", prompt_token_ids=prompt, sampling=dataclasses.replace(GREEDY, max_tokens=60))
+    [result] = Engine(loaded, plan.config).generate([request])
+    assert result.error is None
+    assert result.outputs[0].token_ids == ReferenceRunner(loaded.model).generate([prompt], 60)[0]
 
 
 def test_planned_defaults_give_the_tokens_of_an_explicit_config(loaded, tmp_path, monkeypatch):

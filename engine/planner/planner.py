@@ -106,7 +106,8 @@ def plan_engine(loaded: LoadedModel, config: EngineConfig, workload: WorkloadSha
     limits = limits or memory_limits(device_type, config, free, host_free)
     per_token = activation_bytes_per_token(loaded, curves.top_k)
     if workload is not None:
-        return search(config, curves, workload.fit(max_model_len), spec, loaded.dtype, stream_host, limits, per_token)
+        return search(config, curves, workload.fit(max_model_len), spec, loaded.dtype, stream_host, limits, per_token,
+                      max_model_len)
     # the generic workload, cut to what a given device budget holds of one sequence; if the budgets cannot run
     # it even so, cut to half that length, and so on
     capacity = max_model_len
@@ -116,7 +117,8 @@ def plan_engine(loaded: LoadedModel, config: EngineConfig, workload: WorkloadSha
     while True:
         workload = WorkloadShape.default(capacity).fit(max_model_len)
         try:
-            return search(config, curves, workload, spec, loaded.dtype, stream_host, limits, per_token, COARSE)
+            return search(config, curves, workload, spec, loaded.dtype, stream_host, limits, per_token, max_model_len,
+                          COARSE)
         except ValueError:  # no sequence that long fits the budgets (a staging pool, a small host pool)
             if capacity <= 2 * config.page_size:
                 raise
@@ -140,13 +142,19 @@ COARSE = SearchSpace(max_num_seqs=(64, 256, 1024), refill_thresholds=(0.5,), b_a
 
 
 def search(config: EngineConfig, curves: CostCurves, workload: WorkloadShape, spec, dtype: torch.dtype,
-           stream_host: bool, limits: MemoryLimits, activation_bytes_per_token: int,
+           stream_host: bool, limits: MemoryLimits, activation_bytes_per_token: int, max_model_len: int,
            space: SearchSpace = SearchSpace()) -> Plan:
     """Every combination of candidate values for the unset fields, each schedule replayed once (b_attn and
     b_moe only re-price it, unless host-resident groups made the schedule depend on b_attn). In lockstep mode
-    the micro-batch sizes are not searched: that policy runs every step as one batch."""
+    the micro-batch sizes are not searched: that policy runs every step as one batch. The KV pools hold the
+    workload's sequences, and at least one of `max_model_len` tokens where the limits allow: a workload described
+    by a sample (a job's first rows) must not refuse a longer request that the model takes."""
     token_bytes = curves.kv_bytes_per_token
-    wanted_tokens = -(-workload.max_context // config.page_size) * config.page_size + 2 * config.page_size
+
+    def pool_tokens(context: int) -> int:  # its pages, and two in reserve
+        return -(-context // config.page_size) * config.page_size + 2 * config.page_size
+
+    wanted_tokens, longest_tokens = pool_tokens(workload.max_context), pool_tokens(max_model_len)
 
     def options(name: str, values) -> tuple:
         explicit = getattr(config, name)
@@ -167,8 +175,9 @@ def search(config: EngineConfig, curves: CostCurves, workload: WorkloadShape, sp
     for max_num_seqs, refill, staging in itertools.product(seqs_options, refill_options, staging_options):
         if len(refill_options) > 1 and len(workload.prompt_lens) <= max_num_seqs and refill != 0.5:
             continue  # every prompt is admitted at once: the refill threshold never matters
-        device = config.kv_budget_bytes or min(limits.device_kv_bytes, token_bytes * max_num_seqs * wanted_tokens)
-        host = config.host_kv_budget_bytes or min(limits.host_kv_bytes, token_bytes * max_num_seqs * wanted_tokens)
+        wanted = token_bytes * max(max_num_seqs * wanted_tokens, longest_tokens)
+        device = config.kv_budget_bytes or min(limits.device_kv_bytes, wanted)
+        host = config.host_kv_budget_bytes or min(limits.host_kv_bytes, wanted)
         attn_options = options("b_attn", [b for b in space.b_attn if b < max_num_seqs and coroutine] + [max_num_seqs])
         schedule = None
         for b_attn in attn_options:
