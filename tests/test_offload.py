@@ -124,6 +124,22 @@ def test_the_plan_spends_the_budget_within_it_attention_first(fraction, tmp_path
     assert explicit.weight_bytes + explicit.activation_bytes + explicit.kv_bytes <= budget
 
 
+def test_a_cuda_plans_own_kv_budget_and_b_moe_given_back_plan_the_same_placement(tmp_path):
+    """Two slots a ring on CUDA: a large LM head is lighter resident than streamed through its two slots, so the
+    planned placement weighed less than the start the explicit KV budget was checked against, and every engine
+    actor of a job, handed the plan's kv_budget_bytes, refused it as not fitting."""
+    save_tiny_checkpoint("qwen3_moe", tmp_path, vocab_size=8192)
+    units = weight_units(load_model(str(tmp_path), weights=False).model, "expert")
+    head = next(u for u in units.modules if u.name == "lm_head")
+    assert head.nbytes > 2 * max(u.nbytes for u in units.modules if u is not head)
+    for fraction in (0.55, 0.7, 0.95, 1.0):
+        budget = int(units.total_bytes * fraction)
+        plan = plan_offload(units, budget, "cuda", activation_bytes_per_token=1000, min_kv_bytes=20_000)
+        again = plan_offload(units, budget, "cuda", activation_bytes_per_token=1000, min_kv_bytes=20_000,
+                             kv_bytes=plan.kv_bytes, b_moe=plan.b_moe)
+        assert again == plan
+
+
 def test_options_that_cannot_combine_with_a_device_memory_budget_fail_clearly():
     with pytest.raises(ValueError, match="device_memory_bytes runs one engine on one device"):
         EngineConfig(device_memory_bytes=1 << 20, ep_size=2)

@@ -57,7 +57,6 @@ def plan_offload(units: WeightUnits, budget: int, device_type: str, activation_b
     module_slots = MIN_SLOTS.get(device_type, 1)
     local_experts = max((e.experts.num_local_experts for e in units.expert_layers), default=0)
     expert_slot = max((e.expert_bytes for e in units.expert_layers), default=0)
-    state = _Placement(frozenset(), frozenset(), min(module_slots, local_experts))
 
     def rings(p: _Placement) -> int:
         streamed = [u.nbytes for u in units.modules if u.name not in p.modules]
@@ -69,6 +68,14 @@ def plan_offload(units: WeightUnits, budget: int, device_type: str, activation_b
     def weights(p: _Placement) -> int:
         """Resident weights and slots (the fixed weights apart)."""
         return sum(sizes[k] for k in p.modules | p.expert_layers) + rings(p)
+
+    # the lightest start: with two slots a ring (CUDA), keeping the largest modules resident (an LM head of a large
+    # vocabulary) can take less than their slots would; what the minimum and an explicit KV budget are checked
+    # against. Of equally light ones, the one that streams the least.
+    largest_first = sorted(units.modules, key=lambda u: -u.nbytes)
+    starts = [_Placement(frozenset(u.name for u in largest_first[:k]), frozenset(), min(module_slots, local_experts))
+              for k in range(len(largest_first) + 1)]
+    state = min(starts, key=lambda p: (weights(p), -len(p.modules)))
 
     floor = fixed + weights(state) + min_kv_bytes
     if b_moe is None:  # a share of the budget, or what is left above the minimum if that is less
