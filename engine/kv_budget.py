@@ -82,29 +82,41 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def cgroup_room_bytes(proc_cgroup: str, root: Path) -> int | None:
-    """What the memory limit of a process's cgroup leaves (`proc_cgroup`: its /proc/<pid>/cgroup; `root`: where
-    the hierarchies are mounted): the limit less the working set (the usage less its inactive page cache, which
-    the kernel reclaims first); None without a limit. A pod limited to 8 GiB on a 512 GiB host otherwise sized
-    its KV pools from the host's memory and was killed on its first run."""
+    """What the memory limits of a process's cgroup leave (`proc_cgroup`: its /proc/<pid>/cgroup; `root`: where
+    the hierarchies are mounted): over the cgroup and each cgroup above it (a parent's limit binds its children
+    too), the least of limit less working set (the usage less its inactive page cache, which the kernel reclaims
+    first); None without a limit. A container without its own cgroup namespace sees the host's path in
+    /proc/self/cgroup while its own cgroup is mounted at the hierarchy's root, which the walk up reaches. A pod
+    limited to 8 GiB on a 512 GiB host otherwise sized its KV pools from the host's memory and was killed on its
+    first run."""
+    rooms = []
     for line in proc_cgroup.splitlines():
         hierarchy, controllers, path = line.split(":", 2)
         if hierarchy == "0" and not controllers:  # cgroup v2
-            where, names = root / path.lstrip("/"), ("memory.max", "memory.current", "inactive_file")
+            base, names = root, ("memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):  # cgroup v1
-            where = root / "memory" / path.lstrip("/")
-            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            base, names = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
         else:
             continue
-        try:
-            limit = (where / names[0]).read_text().strip()
-            usage = int((where / names[1]).read_text())
-            stat = dict(entry.split() for entry in (where / "memory.stat").read_text().splitlines())
-        except (OSError, ValueError):
-            continue
-        if limit == "max" or int(limit) >= 1 << 60:  # none set ("max"; v1: a page-rounded 2^63)
-            continue
-        return max(0, int(limit) - (usage - int(stat.get(names[2], 0))))
-    return None
+        parts = [part for part in path.split("/") if part]
+        for where in (base.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)):
+            room = _room(where, names)
+            if room is not None:
+                rooms.append(room)
+    return min(rooms, default=None)
+
+
+def _room(where: Path, names: tuple[str, str, str]) -> int | None:
+    """One cgroup's limit less its working set, or None where it has no limit (or no files)."""
+    try:
+        limit = (where / names[0]).read_text().strip()
+        usage = int((where / names[1]).read_text())
+        stat = dict(entry.split() for entry in (where / "memory.stat").read_text().splitlines())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or int(limit) >= 1 << 60:  # none set ("max"; v1: a page-rounded 2^63)
+        return None
+    return max(0, int(limit) - (usage - int(stat.get(names[2], 0))))
 
 
 def meminfo_available_bytes(meminfo: str) -> int | None:

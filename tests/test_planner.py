@@ -214,6 +214,23 @@ def test_host_memory_available_stops_at_the_containers_memory_limit(version, tmp
     (where / names[0]).write_text("max\n" if version == "v2" else "9223372036854771712\n")
     assert cgroup_room_bytes(proc, tmp_path) is None
     assert cgroup_room_bytes("0::/elsewhere\n", tmp_path) is None  # nothing mounted there: no limit known
+    write_cgroup(where.parent, names, limit=5 << 30, usage=4 << 30, inactive=0)  # a parent's limit binds too
+    assert cgroup_room_bytes(proc, tmp_path) == 1 << 30
+
+
+def write_cgroup(where, names, limit: int, usage: int, inactive: int) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    (where / names[0]).write_text(f"{limit}\n")
+    (where / names[1]).write_text(f"{usage}\n")
+    (where / "memory.stat").write_text(f"anon 100\n{names[2]} {inactive}\n")
+
+
+def test_a_container_without_a_cgroup_namespace_finds_its_limit_at_the_mount_root(tmp_path):
+    """cgroup v1 in Docker: /proc/self/cgroup names the host's path, the container's own cgroup is mounted at
+    /sys/fs/cgroup/memory: the path under the mount did not exist and the limit went unseen."""
+    names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    write_cgroup(tmp_path / "memory", names, limit=8 << 30, usage=3 << 30, inactive=1 << 30)
+    assert cgroup_room_bytes("4:memory:/docker/0123abcd\n0::/\n", tmp_path) == 6 << 30
 
 
 def test_host_memory_available_counts_what_the_kernel_reclaims_not_only_free_pages():
