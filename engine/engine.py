@@ -100,8 +100,10 @@ class Engine(Generates):
         if self.streamer is not None and self.kv.stage.num_pages:
             phases = PhaseSwitch(self.kv.stage, limits.b_moe, self.streamer.activation_bytes_per_token)
         # a recording (a CPU's, or a GPU's CUDA graph) replays one process's kernels: not a rank group's collectives,
-        # not weights streamed in as they compute
-        replayable = group is None and self.device.type in RECORDERS and self.streamer is None
+        # not weights streamed in as they compute (this engine's, or a placement made before it: the planner's
+        # profile runs engines of its own on a model placed for a budget)
+        replayable = (group is None and self.device.type in RECORDERS and self.streamer is None
+                      and loaded.weight_placement == "resident")
         graphs = DecodeGraphs(self.stats) if self.config.decode_graphs and replayable else None
         self.runner = ModelRunner(self.model, self.kv, self.device, limits, self.stats, agree, phases, graphs)
         self.model.observe_routing(self.stats.record_route)

@@ -10,6 +10,7 @@ from tiny_models import ALL_ARCHITECTURES, MOE_ARCHITECTURES, prompts, save_tiny
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
+from batchgen.engine.offload.memory_constrained import place_as_engine
 from batchgen.engine.offload.offload_plan import plan_offload
 from batchgen.engine.offload.weight_units import weight_units
 from batchgen.engine.reference import ReferenceRunner
@@ -138,6 +139,22 @@ def test_a_cuda_plans_own_kv_budget_and_b_moe_given_back_plan_the_same_placement
         again = plan_offload(units, budget, "cuda", activation_bytes_per_token=1000, min_kv_bytes=20_000,
                              kv_bytes=plan.kv_bytes, b_moe=plan.b_moe)
         assert again == plan
+
+
+def test_an_engine_on_a_model_placed_for_a_budget_records_no_decode_steps(tmp_path):
+    """The planner profiles a model placed for a device memory budget with engines of its own, which stream
+    nothing themselves: a recording of their steps would replay kernels on whatever the slots held then."""
+    save_tiny_checkpoint("mixtral", tmp_path)
+    loaded = load_model(str(tmp_path))
+    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=(5, 9, 12, 7))
+    expected = ReferenceRunner(loaded.model).generate(batch, max_new_tokens=MAX_TOKENS)
+    total = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    place_as_engine(loaded, EngineConfig(device_memory_bytes=int(total * 0.3), page_size=4, max_model_len=MAX_LEN))
+    engine = Engine(loaded, page_size=4, max_num_seqs=4, b_attn=4, b_moe=64, refill_threshold=0.5,
+                    kv_budget_bytes=1 << 20, host_kv_budget_bytes=1 << 20, staging_fraction=0.25)
+    assert generate(engine, batch) == expected
+    metrics = engine.metrics()
+    assert metrics["decode_steps"] > 4 and metrics["decode_graph_captures"] == metrics["decode_graph_refusals"] == 0
 
 
 def test_options_that_cannot_combine_with_a_device_memory_budget_fail_clearly():
