@@ -394,6 +394,19 @@ def test_a_changed_kernel_or_model_source_changes_the_profile_key(tmp_path):
     assert len(set(digests[:3])) == 3 and digests[3] == digests[2]
 
 
+def test_a_kernel_backend_forced_or_chosen_by_the_environment_changes_the_profile_key(loaded, monkeypatch):
+    from batchgen.engine.planner import profiler
+    from batchgen.kernels import registry
+
+    default = profiler.profile_key(loaded)
+    with registry.use_backend("fused_moe", "torch"):
+        forced = profiler.profile_key(loaded)
+    monkeypatch.setenv(registry.ENV_VAR, "paged_decode_attention=torch")
+    from_environment = profiler.profile_key(loaded)
+    monkeypatch.delenv(registry.ENV_VAR)
+    assert len({default, forced, from_environment}) == 3 and profiler.profile_key(loaded) == default
+
+
 def test_the_profile_key_tells_cpu_generations_apart_that_share_a_model_name(tmp_path, monkeypatch):
     """Curves measured on one CPU price steps wrongly on another: the key holds family, model and flags (the
     compiled kernels' cache uses the same identity)."""

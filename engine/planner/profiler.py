@@ -44,7 +44,7 @@ from batchgen.engine.planner.cost_curves import (
 from batchgen.engine.planner.schedule_pricing import SchedulePricer
 from batchgen.engine.planner.schedule_replay import replay_schedule
 from batchgen.engine.planner.workload import WorkloadShape
-from batchgen.kernels import cpu_identity
+from batchgen.kernels import cpu_identity, registry
 
 PAGE = 64
 DECODE_GRID = ((1, 64), (8, 256), (32, 1024), (128, 128), (256, 512))  # seqs, context
@@ -58,8 +58,8 @@ HOST_REPEATS = 2
 
 def profile_key(loaded: LoadedModel) -> str:
     """What the measurements depend on: device (on a CPU its model and threads), model shape, dtype, weight placement,
-    versions, and the sources that run a step (a changed kernel or layer costs differently: its curves are measured
-    anew)."""
+    versions, the sources that run a step and the kernel backends chosen (a changed kernel or layer costs
+    differently: its curves are measured anew)."""
     device = loaded.device
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
@@ -69,8 +69,19 @@ def profile_key(loaded: LoadedModel) -> str:
     shape = {k: v for k, v in sorted(config.items()) if isinstance(v, (int, str, bool, list, tuple))
              and not k.endswith(IGNORED_SUFFIXES) and k not in ("_name_or_path", "transformers_version", "dtype")}
     text = json.dumps([where, shape, str(loaded.dtype), loaded.weight_placement, torch.__version__, PROFILE_VERSION,
-                       code_digest()], sort_keys=True)
+                       code_digest(), _backends(device.type, loaded.dtype)], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _backends(device_type: str, dtype: torch.dtype) -> dict[str, str]:
+    """The backend each op runs on here (forced, BATCHGEN_KERNELS, or what is installed: flash-attn, Triton)."""
+    chosen = {}
+    for op in registry.OPS:
+        try:
+            chosen[op] = registry.resolve(op, device_type, dtype)[0]
+        except registry.BackendUnavailableError:  # a meta device: planning from curves measured elsewhere
+            chosen[op] = "-"
+    return chosen
 
 
 PROFILE_VERSION = 10  # bump when what the curves mean changes in a file code_digest does not cover
