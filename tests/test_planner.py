@@ -258,6 +258,9 @@ def test_planner_respects_memory_limits_and_keeps_explicit_values(loaded):
     assert config.kv_budget_bytes <= limits.device_kv_bytes and config.host_kv_budget_bytes <= limits.host_kv_bytes
     per_token = (4 * 64 + 3 * 96 * 2) * 4
     assert config.b_moe * per_token <= limits.activation_bytes
+    tight = dataclasses.replace(limits, activation_bytes=100 * per_token)  # below every candidate (256 and up)
+    assert plan_engine(loaded, EngineConfig(page_size=8), workload=workload, curves=curves,
+                       limits=tight).config.b_moe == 100
     assert plan.searched > 10 and plan.predicted_bct_s == pytest.approx(sum(plan.step_seconds) + curves.host.seconds(
         prompts=200))
     assert plan.runner_ups[0].predicted_bct_s >= plan.predicted_bct_s

@@ -166,7 +166,7 @@ def search(config: EngineConfig, curves: CostCurves, workload: WorkloadShape, sp
     refill_options = options("refill_threshold", space.refill_thresholds if coroutine else (0.5,))
     staging_options = options("staging_fraction", space.staging_fractions if stream_host and coroutine else (0.25,))
     fitting_moe = [b for b in space.b_moe if b * activation_bytes_per_token <= limits.activation_bytes]
-    fitting_moe = fitting_moe or space.b_moe[:1]
+    fitting_moe = fitting_moe or [max(1, limits.activation_bytes // activation_bytes_per_token)]  # all too large
     moe_options = options("b_moe", fitting_moe if coroutine else space.b_moe[-1:])
     admission = curves.host.seconds(prompts=len(workload.prompt_lens))
     best: list[tuple[float, dict, SchedulePricer]] = []
