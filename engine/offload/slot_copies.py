@@ -59,6 +59,7 @@ class SlotCopies:
             before = _timing_event(compute)
             compute.wait_event(self._loaded[slot])
             self._stall_events.append((before, _timing_event(compute)))
+            self._fold(finished_only=True)  # steps that load nothing (every slot already holds its unit) wait still
 
     def release(self, slot: int) -> None:
         """The computation issued so far is the last to read `slot` before its next load."""
