@@ -111,10 +111,13 @@ class OutputLease:
             self._heartbeat.join()
         if self._heartbeat is None or self.lost:
             return
-        current = self._read()
-        if current is not None and current.run == self.holder.run:
-            self.fs.rm(self.path)
         self._heartbeat = None
+        try:
+            current = self._read()
+            if current is not None and current.run == self.holder.run:
+                self.fs.rm(self.path)
+        except OSError as exc:  # the run's outcome stands; its record goes stale and is taken over
+            log.warning("output %r: could not remove this run's lease: %s", self.uri, exc)
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):

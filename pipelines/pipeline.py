@@ -191,6 +191,8 @@ def plan_job(config: JobConfig) -> JobPlan:
         lease.acquire()
     except LeaseHeld as exc:
         raise JobError(str(exc)) from exc
+    except OSError as exc:
+        raise JobError(f"output {config.output!r}: cannot take its lease: {exc}") from exc
     try:
         _claim_output(config, source.num_rows, source.digest)
         parts = recover_output_parts(config.output, config.storage_options)
