@@ -117,11 +117,13 @@ class SamplingParams:
         """Build from a user dict (a Parquet struct, a JSON body) over `defaults`; None values are unset,
         unknown keys are an error. Nothing set over `defaults` returns `defaults` itself (frozen): a job
         calls this once per row, and most rows override nothing."""
-        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
         changes = {}
         for key, value in (values or {}).items():
-            if key not in known:
+            if key not in fields:
                 raise InvalidRequestError(f"unknown sampling parameter '{key}'")
+            if isinstance(value, float) and value.is_integer() and fields[key] in ("int", "int | None"):
+                value = int(value)  # 3.0: Ray's numpy batches make floats of an int field with a null in the batch
             if value is not None:
                 changes[key] = value
         if defaults is not None and not changes:

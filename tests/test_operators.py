@@ -82,6 +82,22 @@ def test_messages_and_token_ids_are_the_same_prompt_as_text(tiny_moe_dir, batchg
     assert call(batchgen, numpy_batch).column("generated_token_ids").to_pylist() == generated[:1]
 
 
+def test_per_row_integer_overrides_survive_rays_default_numpy_batches(batchgen, prompts, expected):
+    """Ray's default batch format makes floats of an integer struct field that is null in some row of the batch
+    (3.0): every override was refused as not an integer."""
+    from ray.data.block import BlockAccessor
+
+    overrides = pa.array([{"max_tokens": 3, "seed": 7}, {"max_tokens": None, "seed": None}],
+                         type=pa.struct([("max_tokens", pa.int64()), ("seed", pa.int64())]))
+    table = pa.table({"prompt": prompts[:2], "sampling_params": overrides})
+    batch = BlockAccessor.for_block(table).to_batch_format("numpy")
+    assert batch["sampling_params"][0]["max_tokens"] == 3.0 and isinstance(batch["sampling_params"][0]["max_tokens"],
+                                                                           float)
+    out = call(batchgen, batch)
+    assert out.column("error").to_pylist() == [None, None]
+    assert out.column("generated_token_ids").to_pylist() == [expected[0][:3], expected[1]]
+
+
 def test_bad_rows_get_an_error_and_the_batch_carries_on(tiny_moe_dir, batchgen, prompts, expected):
     sampling = pa.array([None, None, None, None, {"temperature": -1.0, "max_tokens": None},
                          {"temperature": None, "max_tokens": 0}, None],
