@@ -132,8 +132,10 @@ def _filtered_probs(logits: torch.Tensor, seqs: SequenceT[Sequence]) -> torch.Te
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(probs.shape[-1], device=device).unsqueeze(0)
         drop = (top_k.unsqueeze(1) > 0) & (rank >= top_k.unsqueeze(1))
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        # only rows that set top_p: cumsum rounds to 1.0 before the tail, which a row without it would lose
+        kept = sorted_probs.masked_fill(drop, 0.0)
+        # top-p over what top-k kept, renormalised (vLLM's and transformers' order); only rows that set top_p:
+        # cumsum rounds to 1.0 before the tail, which a row without it would lose
+        mass_before = (kept.cumsum(dim=-1) - kept) / kept.sum(dim=-1, keepdim=True)
         drop |= (top_p.unsqueeze(1) < 1) & (mass_before >= top_p.unsqueeze(1))
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)

@@ -121,6 +121,17 @@ def test_a_row_without_top_k_or_top_p_keeps_its_whole_distribution_beside_rows_t
     assert int((probs[0] > 0).sum()) == 5
 
 
+def test_top_p_applies_to_what_top_k_kept_renormalised():
+    """top_k 2 then top_p 0.6 over [0.5, 0.3, 0.2]: the kept pair renormalised is [0.625, 0.375], so the first token
+    alone reaches 0.6 (vLLM, transformers); measured over the whole distribution both stayed."""
+    logits = torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]]).log()
+    rows = [Sequence(i, f"r{i}", 0, [1], SamplingParams(temperature=1.0, top_k=k, top_p=0.6), frozenset(), i)
+            for i, k in enumerate((2, 0))]
+    probs = _filtered_probs(logits, rows)
+    assert probs[0].tolist() == pytest.approx([0.5, 0.0, 0.0])
+    assert probs[1].tolist() == pytest.approx([0.5, 0.3, 0.0])  # without top-k: 0.5 alone is short of 0.6
+
+
 def test_a_tokenizer_with_named_chat_templates_renders_its_default(demo):
     """Some checkpoints ship a list of {name, template}; transformers makes it a dict and applies "default" (a dict
     passed back as the template was refused: every chat request failed)."""
