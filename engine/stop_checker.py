@@ -5,6 +5,7 @@ from __future__ import annotations
 from batchgen.engine.sequence import Sequence
 
 REPLACEMENT = "\ufffd"  # what a decoder gives for the bytes of a character not yet complete
+CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the output, whose text is what they add
 
 
 def detokenize(tokenizer, token_ids: list[int]) -> str:
@@ -17,22 +18,35 @@ def detokenize(tokenizer, token_ids: list[int]) -> str:
     return decode(token_ids, skip_special_tokens=True)
 
 
+def generated_text(tokenizer, seq: Sequence, tokens: list[int]) -> str:
+    """The text `tokens` (the sequence's output, or its start) add after the prompt, as vLLM's detokenizer gives
+    it: decoded behind the prompt's last CONTEXT_TOKENS tokens, so a SentencePiece decoder keeps the first output
+    token's leading space (" Paris", not "Paris"); where the two decodes do not line up (a character split over the
+    boundary), the tokens alone."""
+    context = seq.prompt_ids[-CONTEXT_TOKENS:]
+    if tokenizer is None or not context:
+        return detokenize(tokenizer, tokens)
+    prefix = detokenize(tokenizer, context)
+    text = detokenize(tokenizer, context + tokens)
+    return text[len(prefix):] if text.startswith(prefix) else detokenize(tokenizer, tokens)
+
+
 def finish_reason(seq: Sequence, tokenizer, max_model_len: int) -> str | None:
-    """Check the newest token; returns "stop", "length" or None to keep going."""
+    """Check the newest token; returns "stop", "length" or None to keep going. A stop token's own text is left out
+    of the output (vLLM's default), as a stop string is."""
     params = seq.sampling
     token = seq.generated[-1]
     if seq.grammar is not None and seq.grammar.is_terminated():  # the grammar took its end token
         return "stop"
     if len(seq.generated) >= params.min_tokens:
-        if not params.ignore_eos and token in seq.eos_token_ids:
-            return "stop"
-        if token in params.stop_token_ids:
+        if (not params.ignore_eos and token in seq.eos_token_ids) or token in params.stop_token_ids:
+            seq.stop_text_end = len(generated_text(tokenizer, seq, seq.generated[:-1]))
             return "stop"
         if params.stop:
-            text = detokenize(tokenizer, seq.generated)
+            text = generated_text(tokenizer, seq, seq.generated)
             # a character whose bytes are split over tokens decodes as U+FFFD until its last byte comes, and the
             # text may then grow by nothing: the newest token's text starts where the previous text is whole
-            before = detokenize(tokenizer, seq.generated[:-1]).rstrip(REPLACEMENT)
+            before = generated_text(tokenizer, seq, seq.generated[:-1]).rstrip(REPLACEMENT)
             cut = _first_stop(text, params.stop, len(before))
             if cut is not None:
                 seq.stop_text_end = cut
@@ -53,5 +67,7 @@ def _first_stop(text: str, stops: tuple[str, ...], previous_len: int) -> int | N
 
 
 def output_text(seq: Sequence, tokenizer) -> str:
-    text = detokenize(tokenizer, seq.generated)
-    return text if seq.stop_text_end is None else text[: seq.stop_text_end]
+    """The output's text up to its stop, without the U+FFFD of a character whose last bytes never came (an output cut
+    by max_tokens mid-character): vLLM holds such bytes back."""
+    text = generated_text(tokenizer, seq, seq.generated)
+    return (text if seq.stop_text_end is None else text[: seq.stop_text_end]).rstrip(REPLACEMENT)

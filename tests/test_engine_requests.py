@@ -80,6 +80,9 @@ def test_stop_token_ids_stop_strings_and_eos(engine, demo):
     first = tokens.index(stop_id)
     [by_id] = engine.generate([Request("i", prompt="one two three", sampling=greedy(stop_token_ids=[stop_id]))])
     assert by_id.outputs[0].token_ids == tokens[: first + 1] and by_id.outputs[0].finish_reason == "stop"
+    # the stop token's own text is left out, as vLLM leaves it out (it was kept)
+    assert by_id.outputs[0].text == demo.tokenizer.decode(tokens[:first], skip_special_tokens=True)
+    assert demo.tokenizer.decode([stop_id], skip_special_tokens=True)
     word = demo.tokenizer.decode([tokens[5]], skip_special_tokens=True).strip()
     [by_text] = engine.generate([Request("s", prompt="one two three", sampling=greedy(stop=[word]))])
     text = base.outputs[0].text
@@ -172,6 +175,33 @@ def test_a_stop_string_ending_in_a_character_split_over_tokens_stops_on_its_last
     end = len((text[: text.index(stop) + len(stop)]).encode())
     assert reasons == [None] * (end - 1) + ["stop"]  # on the stop's last byte, not later ("length" before the fix)
     assert output_text(seq, ByteTokenizer()) == text[: text.index(stop)]
+
+
+def test_an_output_cut_by_max_tokens_mid_character_ends_before_that_character():
+    """vLLM holds back the bytes of a character not yet complete: the text ended in U+FFFD."""
+    seq = Sequence(0, "r", 0, [1], SamplingParams(max_tokens=3), frozenset(), 0)
+    seq.generated = list("ab你".encode()[:3])  # a, b and the first of 你's three bytes
+    assert finish_reason(seq, ByteTokenizer(), max_model_len=128) == "length"
+    assert output_text(seq, ByteTokenizer()) == "ab"
+
+
+def test_a_sentencepiece_outputs_first_word_keeps_its_leading_space():
+    """A Metaspace decoder drops the space of the first token it decodes: the output decoded alone read "Paris."
+    after "The capital is" where vLLM, decoding behind the prompt's last tokens, gives " Paris." (and a stop string
+    " Paris" could never match)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "\u2581The": 1, "\u2581capital": 2, "\u2581is": 3, "\u2581Paris": 4, ".": 5}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    assert tokenizer.decode([4, 5]) == "Paris."
+    seq = Sequence(0, "r", 0, [1, 2, 3], SamplingParams(max_tokens=8, stop=[" Paris"]), frozenset(), 0)
+    seq.generated = [4, 5]
+    assert output_text(seq, tokenizer) == " Paris."
+    seq.generated = [4]
+    assert finish_reason(seq, tokenizer, max_model_len=64) == "stop" and output_text(seq, tokenizer) == ""
 
 
 def test_min_tokens_suppresses_stopping_and_max_tokens_sets_length(engine):
