@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import OrderedDict
 from collections.abc import Sequence as SequenceT
 from typing import Any
 
@@ -26,6 +27,9 @@ from batchgen.engine.structured_outputs import StructuredOutputs
 # Whitespace characters allowed between two JSON tokens: room for deep indentation, not for a weak
 # model's runaway blank lines eating max_tokens.
 MAX_JSON_WHITESPACE = 20
+# compiled grammars kept, the least recently used dropped past it: a batch whose every line has its own
+# json_schema would otherwise hold one per line for the engine's life
+KEPT_GRAMMARS = 512
 
 
 class GrammarBackend:
@@ -47,18 +51,24 @@ class GrammarBackend:
                 vocab[token] = b""
             info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.RAW, vocab_size=vocab_size,
                                           stop_token_ids=list(self.stop_token_ids))
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+            # its own cache off: this one is bounded (xgrammar's grows without limit by default)
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         else:
             self._compiler = None
-        self._compiled: dict[StructuredOutputs, Any] = {}
+        self._compiled: OrderedDict[StructuredOutputs, Any] = OrderedDict()
         self.compilations = 0
 
     def compile(self, spec: StructuredOutputs) -> Any:
-        """The spec's compiled grammar (compiled on first use); InvalidRequestError if it cannot compile."""
+        """The spec's compiled grammar (compiled on first use, KEPT_GRAMMARS kept); InvalidRequestError if it cannot
+        compile."""
         compiled = self._compiled.get(spec)
         if compiled is None:
             compiled = self._compiled[spec] = self._compile(spec)
             self.compilations += 1
+            if len(self._compiled) > KEPT_GRAMMARS:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(spec)
         return compiled
 
     def matcher(self, spec: StructuredOutputs) -> Any:

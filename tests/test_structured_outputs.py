@@ -88,6 +88,22 @@ def test_every_output_follows_its_spec(model, sampling, n):
     assert engine.grammars.compilations == len(SPECS)  # compiled once per spec, shared by every row
 
 
+def test_compiled_grammars_kept_are_bounded_the_least_recently_used_dropped(model, monkeypatch):
+    """A batch whose every line has its own json_schema kept one compiled grammar per line for good."""
+    from batchgen.engine import grammar
+
+    monkeypatch.setattr(grammar, "KEPT_GRAMMARS", 2)
+    backend = Engine(model, page_size=16).grammars
+    specs = [StructuredOutputs(regex=f"[a-z]{{{i}}}") for i in (1, 2, 3)]
+    for spec in (specs[0], specs[1], specs[0], specs[2]):  # specs[1] is the least recently used when [2] comes
+        backend.compile(spec)
+    assert backend.compilations == 3 and len(backend._compiled) == 2
+    backend.compile(specs[0])
+    assert backend.compilations == 3  # kept
+    backend.compile(specs[1])
+    assert backend.compilations == 4  # dropped, compiled again
+
+
 def test_json_whitespace_is_free_but_capped(model):
     """Without disable_any_whitespace the JSON may hold whitespace between tokens, at most
     MAX_JSON_WHITESPACE characters per gap: a random model cannot spend max_tokens on blank lines."""
