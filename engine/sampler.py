@@ -26,6 +26,8 @@ def sample_next_tokens(logits: torch.Tensor, seqs: SequenceT[Sequence], generato
     """Pick one token per row and record logprobs on sequences that asked for them."""
     logits = logits.float()
     rows = _RowKinds.of(seqs)
+    # logprobs are the model's own (vLLM's default, "raw"): before biases, penalties, bans and a grammar's mask
+    raw = logits[rows.logprobs] if rows.logprobs else None
     if rows.adjusted:
         index = torch.tensor(rows.adjusted, dtype=torch.long, device=logits.device)
         logits[index] = adjust_logits(logits[index], [seqs[i] for i in rows.adjusted])
@@ -40,7 +42,7 @@ def sample_next_tokens(logits: torch.Tensor, seqs: SequenceT[Sequence], generato
         tokens[index] = ops.argmax(probs / noise.to(probs.device))
     token_list = tokens.tolist()
     if rows.logprobs:
-        _record_logprobs(logits, rows.logprobs, seqs, token_list)
+        _record_logprobs(raw, rows.logprobs, seqs, token_list)
     return token_list
 
 
@@ -155,11 +157,12 @@ def _exponential_noise(shape: torch.Size, seqs: SequenceT[Sequence], generator: 
     return noise
 
 
-def _record_logprobs(logits: torch.Tensor, rows: list[int], seqs: SequenceT[Sequence], tokens: list[int]) -> None:
-    logprobs = torch.log_softmax(logits[rows], dim=-1)
+def _record_logprobs(raw: torch.Tensor, rows: list[int], seqs: SequenceT[Sequence], tokens: list[int]) -> None:
+    """`raw`: the logits of `rows`, as the model gave them."""
+    logprobs = torch.log_softmax(raw, dim=-1)
     top_n = max(seqs[i].sampling.logprobs for i in rows)
     top_vals, top_ids = logprobs.topk(max(top_n, 1), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logits.device)).squeeze(1)
+    chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in rows], device=raw.device)).squeeze(1)
     for j, i in enumerate(rows):
         n = seqs[i].sampling.logprobs
         top = dict(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()))

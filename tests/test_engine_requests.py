@@ -223,6 +223,19 @@ def test_logprobs_report_the_chosen_token_and_top_alternatives(engine):
         assert entry.logprob <= 0
 
 
+def test_logprobs_are_the_models_own_whatever_bias_or_grammar_shapes_the_pick(engine):
+    """vLLM's default (raw logprobs): a token forced by a +100 bias reported about 0, and tokens a mask banned
+    filled the top alternatives with -inf."""
+    [plain] = engine.generate([Request("p", prompt="a b c", sampling=greedy(logprobs=5, max_tokens=1))])
+    model = plain.outputs[0].logprobs[0].top
+    second = sorted(model, key=model.get)[-2]
+    [forced] = engine.generate([Request("f", prompt="a b c", sampling=greedy(
+        logprobs=5, max_tokens=1, logit_bias={second: 100.0}))])
+    entry = forced.outputs[0].logprobs[0]
+    assert entry.token_id == second and entry.logprob == pytest.approx(model[second])
+    assert entry.top == pytest.approx(model)
+
+
 def test_top_k_one_equals_greedy_and_sampling_varies_without_seed(engine):
     [base] = engine.generate([Request("g", prompt="a b c", sampling=greedy())])
     [top1] = engine.generate([Request("k", prompt="a b c", sampling=greedy(temperature=1.0, top_k=1))])
