@@ -49,13 +49,14 @@ class RequestNormalizer:
         return ids
 
     def check_length(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
-        """A prompt must leave room for at least one generated token inside the context."""
-        if self.max_model_len is None:
-            return
-        limit = min(self.max_model_len, sampling.max_prompt_tokens or self.max_model_len)
-        if num_prompt_tokens >= limit:
-            raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens, over the limit of {limit - 1} "
-                                      f"(context length {self.max_model_len})")
+        """A prompt must leave room for at least one generated token inside the context, and hold at most the
+        request's max_prompt_tokens."""
+        if sampling.max_prompt_tokens is not None and num_prompt_tokens > sampling.max_prompt_tokens:
+            raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens, over the limit of "
+                                      f"{sampling.max_prompt_tokens} (max_prompt_tokens)")
+        if self.max_model_len is not None and num_prompt_tokens >= self.max_model_len:
+            raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens, over the limit of "
+                                      f"{self.max_model_len - 1} (context length {self.max_model_len})")
 
     def check_vocabulary(self, sampling: SamplingParams) -> None:
         """Token ids a request's sampling names (logit_bias, stop_token_ids) must be in the vocabulary."""

@@ -48,6 +48,7 @@ def test_invalid_sampling_fields_are_named(field, value, message):
 
 def test_bad_prompts_fail_alone_and_name_the_problem(engine, demo):
     good = Request("good", prompt="the quick brown fox", sampling=greedy())
+    at_limit = Request("at_limit", prompt_token_ids=[5] * 10, sampling=greedy(max_prompt_tokens=10))
     bad = [
         Request("empty", prompt="", sampling=greedy()),
         Request("too_long", prompt_token_ids=[5] * demo.max_model_len, sampling=greedy()),
@@ -55,13 +56,14 @@ def test_bad_prompts_fail_alone_and_name_the_problem(engine, demo):
         Request("not_text", prompt=123, sampling=greedy()),
         Request("over_limit", prompt_token_ids=[5] * 20, sampling=greedy(max_prompt_tokens=10)),
     ]
-    results = {r.request_id: r for r in engine.generate([bad[0], good, *bad[1:]])}
+    results = {r.request_id: r for r in engine.generate([bad[0], good, at_limit, *bad[1:]])}
     assert results["good"].error is None and len(results["good"].outputs[0].token_ids) == 12
+    assert results["at_limit"].error is None  # at most max_prompt_tokens: that many is allowed
     assert "prompt is empty" in results["empty"].error
     assert f"{demo.max_model_len} tokens" in results["too_long"].error
     assert "outside the vocabulary" in results["out_of_vocab"].error
     assert "expected text" in results["not_text"].error
-    assert "limit of 9" in results["over_limit"].error
+    assert "prompt has 20 tokens, over the limit of 10 (max_prompt_tokens)" in results["over_limit"].error
     assert engine.metrics()["failed_requests"] == 5
 
 
