@@ -9,10 +9,20 @@ from batchgen.engine.request import Request, Result
 
 class Generates:
     def generate(self, requests: Iterable[Request]) -> list[Result]:
-        """Every request's Result, in request order."""
+        """Every request's Result, in request order; a request whose id an earlier one of the call has gets an
+        error Result in its place (results are matched to requests by id)."""
         requests = list(requests)
-        by_id = {r.request_id: r for r in self.stream(requests)}
-        return [by_id[r.request_id] for r in requests]
+        results: list[Result | None] = [None] * len(requests)
+        first: dict[str, int] = {}
+        for i, request in enumerate(requests):
+            if request.request_id in first:
+                results[i] = Result(request.request_id, [], error=f"duplicate request_id {request.request_id!r}: "
+                                                                  f"an earlier request of this call has it")
+            else:
+                first[request.request_id] = i
+        for result in self.stream([requests[i] for i in first.values()]):
+            results[first[result.request_id]] = result
+        return results
 
     def stream(self, requests: Iterable[Request]) -> Iterator[Result]:
         """Results as requests finish."""

@@ -67,6 +67,15 @@ def test_bad_prompts_fail_alone_and_name_the_problem(engine, demo):
     assert engine.metrics()["failed_requests"] == 5
 
 
+def test_a_duplicate_id_in_one_generate_call_fails_in_its_own_place(engine):
+    """The duplicate's error came back first and the original's result then took both places."""
+    [alone] = engine.generate([Request("x", prompt="one two", sampling=greedy())])
+    first, second = engine.generate([Request("x", prompt="one two", sampling=greedy()),
+                                     Request("x", prompt="three four", sampling=greedy())])
+    assert first.error is None and first.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert second.error == "duplicate request_id 'x': an earlier request of this call has it"
+
+
 def test_text_prompt_is_tokenized_and_detokenized(engine, demo):
     [result] = engine.generate([Request("t", prompt="the quick brown fox", sampling=greedy())])
     ids = demo.tokenizer.encode("the quick brown fox")
