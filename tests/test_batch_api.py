@@ -247,6 +247,18 @@ def _chat_ids(engine: Engine, messages: list[dict]) -> list[int]:
 # ---- tests -----------------------------------------------------------------------------------------
 
 
+def test_a_chat_template_option_is_the_template_itself_or_a_file_that_exists(template_file, tmp_path):
+    """A real template is long: tested as a path first, one over 255 characters without a slash raised ENAMETOOLONG
+    and failed the server; a mistyped path became the template, every chat prompt its text."""
+    from batchgen.pipelines.openai_batch.serve_cli import chat_template_text
+
+    inline = "{% for m in messages %}" + "{{ m['content'] }}" * 40 + "{% endfor %}"
+    assert len(inline) > 255 and chat_template_text(inline) == inline
+    assert chat_template_text(str(template_file)) == CHAT_TEMPLATE
+    with pytest.raises(ValueError, match=r"--chat-template '.*missing\.jinja' is no template .* and no file"):
+        chat_template_text(str(tmp_path / "missing.jinja"))
+
+
 def test_health_and_models(server, client):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert [m.id for m in client.models.list()] == [SERVED]

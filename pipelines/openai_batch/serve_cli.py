@@ -120,15 +120,26 @@ def create_serve_app(args: argparse.Namespace, loop: EngineLoop | None, store: B
     from batchgen.pipelines.openai_batch.server import ServerConfig, create_app
 
     served_model = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
-    chat_template = args.chat_template
-    if chat_template is not None and Path(chat_template).is_file():
-        chat_template = Path(chat_template).read_text()
+    chat_template = None if args.chat_template is None else chat_template_text(args.chat_template)
     config = BackendConfig(
         served_model=served_model, default_sampling=args.sampling_params, chat_template=chat_template,
         max_in_flight=args.max_in_flight, max_batch_requests=args.max_batch_requests)
     return create_app(store, _backend(args, loop, store, config), ServerConfig(
         served_model=served_model, api_key=args.api_key, max_upload_bytes=args.max_upload_bytes,
         allow_custom_completion_window=args.allow_custom_completion_window))
+
+
+def chat_template_text(value: str) -> str:
+    """--chat-template: the template itself where it holds "{", "}" or a line break (vLLM's rule), else the path of
+    a file holding it, which must exist (a mistyped path was taken for the template, and every chat prompt became
+    its text; a long inline template was tested as a path and failed the server)."""
+    if any(mark in value for mark in "{}\n"):
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"--chat-template {value!r} is no template (it holds no '{{', '}}' or line break) and no "
+                         "file")
+    return path.read_text()
 
 
 def _backend(args: argparse.Namespace, loop: EngineLoop | None, store: BatchStore,
