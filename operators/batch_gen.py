@@ -35,6 +35,7 @@ from batchgen.operators.columns import (
     SAMPLING_PARAMS,
     RowOutcome,
     RowParser,
+    check_input_columns,
     output_columns,
     report_finished,
 )
@@ -73,6 +74,7 @@ class BatchGen:
 
     async def __call__(self, batch: Any) -> Block:
         block = to_block(batch)
+        check_input_columns(names(block), "a batch given to BatchGen")  # as `batchgen run` checks its input
         outcomes = [RowOutcome() for _ in range(num_rows(block))]
         requests: list[tuple[int, Request]] = []
         # a numbered row has the same request id when its task runs again: its checkpoint is found

@@ -14,8 +14,8 @@ import pyarrow as pa
 from batchgen.connectors.checkpoint_files import load_tokenizer
 from batchgen.engine import RequestNormalizer, SamplingParams
 from batchgen.operators import stage_columns as sc
-from batchgen.operators.blocks import Block, rows, to_block, with_columns
-from batchgen.operators.columns import ERROR, PROMPT_COLUMNS, SAMPLING_PARAMS, RowParser
+from batchgen.operators.blocks import Block, names, rows, to_block, with_columns
+from batchgen.operators.columns import ERROR, PROMPT_COLUMNS, SAMPLING_PARAMS, RowParser, check_input_columns
 
 
 class Tokenize:
@@ -29,6 +29,7 @@ class Tokenize:
 
     def __call__(self, batch: Any) -> Block:
         block = to_block(batch)
+        check_input_columns(names(block), "a batch given to Tokenize")  # as `batchgen run` checks its input
         request_ids, ids, sampling, errors = [], [], [], []
         for row in rows(block, (*PROMPT_COLUMNS, SAMPLING_PARAMS)):
             parsed = self.parser.parse(row)

@@ -98,6 +98,16 @@ def test_per_row_integer_overrides_survive_rays_default_numpy_batches(batchgen, 
     assert out.column("generated_token_ids").to_pylist() == [expected[0][:3], expected[1]]
 
 
+def test_a_batch_with_an_output_column_is_refused_not_overwritten(tiny_moe_dir, batchgen, prompts):
+    """`batchgen run` refused such an input up front; map_batches(BatchGen) replaced the user's column silently."""
+    table = pa.table({"prompt": prompts[:2], "finish_reason": ["mine", "mine"]})
+    with pytest.raises(ValueError, match=r"a batch given to BatchGen already has output column\(s\) "
+                                         r"\['finish_reason'\]; rename or drop them"):
+        call(batchgen, table)
+    with pytest.raises(ValueError, match=r"a batch given to Tokenize already has output column\(s\) \['error'\]"):
+        Tokenize(tiny_moe_dir, SAMPLING)(pa.table({"prompt": prompts[:1], "error": ["x"]}))
+
+
 def test_bad_rows_get_an_error_and_the_batch_carries_on(tiny_moe_dir, batchgen, prompts, expected):
     sampling = pa.array([None, None, None, None, {"temperature": -1.0, "max_tokens": None},
                          {"temperature": None, "max_tokens": 0}, None],
