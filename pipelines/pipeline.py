@@ -95,6 +95,15 @@ class JobConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise JobError(f"{name} must be an integer >= 1, got {value!r}")
+        other_mode = ({"concurrency": 1, "engine_resources": {}} if self.mode == "disaggregated" else
+                      {"prefill_concurrency": 1, "decode_concurrency": 1, "tokenize_concurrency": 1,
+                       "prefill_resources": {}, "decode_resources": {}})
+        ignored = [name for name, unset in other_mode.items() if getattr(self, name) != unset]
+        if ignored:
+            raise JobError(f"{', '.join(ignored)} apply to the other mode than {self.mode!r}, where they would be "
+                           f"ignored; " + ("give prefill_concurrency / decode_concurrency (or engine_actors), and "
+                                           "prefill_resources / decode_resources" if self.mode == "disaggregated"
+                                           else "give concurrency and engine_resources"))
         if self.engine_actors is not None:
             if self.mode != "disaggregated":
                 raise JobError("engine_actors splits a disaggregated pipeline's engine actors; in single mode give "

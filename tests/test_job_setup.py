@@ -57,3 +57,18 @@ def test_engine_actors_the_cluster_cannot_hold_beside_the_light_stages_are_refus
     with pytest.raises(JobError, match=r"7 engine actors do not fit 2 CPUs beside the read, write and tokenize "
                                        r"stages \(2 x 0.25 CPUs\)"):
         actor_cpu_share(2.0, 2.0, 7, 2)
+
+
+@pytest.mark.parametrize("mode,options,named", [
+    ("disaggregated", {"concurrency": 8}, "concurrency"),
+    ("disaggregated", {"engine_resources": {"gpu_node": 1}}, "engine_resources"),
+    ("single", {"decode_concurrency": 4, "tokenize_concurrency": 2}, "decode_concurrency, tokenize_concurrency"),
+    ("single", {"prefill_resources": {"a": 1}}, "prefill_resources"),
+])
+def test_options_of_the_other_mode_are_refused_not_ignored(mode, options, named):
+    """`--concurrency 8` in the default (disaggregated) mode ran one prefill and one decode actor, saying nothing."""
+    config = JobConfig(model="m", input="i", output="o", mode=mode, **options)
+    with pytest.raises(JobError, match=rf"^{named} apply to the other mode than '{mode}', where they would be "
+                                       r"ignored; give "):
+        config.validate()
+    JobConfig(model="m", input="i", output="o", mode=mode).validate()
