@@ -425,6 +425,19 @@ def test_chat_batch(client, engine, loop):
     assert "only text parts" in errors[0]["response"]["body"]["error"]["message"]
 
 
+def test_null_parameters_are_unset_whatever_they_are():
+    """A line written from a typed request model carries every optional field: `"reasoning_effort": null` and the
+    like were refused as unrecognized, `tool_choice: "auto"` without tools as unsupported."""
+    from batchgen.engine.errors import InvalidRequestError
+    from batchgen.pipelines.openai_batch.wire_format import _check_fields
+
+    body = {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": None, "prediction": None,
+            "functions": None, "function_call": None, "prompt": None, "tool_choice": "auto", "tools": None}
+    _check_fields(body, chat=True)
+    with pytest.raises(InvalidRequestError, match="unrecognized request parameter 'reasoning_effort'"):
+        _check_fields({**body, "reasoning_effort": "high"}, chat=True)
+
+
 def test_per_request_errors_go_to_error_file(client, engine):
     too_long = [5] * (engine.max_model_len + 3)
     bad = {

@@ -36,7 +36,7 @@ _IGNORED_FIELDS = ("model", "user", "store", "metadata", "service_tier", "stream
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "stream": (None, False),
     "tools": (None, []),
-    "tool_choice": (None, "none"),
+    "tool_choice": (None, "none", "auto"),  # "auto" with no tools (the only way tools pass here) calls none
     "modalities": (None, ["text"]),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -187,8 +187,12 @@ class RequestBuilder:
 
 
 def _check_fields(body: dict[str, Any], chat: bool) -> None:
+    """A parameter set to null is unset, whatever it is (as OpenAI takes it: a client serialising its request model
+    writes every optional field, `"reasoning_effort": null` included)."""
     wrong_endpoint = _COMPLETIONS_ONLY if chat else _CHAT_ONLY
     for key, value in body.items():
+        if value is None:
+            continue
         if key in wrong_endpoint:
             where = COMPLETIONS_ENDPOINT if chat else CHAT_ENDPOINT
             raise InvalidRequestError(f"parameter '{key}' belongs to {where}, not this batch's endpoint")
