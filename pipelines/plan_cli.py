@@ -64,9 +64,12 @@ def run_plan(args: argparse.Namespace) -> int:
             curves = CostCurves.load(args.curves)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-    loaded = load_model(args.model, dtype=config.dtype, device=config.load_device(),
-                        shared_host_weights=config.shares_host_weights,
-                        storage_options=args.storage_options, weights=curves is None)
+    try:
+        loaded = load_model(args.model, dtype=config.dtype, device=config.load_device(),
+                            shared_host_weights=config.shares_host_weights,
+                            storage_options=args.storage_options, weights=curves is None)
+    except (ValueError, OSError) as exc:  # CheckpointError, PresetError, an unsupported model; storage errors
+        raise UsageError(f"model {args.model!r} is not readable: {exc}") from None
     if curves is not None:
         check_curves_fit(curves, loaded)
     if curves is None:
