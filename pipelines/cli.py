@@ -51,8 +51,9 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("run", help="generate for every row of a Parquet dataset on Ray",
                               description="Read Parquet, generate, write Parquet in input order. Restarting "
                                           "with the same --output resumes: written rows are not redone.")
-    p.add_argument("--config", help="YAML file with any of the options below (underscored names); "
-                                    "command-line values override it")
+    p.add_argument("--config", help="YAML file with the job's options below (underscored names; not "
+                                    "--device-memory-mb, --no-progress, --verbose: engine: {device_memory_bytes: N} "
+                                    "for the first); command-line values override it")
     p.add_argument("--model", help="checkpoint directory, fsspec URI (s3://...) or preset name (tiny-moe)")
     p.add_argument("--input", help="Parquet file or folder (local or fsspec URI)")
     p.add_argument("--output", help="output folder (local or fsspec URI)")
