@@ -106,12 +106,18 @@ class IndexedParquetSource(Datasource):
         with ThreadPoolExecutor(max_workers=max(1, min(FOOTER_READERS, len(files)))) as readers:
             metadata = list(readers.map(self._metadata, files))
         for path, meta in zip(files, metadata):
-            schema = meta.schema.to_arrow_schema()
+            schema = plain_schema(meta.schema.to_arrow_schema())
             if self.schema is None:
                 self.schema = schema
             elif sorted(schema.names) != sorted(self.schema.names):  # (in any order: read in the first's)
                 raise StorageError(f"input file {path!r} has columns {schema.names}, but {files[0]!r} has "
                                    f"{self.schema.names}; every input file needs the same columns")
+            else:  # blocks of both meet in one write task, whose concatenation would fail mid-job
+                try:
+                    pa.unify_schemas([self.schema, schema], promote_options="permissive")
+                except (pa.ArrowTypeError, pa.ArrowInvalid) as exc:
+                    raise StorageError(f"input file {path!r} has column types that do not combine with "
+                                       f"{files[0]!r}'s: {exc}") from None
             for g in range(meta.num_row_groups):
                 group = meta.row_group(g)
                 self.fragments.append(_Fragment(path, g, next_row, group.num_rows, group.total_byte_size))
@@ -198,7 +204,8 @@ def _reader(fs, fragments: list[_Fragment], skip: RangeSet, rows_per_block: int,
                 for batch in pq.ParquetFile(f).iter_batches(batch_size=rows_per_block, row_groups=[frag.row_group]):
                     index = np.arange(first, first + batch.num_rows, dtype=np.int64)
                     first += batch.num_rows
-                    table = pa.Table.from_batches([batch]).select(columns).append_column(ROW_INDEX, pa.array(index))
+                    table = plain_columns(pa.Table.from_batches([batch]).select(columns))
+                    table = table.append_column(ROW_INDEX, pa.array(index))
                     keep = ~skip.mask(index)
                     if not keep.all():
                         table = table.filter(pa.array(keep))
@@ -206,6 +213,21 @@ def _reader(fs, fragments: list[_Fragment], skip: RangeSet, rows_per_block: int,
                         yield table
 
     return read
+
+
+def plain_schema(schema: pa.Schema) -> pa.Schema:
+    """`schema` with each dictionary-encoded column as its values' type: what the reader hands on (a pandas
+    category in one input file and plain strings in another are one column of strings)."""
+    return pa.schema([pa.field(f.name, f.type.value_type, f.nullable, f.metadata)
+                      if pa.types.is_dictionary(f.type) else f for f in schema], metadata=schema.metadata)
+
+
+def plain_columns(table: pa.Table) -> pa.Table:
+    """`table` with its dictionary-encoded columns decoded (plain_schema)."""
+    for i, f in enumerate(table.schema):
+        if pa.types.is_dictionary(f.type):
+            table = table.set_column(i, f.name, table.column(i).cast(f.type.value_type))
+    return table
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,21 @@ def test_the_input_is_globbed_any_case_read_in_one_column_order_and_digested(tmp
     assert IndexedParquetSource(str(tmp_path / "f*")).digest != digest
 
 
+def test_a_dictionary_column_in_one_file_and_plain_strings_in_another_read_as_one_column(tmp_path):
+    """A pandas category column in one input file: its blocks and the other file's met in a write task, whose
+    concatenation failed mid-job without naming either file."""
+    pq.write_table(pa.table({"prompt": pa.array(["x", "y", "x"]).dictionary_encode()}), tmp_path / "f0.parquet")
+    pq.write_table(pa.table({"prompt": pa.array(["z"], pa.large_string())}), tmp_path / "f1.parquet")
+    source = IndexedParquetSource(str(tmp_path))
+    assert source.schema.field("prompt").type == pa.string()
+    blocks = [block for task in source.get_read_tasks(parallelism=1) for block in task()]
+    assert pa.concat_tables(blocks, promote_options="permissive").column("prompt").to_pylist() == ["x", "y", "x", "z"]
+    pq.write_table(pa.table({"prompt": [7]}), tmp_path / "f2.parquet")  # numbers: no common type with text
+    with pytest.raises(StorageError, match=r"input file '.*f2\.parquet' has column types that do not combine with "
+                                           r"'.*f0\.parquet''s"):
+        IndexedParquetSource(str(tmp_path))
+
+
 def test_other_data_files_beside_the_parquet_ones_are_an_error_naming_them(tmp_path):
     """They were left out silently: a job over the folder reported complete without their rows."""
     pq.write_table(pa.table({"a": [1]}), tmp_path / "f0.parquet")
