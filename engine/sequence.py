@@ -56,6 +56,7 @@ class Sequence:
     kv_len: int = 0  # tokens whose K/V are stored
     finish_reason: str | None = None
     stop_text_end: int | None = None  # character offset where a stop string cut the text
+    context_text: str | None = None  # the prompt's last tokens decoded, the output's text read after (stop_checker)
     grammar: Any = None  # structured outputs: the xgrammar matcher over `generated` (engine/grammar.py)
     bad_word_ids: tuple[tuple[int, ...], ...] = ()  # token sequences of sampling.bad_words, never completed
     submitted_at: float = field(default_factory=time.perf_counter)

@@ -26,7 +26,9 @@ def generated_text(tokenizer, seq: Sequence, tokens: list[int]) -> str:
     context = seq.prompt_ids[-CONTEXT_TOKENS:]
     if tokenizer is None or not context:
         return detokenize(tokenizer, tokens)
-    prefix = detokenize(tokenizer, context)
+    if seq.context_text is None:  # once a sequence: a stop string's check reads the text every step
+        seq.context_text = detokenize(tokenizer, context)
+    prefix = seq.context_text
     text = detokenize(tokenizer, context + tokens)
     return text[len(prefix):] if text.startswith(prefix) else detokenize(tokenizer, tokens)
 
