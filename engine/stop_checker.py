@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 from batchgen.engine.sequence import Sequence
 
 REPLACEMENT = "\ufffd"  # what a decoder gives for the bytes of a character not yet complete
@@ -22,15 +24,31 @@ def generated_text(tokenizer, seq: Sequence, tokens: list[int]) -> str:
     """The text `tokens` (the sequence's output, or its start) add after the prompt, as vLLM's detokenizer gives
     it: decoded behind the prompt's last CONTEXT_TOKENS tokens, so a SentencePiece decoder keeps the first output
     token's leading space (" Paris", not "Paris"); where the two decodes do not line up (a character split over the
-    boundary), the tokens alone."""
+    boundary), the tokens alone. A tokenizer whose pieces decode alone as they do in a sequence (byte-level BPE)
+    decodes the tokens alone: the same text, one decode."""
     context = seq.prompt_ids[-CONTEXT_TOKENS:]
-    if tokenizer is None or not context:
+    if tokenizer is None or not context or _decodes_alone(tokenizer):
         return detokenize(tokenizer, tokens)
     if seq.context_text is None:  # once a sequence: a stop string's check reads the text every step
         seq.context_text = detokenize(tokenizer, context)
     prefix = seq.context_text
     text = detokenize(tokenizer, context + tokens)
     return text[len(prefix):] if text.startswith(prefix) else detokenize(tokenizer, tokens)
+
+
+_DECODES_ALONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _decodes_alone(tokenizer) -> bool:
+    """Whether two words' tokens decode apart to the text they decode to together (asked once a tokenizer)."""
+    known = _DECODES_ALONE.get(tokenizer)
+    if known is None:
+        encode = getattr(tokenizer, "encode", None)
+        ids = list(encode(" one two", add_special_tokens=False)) if encode is not None else []
+        known = len(ids) < 2 or all(detokenize(tokenizer, ids[:i]) + detokenize(tokenizer, ids[i:])
+                                    == detokenize(tokenizer, ids) for i in range(1, len(ids)))
+        _DECODES_ALONE[tokenizer] = known
+    return known
 
 
 def finish_reason(seq: Sequence, tokenizer, max_model_len: int) -> str | None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from batchgen.connectors.checkpoint import load_model
-from batchgen.engine import Engine, InvalidRequestError, Request, SamplingParams
+from batchgen.engine import Engine, InvalidRequestError, Request, SamplingParams, stop_checker
 from batchgen.engine.chat import render_chat
 from batchgen.engine.reference import ReferenceRunner
 from batchgen.engine.sampler import _filtered_probs, adjust_logits
@@ -196,18 +196,20 @@ def test_an_output_cut_by_max_tokens_mid_character_ends_before_that_character():
     assert output_text(seq, ByteTokenizer()) == "ab"
 
 
-def test_a_sentencepiece_outputs_first_word_keeps_its_leading_space():
+def test_a_sentencepiece_outputs_first_word_keeps_its_leading_space(demo):
     """A Metaspace decoder drops the space of the first token it decodes: the output decoded alone read "Paris."
     after "The capital is" where vLLM, decoding behind the prompt's last tokens, gives " Paris." (and a stop string
     " Paris" could never match)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<unk>": 0, "\u2581The": 1, "\u2581capital": 2, "\u2581is": 3, "\u2581Paris": 4, ".": 5}
+    vocab = {"<unk>": 0, "\u2581The": 1, "\u2581capital": 2, "\u2581is": 3, "\u2581Paris": 4, ".": 5,
+             "\u2581one": 6, "\u2581two": 7}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
     assert tokenizer.decode([4, 5]) == "Paris."
+    assert not stop_checker._decodes_alone(tokenizer) and stop_checker._decodes_alone(demo.tokenizer)  # byte-level
     seq = Sequence(0, "r", 0, [1, 2, 3], SamplingParams(max_tokens=8, stop=[" Paris"]), frozenset(), 0)
     seq.generated = [4, 5]
     assert output_text(seq, tokenizer) == " Paris."
