@@ -42,6 +42,7 @@ from batchgen.engine.sampling_params import InvalidRequestError
 from batchgen.engine.scheduler import DecodePlan, PrefillPlan, Scheduler, StepPlan
 from batchgen.engine.sequence import KVLocation, Phase, Sequence
 from batchgen.engine.stop_checker import finish_reason, output_text
+from batchgen.engine.wall_clock import from_wall, to_wall
 
 _UNBOUNDED = 1 << 62
 
@@ -213,7 +214,7 @@ class Engine(Generates):
         self._requests[request.request_id] = state
         location = self.scheduler.import_location(prefilled.num_tokens, samples=request.sampling.n)
         for index, logprob in enumerate(prefilled.first_logprobs):
-            seq = self.new_sequence(request, index, list(request.prompt_token_ids), prefilled.submitted_at)
+            seq = self.new_sequence(request, index, list(request.prompt_token_ids), from_wall(prefilled.submitted_at))
             if location is None or not self.kv.load(seq, location, prefilled.kv, prefilled.num_tokens,
                                                     prefilled.kv_start):
                 state.prefilled = prefilled  # only the first sample can miss: later ones find its pages
@@ -280,7 +281,7 @@ class Engine(Generates):
             return None
         first = state.samples[0]
         request = Request(request_id, list(first.prompt_ids), sampling=state.request.sampling)
-        migrated = MigratedRequest(request, [], first.submitted_at, first.first_scheduled_at)
+        migrated = MigratedRequest(request, [], to_wall(first.submitted_at), to_wall(first.first_scheduled_at))
         for seq in state.samples:
             if seq.phase is Phase.WAITING and not seq.recomputing:
                 continue
@@ -290,7 +291,7 @@ class Engine(Generates):
                 self.kv.export(seq, kv)
             logprobs = None if seq.logprobs is None else list(seq.logprobs)  # a checkpoint is read as it decodes on
             migrated.samples.append(MigratedSample(seq.sample_index, list(seq.generated), logprobs, kv, seq.kv_len,
-                                                   seq.finish_reason, seq.stop_text_end, seq.finished_at))
+                                                   seq.finish_reason, seq.stop_text_end, to_wall(seq.finished_at)))
         return migrated
 
     def export_request(self, request_id: str) -> MigratedRequest | None:
@@ -332,18 +333,19 @@ class Engine(Generates):
                                    "run the same model and KV dtype)")
         self.stats.mark_start()
         self.stats.migrated_in += 1
+        submitted = from_wall(migrated.submitted_at)
         if not migrated.samples:
-            self._admit(request, prompt_ids, migrated.submitted_at)
+            self._admit(request, prompt_ids, submitted)
             return
         unfinished = [s for s in migrated.samples if s.finish_reason is None]
         state = _RequestState(request, pending=len(unfinished))
         self._requests[request.request_id] = state
         for sample in migrated.samples:
-            seq = self.new_sequence(request, sample.index, prompt_ids, migrated.submitted_at)
-            seq.first_scheduled_at = migrated.first_scheduled_at
+            seq = self.new_sequence(request, sample.index, prompt_ids, submitted)
+            seq.first_scheduled_at = from_wall(migrated.first_scheduled_at)
             seq.generated, seq.logprobs = list(sample.generated), sample.logprobs
             seq.finish_reason, seq.stop_text_end, seq.finished_at = (sample.finish_reason, sample.stop_text_end,
-                                                                     sample.finished_at)
+                                                                     from_wall(sample.finished_at))
             state.samples.append(seq)
             if seq.grammar is not None:
                 for token in seq.generated:

@@ -27,7 +27,7 @@ class MigratedSample:
     kv_len: int
     finish_reason: str | None = None  # set for a sample that finished before the move
     stop_text_end: int | None = None
-    finished_at: float | None = None
+    finished_at: float | None = None  # wall clock, as every stamp here (engine/wall_clock.py)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from batchgen.engine.request import Request, Result
 from batchgen.engine.sampler import sample_next_tokens
 from batchgen.engine.sampling_params import InvalidRequestError
 from batchgen.engine.scheduler import PrefillPlan
+from batchgen.engine.wall_clock import to_wall
 
 
 class PrefillExporter:
@@ -89,7 +90,7 @@ class PrefillExporter:
                 request=Request(prompt.request_id, prompt.prompt_ids, sampling=prompt.sampling),
                 kv=packed, first_token_ids=tokens[cursor : cursor + n],
                 first_logprobs=[s.logprobs[0] if s.logprobs else None for s in drawn],
-                submitted_at=prompt.submitted_at, kv_start=start))
+                submitted_at=to_wall(prompt.submitted_at), kv_start=start))
             cursor += n
         return out
 

@@ -17,7 +17,7 @@ class PrefillOutput:
     kv: torch.Tensor  # uint8, packed as PoolGeometry.packed_views lays it out, in the engines' KV dtype
     first_token_ids: list[int]  # one per sample
     first_logprobs: list[TokenLogprob | None]
-    submitted_at: float
+    submitted_at: float  # wall clock (engine/wall_clock.py): the decode engine may run on another machine
     # `kv` holds prompt tokens [kv_start, num_tokens): the earlier ones are whole prefix pages an earlier
     # output of the same batch carries, so a shared prefix crosses to the decode engine once per batch
     kv_start: int = 0

@@ -371,3 +371,25 @@ def test_a_straggler_in_its_last_page_lands_on_the_device_of_the_engine_a_partit
     target.import_request(migrated)
     assert len(target.scheduler.running) == n and not target.scheduler.suspended
     assert by_id(drain(target)) == want
+
+
+def test_a_request_moved_to_a_process_with_another_clock_keeps_its_completion_time(demo, monkeypatch):
+    """Stamps are perf_counter, which counts from an origin of its own in each machine's processes: a request moved
+    (or prefilled) on one node and finished on another reported the difference of two clocks as its completion
+    time. They cross as wall-clock time now."""
+    from batchgen.engine import PrefillExporter
+
+    request = Request("r", prompt=PROMPTS[0], sampling=SamplingParams(max_tokens=8, temperature=0.0))
+    source, prefill = Engine(demo, page_size=16), Engine(demo, page_size=16)
+    source.add_request(request)
+    for _ in range(3):
+        source.step()
+    migrated = source.export_request("r")
+    [prefilled] = PrefillExporter(prefill).prefill([request]).outputs
+    clock = time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: clock() + 1e6)  # the other machine's origin
+    for arrive in (lambda engine: engine.import_request(migrated), lambda engine: engine.add_prefilled(prefilled)):
+        target = Engine(demo, page_size=16)
+        arrive(target)
+        [result] = drain(target)
+        assert result.error is None and 0 < result.completion_time < 60, result.completion_time
