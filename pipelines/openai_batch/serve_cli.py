@@ -46,7 +46,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-upload-bytes", type=int, default=200 * 1024 * 1024, help="largest accepted upload")
     p.add_argument("--max-batch-requests", type=int, default=50_000, help="most requests in one batch file")
     p.add_argument("--max-in-flight", type=int, default=256,
-                   help="requests handed to the engine at once; cancellation waits for these to finish")
+                   help="requests handed to the engine at once (a cancel aborts those of its batch)")
     p.add_argument("--sampling-params", type=json_object, default={},
                    help='defaults for the sampling fields a request body leaves out, as JSON, '
                         'e.g. {"temperature": 0, "max_tokens": 256}')
