@@ -259,6 +259,31 @@ def test_a_checkpoint_with_another_head_than_a_language_models_is_refused(tmp_pa
         load_model(tmp_path)
 
 
+@pytest.mark.parametrize("arch,fields,message", [
+    ("llama", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)),
+     r"rope_type 'dynamic' is not supported"),
+    ("qwen2", dict(rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8,
+                                        long_factor=[2.0] * 8, original_max_position_embeddings=128)),
+     r"rope_type 'longrope' is not supported"),
+    ("mixtral", dict(hidden_act="gelu"), r"mixtral: activation 'gelu' unsupported \(only silu\)"),
+])
+def test_rope_types_and_activations_we_cannot_run_fail_at_load(tmp_path, arch, fields, message):
+    tiny_config(arch, **fields).save_pretrained(tmp_path)
+    save_file({"x": torch.zeros(1)}, str(tmp_path / SHARD))
+    with pytest.raises((UnsupportedModelError, ValueError), match=message):
+        load_model(tmp_path)
+
+
+def test_linear_rope_scaling_matches_transformers(tmp_path):
+    hf = save_tiny_checkpoint("llama", tmp_path, rope_parameters=dict(rope_type="linear", rope_theta=10000.0,
+                                                                      factor=4.0))
+    prompt = list(range(3, 60))
+    with torch.inference_mode():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ReferenceRunner(load_model(tmp_path).model).prefill_logits(prompt), expected,
+                               atol=1e-4, rtol=0)
+
+
 def test_bad_dtype(mixtral_dir):
     with pytest.raises(ValueError, match=r"unsupported dtype 'int8'; use one of float32"):
         load_model(mixtral_dir, dtype="int8")
