@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from batchgen.pipelines.pipeline import JobConfig, JobError, _claim_output, actor_cpu_share, job_record
+from batchgen.pipelines.pipeline import JobConfig, JobError, _claim_output, _work_balancer, actor_cpu_share, job_record
 
 
 def test_a_rerun_of_the_same_job_matches_its_record_whatever_json_makes_of_it(tmp_path):
@@ -72,3 +72,16 @@ def test_options_of_the_other_mode_are_refused_not_ignored(mode, options, named)
                                        r"ignored; give "):
         config.validate()
     JobConfig(model="m", input="i", output="o", mode=mode).validate()
+
+
+def test_no_balancer_without_migrate_a_second_engine_actor_or_with_a_tensor_parallel_engine():
+    """--no-migrate (migrate: false), one engine actor, or an engine whose KV is split by heads over its ranks:
+    the job starts no WorkBalancer (starting one needs Ray, which these do not touch)."""
+    from batchgen.pipelines.cli import build_parser, job_config
+
+    args = build_parser().parse_args(["run", "--model", "m", "--input", "i", "--output", "o", "--mode", "single",
+                                      "--concurrency", "2", "--no-migrate"])
+    assert job_config(args).migrate is False and _work_balancer(job_config(args)) is None
+    base = dict(model="m", input="i", output="o", mode="single")
+    assert _work_balancer(JobConfig(**base, concurrency=1)) is None
+    assert _work_balancer(JobConfig(**base, concurrency=2, engine={"tp_size": 2})) is None
