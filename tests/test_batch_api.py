@@ -259,6 +259,16 @@ def test_a_chat_template_option_is_the_template_itself_or_a_file_that_exists(tem
         chat_template_text(str(tmp_path / "missing.jinja"))
 
 
+def test_the_api_key_defaults_to_the_environments(monkeypatch):
+    from batchgen.pipelines.cli import build_parser
+
+    monkeypatch.setenv("BATCHGEN_API_KEY", "from-env")
+    parse = lambda *extra: build_parser().parse_args(["serve", "--model", "m", "--storage", "s", *extra])  # noqa: E731
+    assert parse().api_key == "from-env" and parse("--api-key", "given").api_key == "given"
+    monkeypatch.delenv("BATCHGEN_API_KEY")
+    assert parse().api_key is None
+
+
 def test_health_and_models(server, client):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert [m.id for m in client.models.list()] == [SERVED]
