@@ -351,6 +351,12 @@ def test_batchgen_plan_prints_the_plan_and_the_split(loaded, tmp_path, capsys):
     assert main(["plan", "--model", model_dir, "--curves", str(curves), "--engine", '{"dtype": "bfloat16"}']) == 2
     assert (f"the cost curves were measured for another model or dtype (kv_bytes_per_token {kv} there, {kv // 2} "
             f"here)") in capsys.readouterr().err
+    saved = tmp_path / "saved.json"
+    assert main(["plan", "--model", model_dir, "--curves", str(curves), "--save-curves", str(saved)]) == 2
+    assert "pick one" in capsys.readouterr().err
+    assert main(["plan", "--model", model_dir, "--save-curves", str(saved), "--json"]) == 0  # profiled: cached here
+    assert CostCurves.load(str(saved)).to_json() == curves_file.to_json()
+    capsys.readouterr()
     assert main(["plan", "--model", str(tmp_path / "no-model"), "--curves", str(curves)]) == 2  # not a traceback
     assert f"model '{tmp_path / 'no-model'}' is not readable: checkpoint directory" in capsys.readouterr().err
 
