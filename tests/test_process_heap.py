@@ -44,3 +44,17 @@ def test_kept_freed_memory_serves_the_next_steps_without_faulting_their_pages_in
     assert initial["took"] is True and kept["took"] is True
     assert initial["faults"] >= 10 * STEP_PAGES * 9 // 10, initial  # the probe sees every step's pages fault
     assert kept["faults"] < 10 * STEP_PAGES // 20, kept
+
+
+def test_a_frozen_heap_is_skipped_by_the_collector_and_its_objects_counted():
+    """In a subprocess: a frozen heap is the process's for good (the test process builds and drops engines)."""
+    script = (
+        "import gc, json; import torch; from batchgen.engine.process_heap import freeze_heap\n"
+        "before = gc.get_freeze_count(); frozen = freeze_heap(); gc.collect()\n"
+        "print(json.dumps({'before': before, 'frozen': frozen, 'after': gc.get_freeze_count(),"
+        " 'tracked': len(gc.get_objects())}))"
+    )
+    out = json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                    check=True).stdout)
+    assert out["before"] == 0 and out["frozen"] > 50_000 and out["after"] == out["frozen"]
+    assert out["tracked"] < out["frozen"] // 10  # the collector's generations hold only what came after
