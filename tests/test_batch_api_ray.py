@@ -175,7 +175,8 @@ def test_restart_resumes_the_job_from_its_output(ray_server, ray_storage, tiny_m
     assert [x["response"]["body"]["choices"][0]["text"] for x in out] == [c.text for c in expected]
 
 
-def test_a_job_that_fails_fails_its_batch_and_keeps_the_finished_rows(ray_server, monkeypatch):
+def test_a_job_that_fails_fails_its_batch_and_keeps_the_finished_rows(ray_cluster, tiny_moe_dir, tmp_path,
+                                                                       monkeypatch):
     """The job raises mid-run (a node lost, storage gone): the batch ends failed with code job_failed, the rows the
     job finished in its output file, every other line once in the error file with that code; the next batch runs."""
     from batchgen.pipelines.openai_batch import ray_backend
@@ -191,13 +192,17 @@ def test_a_job_that_fails_fails_its_batch_and_keeps_the_finished_rows(ray_server
         return real(plan, on_progress=progress, poll_s=poll_s)
 
     monkeypatch.setattr(ray_backend, "execute_job", failing)
-    client = ray_server.client()
-    lines = [_line(f"f-{i}", {"prompt": PROMPTS[i % 4], "max_tokens": 32, "temperature": 0, "ignore_eos": True})
-             for i in range(48)]
-    batch = _wait(client, _submit(client, lines).id, timeout=300)
-    assert batch.status == "failed" and [e.code for e in batch.errors.data] == ["job_failed"]
-    assert "the job lost its node" in batch.errors.data[0].message
-    _check_partial(client, batch, lines, "job_failed")
-    monkeypatch.setattr(ray_backend, "execute_job", real)
-    after = _wait(client, _submit(client, [_line("after", {"prompt": "x", "max_tokens": 2})]).id, timeout=300)
-    assert after.status == "completed" and _counts(after) == (1, 1, 0)
+    server = _ray_server(tiny_moe_dir, tmp_path / "storage")  # its own: the module's is stopped by a restart test
+    try:
+        client = server.client()
+        lines = [_line(f"f-{i}", {"prompt": PROMPTS[i % 4], "max_tokens": 32, "temperature": 0, "ignore_eos": True})
+                 for i in range(48)]
+        batch = _wait(client, _submit(client, lines).id, timeout=300)
+        assert batch.status == "failed" and [e.code for e in batch.errors.data] == ["job_failed"]
+        assert "the job lost its node" in batch.errors.data[0].message
+        _check_partial(client, batch, lines, "job_failed")
+        monkeypatch.setattr(ray_backend, "execute_job", real)
+        after = _wait(client, _submit(client, [_line("after", {"prompt": "x", "max_tokens": 2})]).id, timeout=300)
+        assert after.status == "completed" and _counts(after) == (1, 1, 0)
+    finally:
+        server.stop()
