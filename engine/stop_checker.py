@@ -52,14 +52,16 @@ def _decodes_alone(tokenizer) -> bool:
 
 
 def finish_reason(seq: Sequence, tokenizer, max_model_len: int) -> str | None:
-    """Check the newest token; returns "stop", "length" or None to keep going. A stop token's own text is left out
-    of the output (vLLM's default), as a stop string is."""
+    """Check the newest token; returns "stop", "length" or None to keep going. A stop_token_ids token's own text is
+    left out of the output (vLLM's default), as a stop string is."""
     params = seq.sampling
     token = seq.generated[-1]
     if seq.grammar is not None and seq.grammar.is_terminated():  # the grammar took its end token
         return "stop"
     if len(seq.generated) >= params.min_tokens:
-        if (not params.ignore_eos and token in seq.eos_token_ids) or token in params.stop_token_ids:
+        if not params.ignore_eos and token in seq.eos_token_ids:  # (a special token: no text to leave out)
+            return "stop"
+        if token in params.stop_token_ids:
             seq.stop_text_end = len(generated_text(tokenizer, seq, seq.generated[:-1]))
             return "stop"
         if params.stop:
