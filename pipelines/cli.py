@@ -24,7 +24,16 @@ from batchgen.operators.work_balancer import BalancerStats
 from batchgen.pipelines.cli_args import json_object, parse_json_object
 from batchgen.pipelines.driver_priority import driver_yields_cpu
 from batchgen.pipelines.openai_batch.serve_cli import add_serve_parser, run_serve
-from batchgen.pipelines.pipeline import JobConfig, JobError, JobPlan, JobSummary, execute_job, plan_job
+from batchgen.pipelines.pipeline import (
+    JobConfig,
+    JobError,
+    JobPlan,
+    JobSummary,
+    execute_job,
+    other_mode_message,
+    other_mode_options,
+    plan_job,
+)
 from batchgen.pipelines.plan_cli import add_plan_parser, run_plan
 from batchgen.pipelines.progress import Progress
 from batchgen.pipelines.ray_runtime import init_ray
@@ -125,6 +134,10 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             values.get(k) is not None for k in ("prefill_concurrency", "decode_concurrency")):
         raise UsageError("--engine-actors lets the planner split the engine actors: drop --prefill-concurrency "
                          "and --decode-concurrency, or give those two alone")
+    mode = values.get("mode") or "disaggregated"
+    given = [name for name in other_mode_options(mode) if values.get(name) is not None]
+    if given:  # even at their default value: JobConfig tells only values apart from it
+        raise UsageError(other_mode_message(given, mode))
     missing = [f"--{name}" for name in ("model", "input", "output") if not values.get(name)]
     if missing:
         raise UsageError(f"missing {', '.join(missing)} (on the command line or in --config)")

@@ -19,6 +19,7 @@ the output (output_lease.py), and that an existing output belongs to the same jo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import posixpath
 import threading
@@ -55,6 +56,21 @@ MANIFEST = "_batchgen_job.json"
 
 class JobError(RuntimeError):
     """The job cannot run or did not complete; the message says what to fix."""
+
+
+# the options each pipeline mode reads alone; set for the other mode, they would be ignored
+MODE_OPTIONS = {"single": ("concurrency", "engine_resources"),
+                "disaggregated": ("prefill_concurrency", "decode_concurrency", "tokenize_concurrency",
+                                  "prefill_resources", "decode_resources")}
+
+
+def other_mode_options(mode: str) -> tuple[str, ...]:
+    return next((names for other, names in MODE_OPTIONS.items() if other != mode), ()) if mode in MODES else ()
+
+
+def other_mode_message(names: list[str], mode: str) -> str:
+    return (f"{', '.join(names)} apply to the other mode than {mode!r}, where they would be ignored; give "
+            f"{' / '.join(MODE_OPTIONS[mode])}" + (" (or engine_actors)" if mode == "disaggregated" else ""))
 
 
 @dataclass
@@ -95,15 +111,11 @@ class JobConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise JobError(f"{name} must be an integer >= 1, got {value!r}")
-        other_mode = ({"concurrency": 1, "engine_resources": {}} if self.mode == "disaggregated" else
-                      {"prefill_concurrency": 1, "decode_concurrency": 1, "tokenize_concurrency": 1,
-                       "prefill_resources": {}, "decode_resources": {}})
-        ignored = [name for name, unset in other_mode.items() if getattr(self, name) != unset]
+        defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                    for f in dataclasses.fields(self)}
+        ignored = [name for name in other_mode_options(self.mode) if getattr(self, name) != defaults[name]]
         if ignored:
-            raise JobError(f"{', '.join(ignored)} apply to the other mode than {self.mode!r}, where they would be "
-                           f"ignored; " + ("give prefill_concurrency / decode_concurrency (or engine_actors), and "
-                                           "prefill_resources / decode_resources" if self.mode == "disaggregated"
-                                           else "give concurrency and engine_resources"))
+            raise JobError(other_mode_message(ignored, self.mode))
         if self.engine_actors is not None:
             if self.mode != "disaggregated":
                 raise JobError("engine_actors splits a disaggregated pipeline's engine actors; in single mode give "

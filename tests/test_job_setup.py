@@ -74,6 +74,17 @@ def test_options_of_the_other_mode_are_refused_not_ignored(mode, options, named)
     JobConfig(model="m", input="i", output="o", mode=mode).validate()
 
 
+def test_the_command_line_refuses_an_option_of_the_other_mode_even_at_its_default():
+    from batchgen.pipelines.cli import UsageError, build_parser, job_config
+
+    run = ["run", "--model", "m", "--input", "i", "--output", "o"]
+    with pytest.raises(UsageError, match=r"^concurrency apply to the other mode than 'disaggregated'"):
+        job_config(build_parser().parse_args([*run, "--concurrency", "1"]))
+    with pytest.raises(UsageError, match=r"^tokenize_concurrency apply to the other mode than 'single'"):
+        job_config(build_parser().parse_args([*run, "--mode", "single", "--tokenize-concurrency", "1"]))
+    assert job_config(build_parser().parse_args([*run, "--mode", "single", "--concurrency", "1"])).concurrency == 1
+
+
 def test_no_balancer_without_migrate_a_second_engine_actor_or_with_a_tensor_parallel_engine():
     """--no-migrate (migrate: false), one engine actor, or an engine whose KV is split by heads over its ranks:
     the job starts no WorkBalancer (starting one needs Ray, which these do not touch)."""
