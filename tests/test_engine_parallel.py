@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import subprocess
+import sys
 import time
 
 import pytest
@@ -283,6 +284,23 @@ def test_a_dead_rank_fails_the_group_at_once_and_close_leaves_nothing_behind(tmp
     with pytest.raises(RuntimeError, match="the engine group is broken"):
         group.step()
     group.close()
+    assert not torch.distributed.is_initialized()
+
+
+def test_a_rank_that_dies_before_joining_fails_the_group_at_once_naming_it(tmp_path, monkeypatch):
+    """Rank 0 waited in the group's store for the whole collective timeout (5 minutes), then raised a store timeout
+    that did not say which rank was gone, or why."""
+    save_tiny_checkpoint("mixtral", tmp_path)
+    real = subprocess.Popen
+
+    def dying(args, **kwargs):  # a rank process that fails at start (an import error, say)
+        return real([sys.executable, "-c", "import sys; sys.stdin.read(); sys.exit(3)"], **kwargs)
+
+    monkeypatch.setattr(group_engine.subprocess, "Popen", dying)
+    started = time.monotonic()
+    with pytest.raises(GroupStartError, match=r"engine rank 1 exited with code 3 before joining the group"):
+        load_engine(str(tmp_path), ep_size=2)
+    assert time.monotonic() - started < 60
     assert not torch.distributed.is_initialized()
 
 

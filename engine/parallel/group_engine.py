@@ -63,8 +63,13 @@ def start_engine_group(spec: RankSpec) -> GroupEngine:
         worker.stdin.write(pickle.dumps((rank, spec)))
         worker.stdin.close()
         workers.append(worker)
+
+    def departed() -> str | None:
+        return next((f"engine rank {rank} exited with code {worker.returncode} before joining the group"
+                     for rank, worker in enumerate(workers, 1) if worker.poll() is not None), None)
+
     try:
-        engines, group = build_rank_engine(spec, 0)
+        engines, group = build_rank_engine(spec, 0, departed)
     except BaseException:
         _stop(workers)
         raise

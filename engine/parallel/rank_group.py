@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -23,6 +25,7 @@ from batchgen.kernels.expert_parallel import ProcessGroupExchange
 
 # A collective that waits longer than this means a rank died: fail instead of hanging the job.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+JOIN_POLL_S = 0.05  # rank 0 looks for the ranks that joined (and for those that died) this often
 
 
 @dataclass(frozen=True)
@@ -64,10 +67,6 @@ class GroupAddress:
     host: str
     port: int
 
-    @property
-    def init_method(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
-
 
 def free_address() -> GroupAddress:
     """A port free on this machine now (the ranks of one engine share a node)."""
@@ -76,12 +75,24 @@ def free_address() -> GroupAddress:
         return GroupAddress("127.0.0.1", sock.getsockname()[1])
 
 
-def join_rank_group(address: GroupAddress, rank: int, size: int, device: torch.device) -> RankGroup:
-    """Join (rank 0: open) the engine's process group; every rank of the engine calls this."""
+class GroupStartError(RuntimeError):
+    """One or more ranks failed to start (each rank's reason in the message)."""
+
+
+def join_rank_group(address: GroupAddress, rank: int, size: int, device: torch.device,
+                    departed: Callable[[], str | None] | None = None) -> RankGroup:
+    """Join (rank 0: open) the engine's process group; every rank of the engine calls this. Rank 0 waits for the
+    others to reach the group's store first, asking `departed` (which rank process has exited, if any) as it waits:
+    a rank that died before joining (an import error, a device it cannot use) would otherwise leave it waiting out
+    the whole COLLECTIVE_TIMEOUT, then failing with a store timeout that does not say why."""
     use_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=address.init_method, rank=rank, world_size=size,
-                            timeout=COLLECTIVE_TIMEOUT)
+    store = dist.TCPStore(address.host, address.port, size, is_master=rank == 0, timeout=COLLECTIVE_TIMEOUT,
+                          wait_for_workers=False)
+    store.set(f"batchgen-joined-{rank}", "1")
+    if rank == 0:
+        _await_ranks(store, size, departed)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
     world = dist.group.WORLD
     control = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     # the segment is named by the group's port (unique while the group lives) and unlinked once all mapped it
@@ -98,6 +109,18 @@ def join_rank_group(address: GroupAddress, rank: int, size: int, device: torch.d
         if rank == 0 and os.path.exists(path):
             os.unlink(path)
     return RankGroup(rank, size, world, control, channel)
+
+
+def _await_ranks(store: dist.TCPStore, size: int, departed: Callable[[], str | None] | None) -> None:
+    keys = [f"batchgen-joined-{rank}" for rank in range(1, size)]
+    deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+    while not store.check(keys):
+        reason = departed() if departed is not None else None
+        if reason is not None:
+            raise GroupStartError(reason)
+        if time.monotonic() > deadline:
+            raise GroupStartError(f"engine ranks did not join within {COLLECTIVE_TIMEOUT}")
+        time.sleep(JOIN_POLL_S)
 
 
 def leave_rank_group() -> None:

@@ -25,6 +25,7 @@ from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.parallel.partition import RankEngines
 from batchgen.engine.parallel.rank_group import (
     GroupAddress,
+    GroupStartError,
     RankGroup,
     device_of_rank,
     join_rank_group,
@@ -52,18 +53,15 @@ class RankSpec:
     expert_columns: bool = False
 
 
-class GroupStartError(RuntimeError):
-    """A rank could not build its share of the engine."""
-
-
-def build_rank_engine(spec: RankSpec, rank: int) -> tuple[RankEngines, RankGroup]:
+def build_rank_engine(spec: RankSpec, rank: int,
+                      departed: Callable[[], str | None] | None = None) -> tuple[RankEngines, RankGroup]:
     """Join the group, load this rank's shard and build its Engine; every rank learns whether all succeeded
     (so a bad checkpoint fails the leader with the rank's own error instead of hanging the others). The ranks
     size their KV pools alike: each reads its own free memory, and ranks whose pools differed would schedule
     apart (tensor parallel: every rank runs every request)."""
     torch.set_num_threads(spec.threads)
     device = device_of_rank(spec.config.torch_device(), rank)
-    group = join_rank_group(spec.address, rank, spec.size, device)
+    group = join_rank_group(spec.address, rank, spec.size, device, departed)
     loaded, config, error = None, None, None
     try:
         share = "expert_shard" if spec.config.ep_size > 1 else "tensor_shard"
