@@ -138,8 +138,10 @@ def _merge_splits_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_mask = offs_dv < dim_v
     lse = tl.load(lse_ptr + seq * stride_lb + head * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
-    weights = tl.exp(lse - tl.max(lse, axis=0))
-    weights = weights / tl.sum(weights, axis=0)
+    top = tl.max(lse, axis=0)
+    weights = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # no keys at all (length 0): zeros, not NaN
+    total = tl.sum(weights, axis=0)
+    weights = weights / tl.where(total > 0, total, 1.0)
     parts = tl.load(
         partial_ptr + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_dv[None, :],
         mask=s_mask[:, None] & dv_mask[None, :],

@@ -167,6 +167,16 @@ def test_decode_triton_gives_a_sequence_the_same_bits_whatever_its_neighbours():
     assert torch.equal(alone[0], together[0])
 
 
+@pytest.mark.triton_cpu
+def test_decode_triton_gives_a_sequence_of_no_keys_zeros_as_the_other_backends_do():
+    """Every split of a length-0 row had lse -inf, and their merge divided 0 by 0 (NaN) where C and torch give 0."""
+    from batchgen.kernels.decode_triton import paged_decode_attention_triton
+
+    k_cache, v_cache, table, lens = make_paged([5, 0], 4, 1, 16, 16)
+    out = paged_decode_attention_triton(torch.randn(2, 4, 16), k_cache, v_cache, table, lens, 0.25)
+    assert out[1].eq(0).all() and out[0].isfinite().all()
+
+
 # KV groups of 1, 4 and 8 query heads (taken four at a time), and of 6 and 3 (four, then one by one)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 1), (8, 1), (16, 2), (12, 2), (6, 2)])
 @pytest.mark.parametrize("page_size", [8, 64])
