@@ -35,7 +35,7 @@ from batchgen.engine.migration import MigratedRequest
 from batchgen.engine.parallel.partition import RankEngines, join_heads
 from batchgen.engine.parallel.rank_group import RankGroup, check_rank_devices, free_address, leave_rank_group
 from batchgen.engine.parallel.rank_round import RankCall, RankReply, Round, broadcast_round, gather_replies, run_round
-from batchgen.engine.parallel.rank_worker import GroupStartError, RankSpec, build_rank_engine
+from batchgen.engine.parallel.rank_worker import RankSpec, build_rank_engine
 from batchgen.engine.prefill_output import PrefillOutput
 from batchgen.engine.quantile_sketch import QuantileSketch
 from batchgen.engine.request import Request, Result
@@ -52,10 +52,7 @@ SUMMED_METRICS = (
 
 def start_engine_group(spec: RankSpec) -> GroupEngine:
     """Start ranks 1..N-1 and build rank 0 here; raises GroupStartError naming any rank that failed."""
-    try:
-        check_rank_devices(spec.config.torch_device(), spec.size)
-    except ValueError as exc:
-        raise GroupStartError(str(exc)) from exc
+    check_rank_devices(spec.config.torch_device(), spec.size)
     workers = []
     for rank in range(1, spec.size):
         worker = subprocess.Popen([sys.executable, "-m", "batchgen.engine.parallel.rank_worker"],

@@ -149,6 +149,6 @@ def check_rank_devices(device: torch.device, size: int) -> None:
         return
     first, visible = device.index or 0, torch.cuda.device_count()
     if first + size > visible:
-        raise ValueError(f"an engine of {size} ranks on {device} needs CUDA devices {first}..{first + size - 1}; "
+        raise GroupStartError(f"an engine of {size} ranks on {device} needs CUDA devices {first}..{first + size - 1}; "
                          f"this process sees {visible} (CUDA_VISIBLE_DEVICES, or the GPUs Ray gave the actor: "
                          f"engine_num_gpus is per rank)")
