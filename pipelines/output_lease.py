@@ -107,11 +107,12 @@ class OutputLease:
     def release(self) -> None:
         """Stop refreshing and remove the record if it is still this run's (idempotent)."""
         self._stop.set()
-        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
-            self._heartbeat.join()
-        if self._heartbeat is None or self.lost:
+        if self._heartbeat is None:
             return
+        self._heartbeat.join()
         self._heartbeat = None
+        if self.lost:
+            return
         try:
             current = self._read()
             if current is not None and current.run == self.holder.run:
