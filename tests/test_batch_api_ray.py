@@ -196,7 +196,7 @@ def test_a_job_that_fails_fails_its_batch_and_keeps_the_finished_rows(ray_cluste
     try:
         client = server.client()
         lines = [_line(f"f-{i}", {"prompt": PROMPTS[i % 4], "max_tokens": 32, "temperature": 0, "ignore_eos": True})
-                 for i in range(16)]
+                 for i in range(48)]
         batch = _wait(client, _submit(client, lines).id, timeout=300)
         assert batch.status == "failed" and [e.code for e in batch.errors.data] == ["job_failed"]
         assert "the job lost its node" in batch.errors.data[0].message
