@@ -112,12 +112,14 @@ class IndexedParquetSource(Datasource):
             elif sorted(schema.names) != sorted(self.schema.names):  # (in any order: read in the first's)
                 raise StorageError(f"input file {path!r} has columns {schema.names}, but {files[0]!r} has "
                                    f"{self.schema.names}; every input file needs the same columns")
-            else:  # blocks of both meet in one write task, whose concatenation would fail mid-job
+            else:  # one type for every file's column, which every block is cast to: the job's part files share
+                # a schema (a column null-typed in one file and strings in another, or structs whose rows set
+                # different fields, would otherwise make part files that do not read back as one table)
                 try:
-                    pa.unify_schemas([self.schema, schema], promote_options="permissive")
+                    self.schema = pa.unify_schemas([self.schema, schema], promote_options="permissive")
                 except (pa.ArrowTypeError, pa.ArrowInvalid) as exc:
-                    raise StorageError(f"input file {path!r} has column types that do not combine with "
-                                       f"{files[0]!r}'s: {exc}") from None
+                    raise StorageError(f"input file {path!r} has column types that do not combine with those "
+                                       f"of the files before it: {exc}") from None
             for g in range(meta.num_row_groups):
                 group = meta.row_group(g)
                 self.fragments.append(_Fragment(path, g, next_row, group.num_rows, group.total_byte_size))
@@ -187,15 +189,15 @@ class IndexedParquetSource(Datasource):
             rows = sum(f.num_rows for f in fragments)
             meta = BlockMetadata(num_rows=rows, size_bytes=sum(f.size_bytes for f in fragments),
                                  exec_stats=None, input_files=tuple(dict.fromkeys(f.path for f in fragments)))
-            read = _reader(self.fs, fragments, self.skip, self.rows_per_block, self.schema.names)
+            read = _reader(self.fs, fragments, self.skip, self.rows_per_block, self.schema)
             tasks.append(ReadTask(read, meta, schema=schema, per_task_row_limit=per_task_row_limit))
         return tasks
 
 
-def _reader(fs, fragments: list[_Fragment], skip: RangeSet, rows_per_block: int, columns: list[str]):
+def _reader(fs, fragments: list[_Fragment], skip: RangeSet, rows_per_block: int, schema: pa.Schema):
     """Decodes one block at a time, not a row group at a time: a row group (pyarrow writes up to a
     million rows per group by default) may hold far more rows than a read worker should hold. Every block has
-    `columns` in that order, whatever order its file has them in."""
+    `schema`: its columns in that order and of those types, whatever its file has."""
 
     def read() -> Iterator[Block]:
         for frag in fragments:
@@ -204,7 +206,9 @@ def _reader(fs, fragments: list[_Fragment], skip: RangeSet, rows_per_block: int,
                 for batch in pq.ParquetFile(f).iter_batches(batch_size=rows_per_block, row_groups=[frag.row_group]):
                     index = np.arange(first, first + batch.num_rows, dtype=np.int64)
                     first += batch.num_rows
-                    table = plain_columns(pa.Table.from_batches([batch]).select(columns))
+                    table = plain_columns(pa.Table.from_batches([batch]).select(schema.names))
+                    if not table.schema.equals(schema):
+                        table = table.cast(schema)
                     table = table.append_column(ROW_INDEX, pa.array(index))
                     keep = ~skip.mask(index)
                     if not keep.all():

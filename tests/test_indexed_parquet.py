@@ -70,12 +70,38 @@ def test_a_dictionary_column_in_one_file_and_plain_strings_in_another_read_as_on
     pq.write_table(pa.table({"prompt": pa.array(["x", "y", "x"]).dictionary_encode()}), tmp_path / "f0.parquet")
     pq.write_table(pa.table({"prompt": pa.array(["z"], pa.large_string())}), tmp_path / "f1.parquet")
     source = IndexedParquetSource(str(tmp_path))
-    assert source.schema.field("prompt").type == pa.string()
+    assert source.schema.field("prompt").type == pa.large_string()  # what both files' strings fit in
     blocks = [block for task in source.get_read_tasks(parallelism=1) for block in task()]
     assert pa.concat_tables(blocks, promote_options="permissive").column("prompt").to_pylist() == ["x", "y", "x", "z"]
     pq.write_table(pa.table({"prompt": [7]}), tmp_path / "f2.parquet")  # numbers: no common type with text
     with pytest.raises(StorageError, match=r"input file '.*f2\.parquet' has column types that do not combine with "
-                                           r"'.*f0\.parquet''s"):
+                                           r"those of the files before it"):
+        IndexedParquetSource(str(tmp_path))
+
+
+def test_every_block_has_the_type_all_input_files_combine_to_so_the_part_files_read_back_as_one_table(tmp_path):
+    """Each block kept its own file's types: a column null-typed in one file (all nulls, as pandas writes them)
+    and strings in another, or struct rows setting different fields, made part files that did not read back
+    together (an error, or a struct field silently dropped); a third file whose type combined with the first
+    file's but not the second's passed the check and failed the job in a write task."""
+    pq.write_table(pa.table({"note": pa.array([None], pa.null()), "sampling_params": [{"temperature": 0.5}]}),
+                   tmp_path / "f0.parquet")
+    pq.write_table(pa.table({"note": ["x"], "sampling_params": [{"max_tokens": 7}]}), tmp_path / "f1.parquet")
+    source = IndexedParquetSource(str(tmp_path))
+    assert source.schema.field("note").type == pa.string()
+    blocks = [block for task in source.get_read_tasks(parallelism=1) for block in task()]
+    assert all(block.schema.equals(source.schema.append(pa.field(ROW_INDEX, pa.int64()))) for block in blocks)
+    out = tmp_path / "out"
+    sink = OrderedParquetSink(str(out))
+    sink.on_write_start()
+    for block in blocks:  # one write task per block: a part file each
+        sink.write([block], None)
+    back = pq.read_table(out)
+    assert back.column("sampling_params").to_pylist() == [{"temperature": 0.5, "max_tokens": None},
+                                                           {"temperature": None, "max_tokens": 7}]
+    assert back.column("note").to_pylist() == [None, "x"]
+    pq.write_table(pa.table({"note": [3], "sampling_params": [{"top_k": 2}]}), tmp_path / "f2.parquet")
+    with pytest.raises(StorageError, match=r"'.*f2\.parquet' has column types that do not combine"):
         IndexedParquetSource(str(tmp_path))
 
 
