@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from batchgen.engine.chat import render_chat
-from batchgen.engine.sampling_params import InvalidRequestError, SamplingParams
+from batchgen.engine.sampling_params import INT64, InvalidRequestError, SamplingParams
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -70,16 +70,17 @@ class RequestNormalizer:
                                           f"[0, {self.vocab_size})")
 
     def _token_ids(self, value: Any) -> list[int]:
-        upper = self.vocab_size
+        # without a vocabulary (a tokenize stage), ids the split pipeline's 64-bit columns can carry
+        upper = self.vocab_size if self.vocab_size is not None else INT64.stop
         if type(value) is list and value and set(map(type, value)) == {int}:  # the common case, in C passes
-            if min(value) >= 0 and (upper is None or max(value) < upper):
+            if min(value) >= 0 and max(value) < upper:
                 return list(value)
         value = plain(value, "prompt_token_ids")
         if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             raise InvalidRequestError(f"prompt_token_ids: expected a list of integers, got {describe(value)}")
-        bad = [t for t in value if t < 0 or (upper is not None and t >= upper)]
+        bad = [t for t in value if not 0 <= t < upper]
         if bad:
-            where = f"[0, {upper})" if upper is not None else "the non-negative integers"
+            where = f"[0, {upper})" if self.vocab_size is not None else "of 64-bit ids [0, 2**63)"
             raise InvalidRequestError(f"prompt_token_ids: token {bad[0]} is outside the vocabulary {where}")
         return value
 

@@ -12,6 +12,7 @@ from batchgen.engine.errors import InvalidRequestError
 from batchgen.engine.structured_outputs import StructuredOutputs
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy
+INT64 = range(-2**63, 2**63)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,11 @@ class SamplingParams:
         def bad(name: str, why: str) -> InvalidRequestError:
             return InvalidRequestError(f"invalid sampling parameter '{name}': {why}")
 
+        # the split pipeline carries the params in 64-bit Arrow columns: a larger integer failed its whole batch
+        for name in ("max_tokens", "min_tokens", "top_k", "n", "seed", "logprobs", "max_prompt_tokens"):
+            value = getattr(self, name)
+            if _is_int(value) and value not in INT64:
+                raise bad(name, f"{value} does not fit a 64-bit integer")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -90,8 +96,8 @@ class SamplingParams:
             raise bad("stop", "must be a string or a list of non-empty strings")
         if not all(isinstance(s, str) and s.strip() for s in self.bad_words):
             raise bad("bad_words", "must be a string or a list of non-blank strings")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be a list of non-negative integers")
+        if not all(_is_int(t) and 0 <= t < INT64.stop for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of non-negative 64-bit integers")
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.seed is not None and not _is_int(self.seed):
@@ -120,12 +126,13 @@ class SamplingParams:
         fields = {f.name: f.type for f in dataclasses.fields(cls)}
         changes = {}
         for key, value in (values or {}).items():
+            if value is None:  # before the name check: a Parquet struct has every field any row sets, null elsewhere
+                continue
             if key not in fields:
                 raise InvalidRequestError(f"unknown sampling parameter '{key}'")
             if isinstance(value, float) and value.is_integer() and fields[key] in ("int", "int | None"):
                 value = int(value)  # 3.0: Ray's numpy batches make floats of an int field with a null in the batch
-            if value is not None:
-                changes[key] = value
+            changes[key] = value
         if defaults is not None and not changes:
             return defaults
         try:
@@ -157,9 +164,9 @@ def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
         token, bias = item
         if isinstance(token, str) and token.isdigit():
             token = int(token)
-        if not _is_int(token) or token < 0:
-            raise InvalidRequestError(f"invalid sampling parameter 'logit_bias': token id {token!r} is not an "
-                                      "integer >= 0")
+        if not _is_int(token) or token not in range(INT64.stop):
+            raise InvalidRequestError(f"invalid sampling parameter 'logit_bias': token id {token!r} is not a "
+                                      "64-bit integer >= 0")
         if not _is_number(bias) or not -100 <= bias <= 100:
             raise InvalidRequestError(f"invalid sampling parameter 'logit_bias': bias {bias!r} for token {token} "
                                       "is not a number in [-100, 100]")

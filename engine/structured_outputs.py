@@ -73,11 +73,12 @@ class StructuredOutputs:
             raise InvalidRequestError(f"invalid sampling parameter 'structured_outputs': expected an object, got "
                                       f"{type(value).__name__}")
         known = {f.name for f in fields(cls)}
+        value = {k: v for k, v in value.items() if v is not None}  # a struct's fields that other rows set
         unknown = sorted(set(value) - known)
         if unknown:
             raise InvalidRequestError(f"invalid sampling parameter 'structured_outputs': unknown field "
                                       f"'{unknown[0]}' (known: {', '.join(sorted(known))})")
-        return cls(**{k: v for k, v in value.items() if v is not None})
+        return cls(**value)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}

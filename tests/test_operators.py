@@ -184,6 +184,24 @@ def split_stages(tiny_moe_dir):
     return Tokenize(tiny_moe_dir, SAMPLING), Prefill(tiny_moe_dir, **options), Decode(tiny_moe_dir, **options)
 
 
+def test_tokenize_gives_integers_past_64_bits_a_row_error_and_takes_null_struct_fields_as_unset(tiny_moe_dir, prompts):
+    """A seed or prompt token id of 2**64 - 1 passed the checks of a stage without a vocabulary and failed the
+    whole batch in the stage's 64-bit columns; a struct field only another row sets (null in this one) was an
+    unknown parameter for every row of the file."""
+    big = 2**64 - 1
+    params = pa.array([{"seed": big, "best_of": None}, None, {"seed": 7, "best_of": None},
+                       {"seed": None, "best_of": 2}], pa.struct([("seed", pa.uint64()), ("best_of", pa.int64())]))
+    table = pa.table({"prompt": [prompts[0], None, prompts[1], prompts[2]],
+                      "prompt_token_ids": pa.array([None, [3, big], None, None], pa.list_(pa.uint64())),
+                      "sampling_params": params})
+    out = call(Tokenize(tiny_moe_dir, SAMPLING), table)
+    errors = out.column("error").to_pylist()
+    assert "'seed': 18446744073709551615 does not fit a 64-bit integer" in errors[0]
+    assert "token 18446744073709551615 is outside" in errors[1]
+    assert errors[2] is None and out.column(sc.SAMPLING)[2].as_py()["seed"] == 7
+    assert "unknown sampling parameter 'best_of'" in errors[3]
+
+
 def test_split_stages_give_what_batchgen_gives(batchgen, split_stages, prompts):
     tokenize, prefill, decode = split_stages
     stop_word = stop_string(call(batchgen, pa.table({"prompt": prompts[2:3]})).column("generated_text")[0].as_py())
