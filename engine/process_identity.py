@@ -32,9 +32,10 @@ def process_alive(pid: int, started: str) -> bool:
     return now == started or UNKNOWN_START in (now, started)
 
 
-def boot_id() -> str:
-    """This boot of this machine (Linux's random boot id), or "" where the system does not say."""
+def pid_space() -> str:
+    """Where a pid names one process: this boot of this machine (Linux's random boot id) and this process's pid
+    namespace (containers on one host share its boot, not its pids), or "" where the system does not say."""
     try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() + "/" + os.readlink("/proc/self/ns/pid")
     except OSError:
         return ""

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from batchgen.connectors.io import filesystem
-from batchgen.engine.process_identity import boot_id, process_alive, process_start
+from batchgen.engine.process_identity import pid_space, process_alive, process_start
 
 LEASE = "_batchgen_run.json"
 HEARTBEAT_S = 10.0
@@ -48,19 +48,19 @@ class Holder:
 
     run: str  # unique per run
     host: str
-    boot: str  # the host's boot id: a pid names the same process only within one boot
+    pid_space: str  # the host's boot and pid namespace: a pid names the same process only within them
     pid: int
     started: str  # the process's start (process_identity.process_start)
     heartbeat: float  # wall clock of its last refresh
 
     @classmethod
     def this_process(cls) -> Holder:
-        return cls(uuid.uuid4().hex, socket.gethostname(), boot_id(), os.getpid(), process_start(os.getpid()),
+        return cls(uuid.uuid4().hex, socket.gethostname(), pid_space(), os.getpid(), process_start(os.getpid()),
                    time.time())
 
     def ended(self, now: float) -> bool:
         """Whether the run is over, as far as this machine can tell."""
-        if self.host == socket.gethostname() and self.boot == boot_id():
+        if self.host == socket.gethostname() and self.pid_space and self.pid_space == pid_space():
             return not process_alive(self.pid, self.started)
         return now - self.heartbeat > STALE_S
 
@@ -117,7 +117,7 @@ class OutputLease:
             current = self._read()
             if current is not None and current.run == self.holder.run:
                 self.fs.rm(self.path)
-        except OSError as exc:  # the run's outcome stands; its record goes stale and is taken over
+        except Exception as exc:  # the run's outcome stands; its record goes stale and is taken over
             log.warning("output %r: could not remove this run's lease: %s", self.uri, exc)
 
     def _beat(self) -> None:
@@ -131,7 +131,8 @@ class OutputLease:
                     return
                 self.holder = Holder(**{**asdict(self.holder), "heartbeat": time.time()})
                 self._write()
-            except OSError as exc:  # a storage hiccup: the next beat tries again, well inside STALE_S
+            except Exception as exc:  # a storage hiccup (an object store's are not all OSErrors: botocore's
+                # connection and credential errors) ends no heartbeat: the next beat tries again, inside STALE_S
                 log.warning("output %r: the lease's heartbeat failed: %s", self.uri, exc)
 
     def _read(self) -> Holder | None:

@@ -14,14 +14,15 @@ import time
 import pytest
 from pipeline_helpers import workload, write_input
 
-from batchgen.engine.process_identity import boot_id, process_start
+from batchgen.engine.process_identity import pid_space, process_start
 from batchgen.pipelines import output_lease
 from batchgen.pipelines.output_lease import LEASE, LeaseHeld, OutputLease
 from batchgen.pipelines.pipeline import JobConfig, JobError, plan_job
 
 
 def write_record(folder, **fields) -> None:
-    record = {"run": "0" * 32, "host": "elsewhere", "boot": "b", "pid": 1, "started": "1", "heartbeat": time.time()}
+    record = {"run": "0" * 32, "host": "elsewhere", "pid_space": "b", "pid": 1, "started": "1",
+              "heartbeat": time.time()}
     (folder / LEASE).write_text(json.dumps({**record, **fields}))
 
 
@@ -45,15 +46,25 @@ def test_a_second_plan_on_a_held_output_is_refused_and_leaves_the_first_runs_fil
 def test_a_holder_whose_process_ended_on_this_machine_is_taken_over_at_once(tmp_path):
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     pid = int(ended.stdout)
-    write_record(tmp_path, host=socket.gethostname(), boot=boot_id(), pid=pid, started="1")
+    write_record(tmp_path, host=socket.gethostname(), pid_space=pid_space(), pid=pid, started="1")
     lease = OutputLease(str(tmp_path))
     lease.acquire()
     assert json.loads((tmp_path / LEASE).read_text())["run"] == lease.holder.run
     lease.release()
 
 
+def test_a_holder_in_another_pid_namespace_of_this_machine_is_judged_by_its_heartbeat(tmp_path):
+    """Two containers of one host (host networking: one hostname, one boot) have pid namespaces of their own: the
+    other's pid, missing from this one, said its live run had ended, and both wrote the folder."""
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    other = pid_space().rsplit("/", 1)[0] + "/pid:[1]"
+    write_record(tmp_path, host=socket.gethostname(), pid_space=other, pid=int(ended.stdout), started="1")
+    with pytest.raises(LeaseHeld, match="is being written by another run"):
+        OutputLease(str(tmp_path)).acquire()
+
+
 def test_a_live_process_of_this_machine_holds_the_output_however_old_its_heartbeat(tmp_path):
-    write_record(tmp_path, host=socket.gethostname(), boot=boot_id(), pid=os.getpid(),
+    write_record(tmp_path, host=socket.gethostname(), pid_space=pid_space(), pid=os.getpid(),
                  started=process_start(os.getpid()), heartbeat=time.time() - 10 * output_lease.STALE_S)
     with pytest.raises(LeaseHeld, match=rf"pid {os.getpid()} on {socket.gethostname()}"):
         OutputLease(str(tmp_path)).acquire()
@@ -110,3 +121,28 @@ def test_the_heartbeat_refreshes_the_lease_and_a_run_that_lost_it_leaves_the_new
     assert lease.lost
     lease.release()
     assert json.loads((tmp_path / LEASE).read_text())["run"] == "f" * 32
+
+
+def test_a_storage_error_of_any_kind_misses_a_heartbeat_and_the_next_one_refreshes_the_lease(tmp_path, monkeypatch):
+    """An object store's errors are not all OSErrors (botocore's connection and credential errors): one ended the
+    heartbeat thread, and another run took the folder over a minute later while this one still wrote."""
+    monkeypatch.setattr(output_lease, "HEARTBEAT_S", 0.05)
+    lease = OutputLease(str(tmp_path))
+    lease.acquire()
+    first = json.loads((tmp_path / LEASE).read_text())["heartbeat"]
+    write, failures = lease.fs.pipe_file, []
+
+    def unreachable(*args, **kwargs):
+        if len(failures) < 2:
+            failures.append(1)
+            raise RuntimeError("Could not connect to the endpoint URL")
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(lease.fs, "pipe_file", unreachable)
+    deadline = time.monotonic() + 10
+    while json.loads((tmp_path / LEASE).read_text())["heartbeat"] == first and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(failures) == 2 and json.loads((tmp_path / LEASE).read_text())["heartbeat"] > first
+    assert not lease.lost
+    lease.release()
+    assert not (tmp_path / LEASE).exists()
