@@ -85,6 +85,7 @@ class SharedHostWeights:
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        remove_abandoned_writes(self.path.parent)
         self._lock = open(self.path.with_suffix(".lock"), "w")
         fcntl.flock(self._lock, fcntl.LOCK_EX)
         if self.path.exists() and self.path.stat().st_size == nbytes:
@@ -112,3 +113,15 @@ class SharedHostWeights:
         if self._lock is not None:
             self._lock.close()  # closing the file releases the lock
             self._lock = None
+
+
+def remove_abandoned_writes(folder: Path) -> None:
+    """Delete the temporary files of writers that died (a killed actor, an OOM kill mid-load: no Python cleanup
+    ran), each up to a model's size: a temporary file whose key's lock nobody holds has no writer."""
+    for leftover in sorted(folder.glob("*.tmp")):
+        with open(folder / f"{leftover.name.split('.', 1)[0]}.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # its writer is alive
+                continue
+            leftover.unlink(missing_ok=True)

@@ -1,6 +1,7 @@
 """The checkpoint loader: sharded checkpoints, tokenizer / eos / context metadata, and every bad input
 failing at load time with an error naming the file, tensor or type."""
 
+import fcntl
 import json
 import os
 import subprocess
@@ -23,7 +24,7 @@ from tiny_models import (
 from batchgen.connectors import checkpoint as checkpoint_module
 from batchgen.connectors.checkpoint import CheckpointError, load_model
 from batchgen.connectors.checkpoint_files import load_tokenizer
-from batchgen.connectors.host_memory import mapped_file
+from batchgen.connectors.host_memory import SharedHostWeights, mapped_file
 from batchgen.engine.models.registry import UnsupportedModelError, supported_model_types
 from batchgen.engine.reference import ReferenceRunner
 
@@ -388,6 +389,21 @@ def test_shared_host_weights_are_written_once_and_mapped_by_every_later_load(mix
     _rewrite_shard(directory, lambda tensors: None)  # same tensors, a new file: another identity
     load_model(directory, shared_host_weights=True)
     assert len(list((tmp_path / "cache" / "host-weights").glob("*.bin"))) == 2
+
+
+def test_a_killed_writers_temporary_file_is_removed_and_a_live_writers_kept(tmp_path):
+    """A writer killed mid-load (an actor SIGKILLed, an OOM kill) runs no cleanup: its temporary file, up to a
+    model's size, stayed forever, since the next writer names its own by its own pid."""
+    folder = tmp_path / "host-weights"
+    folder.mkdir()
+    (folder / "deadkey.123.tmp").write_bytes(b"half a model")
+    (folder / "livekey.456.tmp").write_bytes(b"being written")
+    with open(folder / "livekey.lock", "w") as writer:
+        fcntl.flock(writer, fcntl.LOCK_EX)  # a writer of this key at work (another open file: another holder)
+        store = SharedHostWeights(folder, {"checkpoint": "any"})
+        store.allocate(64)
+        store.abandon()
+    assert sorted(f.name for f in folder.glob("*.tmp")) == ["livekey.456.tmp"]
 
 
 def test_a_load_waits_while_another_process_writes_the_shared_file(mixtral_dir, tmp_path, monkeypatch):
