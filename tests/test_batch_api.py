@@ -8,12 +8,14 @@ the command itself, an API key and a kill -9 restart are tested too.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
 import os
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -776,6 +778,104 @@ def test_a_running_batch_whose_input_no_longer_validates_on_restart_keeps_what_f
     assert [json.loads(line)["custom_id"] for line in store.read_file(batch.output_file_id).splitlines()] == ["a"]
 
 
+def _runner_and_store(loop, tmp_path):
+    from batchgen.pipelines.openai_batch.backend import BackendConfig
+    from batchgen.pipelines.openai_batch.runner import BatchRunner
+    from batchgen.pipelines.openai_batch.store import BatchStore
+
+    store = BatchStore(str(tmp_path / "storage"), None, None)
+    return BatchRunner(loop, store, BackendConfig(served_model=SERVED)), store
+
+
+def _running(store, bodies: list[dict]):
+    from batchgen.pipelines.openai_batch.runner import RunningBatch
+    from batchgen.pipelines.openai_batch.wire_format import BatchLine
+
+    record = store.create_batch("/v1/completions", "file-x", "24h", 3600, None)
+    store.set_status(record.id, "in_progress", total=len(bodies))
+    lines = [BatchLine(i, i + 1, f"{record.id[-4:]}-{i}", {"model": SERVED, **body}) for i, body in enumerate(bodies)]
+    return RunningBatch(store.get_batch(record.id), lines, pending=collections.deque(range(len(lines))))
+
+
+def test_a_result_that_cannot_be_written_fails_its_own_line_not_the_round(loop, tmp_path, monkeypatch):
+    """An error turning one result into its line (a logprobs request on a model without a tokenizer) left the
+    round: every result taken that round was lost and their batches never finished."""
+    runner, store = _runner_and_store(loop, tmp_path)
+    batch = _running(store, [{"prompt": "x"}])
+
+    def unwritable(*args):
+        raise AttributeError("'NoneType' object has no attribute 'decode'")
+
+    monkeypatch.setattr("batchgen.pipelines.openai_batch.backend.response_body", unwritable)
+    row = runner._result_row(batch, 0, Result("r", [5], outputs=[Completion(0, [7], "t", "length")]))
+    line = json.loads(row.line) if isinstance(row.line, str) else row.line
+    assert not row.ok and line["response"]["status_code"] == 500
+    assert "could not be written: 'NoneType'" in line["response"]["body"]["error"]["message"]
+
+
+def test_refused_lines_of_every_batch_are_kept_when_storing_one_batchs_fails(loop, tmp_path):
+    """Storing the first batch's refused lines failed: the second batch's were neither stored nor put back, so it
+    drained with lines that had no result and its finalize raised every round from then on."""
+    runner, store = _runner_and_store(loop, tmp_path)
+    first, second = (_running(store, [{"prompt": "x", "temperature": -1}]) for _ in range(2))
+    runner._active += [first, second]
+    add_results, failed = store.add_results, []
+
+    def first_fails_once(batch_id, rows):
+        if batch_id == first.id and not failed:
+            failed.append(batch_id)
+            raise OSError("disk full")
+        return add_results(batch_id, rows)
+
+    store.add_results = first_fails_once
+    with pytest.raises(OSError, match="disk full"):
+        runner._fill()
+    runner._fill()
+    assert failed and not first.pending and not second.pending
+    assert [len(store.results(b.id)) for b in (first, second)] == [1, 1]
+
+
+def test_a_finalize_that_fails_leaves_no_file_behind(loop, tmp_path, monkeypatch):
+    """Each try (the runner retries every round) wrote a new output and error file that nothing registered."""
+    runner, store = _runner_and_store(loop, tmp_path)
+    batch = _running(store, [{"prompt": "x"}])
+    blobs = lambda: sorted(p.name for p in (tmp_path / "storage").rglob("*") if p.is_file() and "file-" in p.name)
+    before = blobs()
+
+    def torn():
+        yield "{}"
+        raise OSError("connection reset")
+
+    with pytest.raises(OSError, match="connection reset"):
+        store.finalize(batch.id, "completed", iter(["{}"]), torn(), unfinished=0)
+    monkeypatch.setattr(store, "_insert_file", lambda f: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        store.finalize(batch.id, "completed", iter(["{}"]), iter(["{}"]), unfinished=0)
+    assert blobs() == before and store.get_batch(batch.id).status == "in_progress"
+
+
+def test_a_request_finishing_after_its_batch_failed_stays_out_of_it(loop, tmp_path):
+    """The engine failed with a request in flight: its batch was finalized failed with the line in its error file,
+    then the request's result arrived and was counted in the finalized batch too (completed + failed > total)."""
+    from batchgen.engine.request_future import RequestFuture
+
+    runner, store = _runner_and_store(loop, tmp_path)
+    batch = _running(store, [{"prompt": "x"}, {"prompt": "y"}])
+    batch.pending.clear()
+    request_id = f"{batch.id}:0"
+    runner._owner[request_id], batch.in_flight = (batch, 0), {0}
+    runner._active.append(batch)
+    runner.failure = "device lost"
+    runner._fail_active()
+    future = RequestFuture()
+    future.set_result(Result(request_id, [5], outputs=[Completion(0, [7], "late", "length")]))
+    runner._settle(request_id, future)
+    runner._record()
+    record = store.get_batch(batch.id)
+    assert (record.status, record.completed, record.failed) == ("failed", 0, 2)
+    assert store.results(batch.id) == {} and runner._owner == {}
+
+
 def test_storage_errors_while_recording_and_finalizing_are_retried_not_fatal(loop, model_dir, tmp_path, caplog):
     """The runner thread died on them: the batch stayed finalizing and every later batch waited forever (and a
     failed record of results lost them)."""
@@ -786,17 +886,20 @@ def test_storage_errors_while_recording_and_finalizing_are_retried_not_fatal(loo
     store = open_store(args)
     failures: list[str] = []
 
-    def flaky(name):
+    def flaky(name, error: Exception | None = None):
         method = getattr(store, name)
 
         def call(*a, **k):
             if name not in failures:
                 failures.append(name)
-                raise OSError("disk full")
+                raise error or OSError("disk full")
             return method(*a, **k)
         return call
 
     store.finalize, store.add_results = flaky("finalize"), flaky("add_results")
+    # SQLite's own error, not an OSError, when the check of a new batch moves it in_progress: it ran after the
+    # server's response, and a failure there left the batch validating for good
+    store.set_status = flaky("set_status", sqlite3.OperationalError("database or disk is full"))
     with TestClient(create_serve_app(args, loop, store)) as http:
         ids = []
         for custom_id in "ab":  # the second batch runs after the first one's failed finalize
@@ -809,7 +912,8 @@ def test_storage_errors_while_recording_and_finalizing_are_retried_not_fatal(loo
                                              for i in ids):
             time.sleep(0.05)
         assert [http.get(f"/v1/batches/{i}").json()["request_counts"]["completed"] for i in ids] == [1, 1]
-    assert sorted(failures) == ["add_results", "finalize"] and "a round failed; retrying" in caplog.text
+    assert sorted(failures) == ["add_results", "finalize", "set_status"] and "a round failed; retrying" in caplog.text
+    assert "its check failed; retrying" in caplog.text
 
 
 # ---- auth, s3 storage, restart ---------------------------------------------------------------------

@@ -87,7 +87,8 @@ class BatchBackendBase(ABC):
                                        config.chat_template)
         self.builders = {e: RequestBuilder(e, normalizer, config.default_sampling) for e in ENDPOINTS}
         self.failure: str | None = None  # set when the engine raised: the backend then fails every batch
-        self._incoming: queue.Queue[QueuedBatch] = queue.Queue()
+        self._incoming: queue.Queue[QueuedBatch] = queue.Queue()  # resumed batches, then checked new ones
+        self._to_check: queue.Queue[str] = queue.Queue()  # new batches' ids, checked on the worker thread
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="batch-runner", daemon=True)
@@ -112,6 +113,12 @@ class BatchBackendBase(ABC):
         self._wake.set()
 
     def validate(self, batch_id: str) -> None:
+        """Queue a new batch for its check on the worker thread, which retries a check the storage failed (it ran
+        after the server's response: a failure there left the batch validating, and a cancel cancelling, for good)."""
+        self._to_check.put(batch_id)
+        self._wake.set()
+
+    def _check(self, batch_id: str) -> None:
         """Check the input file; a valid batch goes in_progress and joins the queue, else it fails."""
         record = self.store.get_batch(batch_id)
         lines, errors = self._parse(record)
@@ -125,7 +132,6 @@ class BatchBackendBase(ABC):
             self.store.set_status(batch_id, "cancelled", only_from=("cancelling",))
             return
         self._incoming.put(self._queued(self.store.get_batch(batch_id), lines, set(), None))
-        self._wake.set()
 
     # ---- for the subclasses ------------------------------------------------------------------------
 
@@ -140,6 +146,20 @@ class BatchBackendBase(ABC):
 
     def _take_incoming(self) -> list[QueuedBatch]:
         """The batches validated or resumed since the last call, oldest first."""
+        unchecked = []
+        while True:
+            try:
+                unchecked.append(self._to_check.get_nowait())
+            except queue.Empty:
+                break
+        for position, batch_id in enumerate(unchecked):
+            try:
+                self._check(batch_id)
+            except Exception:  # the storage (a full disk, an S3 error): checked again next round
+                log.exception("batch %s: its check failed; retrying", batch_id)
+                for later in unchecked[position:]:
+                    self._to_check.put(later)
+                break
         batches = []
         while True:
             try:
@@ -192,7 +212,12 @@ class BatchBackendBase(ABC):
         custom_id = batch.lines[index].custom_id
         if result.error is not None:
             return ResultRow(index, False, request_error_line(custom_id, result.error))
-        body = response_body(batch.record.endpoint, result, self.config.served_model, self.tokenizer)
+        try:
+            body = response_body(batch.record.endpoint, result, self.config.served_model, self.tokenizer)
+        except Exception as exc:  # the request's own result line fails, not the round that records every batch's
+            log.exception("batch %s: the result of line %d could not be written", batch.id, index)
+            return ResultRow(index, False, request_error_line(custom_id, f"the result could not be written: {exc}",
+                                                              status_code=500, type_="server_error"))
         usage = body["usage"]
         return ResultRow(index, True, success_line(custom_id, body), usage["prompt_tokens"],
                          usage["completion_tokens"])

@@ -99,12 +99,15 @@ class BatchRunner(BatchBackendBase):
                 admitted.append((batch, index, request))
         if admitted:
             self._submit(admitted)
+        failure = None
         for batch, rows in rejected.values():
             try:
                 self.store.add_results(batch.id, rows)
-            except Exception:  # not stored: those lines are checked again next round
+            except Exception as exc:  # not stored: those lines are checked again next round (every batch's)
                 batch.pending.extendleft(reversed([row.index for row in rows]))
-                raise
+                failure = exc
+        if failure is not None:
+            raise failure
 
     def _submit(self, admitted: list[tuple[RunningBatch, int, Request]]) -> None:
         requests = [request for _, _, request in admitted]
@@ -129,6 +132,8 @@ class BatchRunner(BatchBackendBase):
                 settled.append(self._settled.get_nowait())
             except queue.Empty:
                 break
+        settled = [(request_id, future) for request_id, future in settled if request_id in self._owner]  # (else
+        # its batch failed while it ran, and its line is in that batch's error file)
         rows: dict[str, list[ResultRow]] = {}
         for request_id, future in settled:
             batch, index = self._owner[request_id]
@@ -167,6 +172,9 @@ class BatchRunner(BatchBackendBase):
         for batch in list(self._active):
             self._fail(batch, self._failure_errors())
             self._active.remove(batch)
+            for index in batch.in_flight:  # a request that finishes now stays out of the finalized batch
+                del self._owner[_request_id(batch, index)]
+            batch.in_flight.clear()
 
 
 def _request_id(batch: RunningBatch, index: int) -> str:

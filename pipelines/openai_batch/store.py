@@ -275,26 +275,38 @@ class BatchStore:
         """Write the output and error files, then in one transaction register them, count the unfinished
         requests as failed, move the batch to its final status (with `values`: a failure's errors) and drop its
         result rows."""
-        files = [self._write_lines(f"{batch_id}_{kind}.jsonl", lines)
-                 for kind, lines in (("output", output_lines), ("error", error_lines))]
-        values = {"status": status, f"{status}_at": int(time.time()), "output_file_id": files[0] and files[0].id,
-                  "error_file_id": files[1] and files[1].id, **{k: _to_column(v) for k, v in values.items()}}
-        with self._lock, self._db:
+        files: list[FileRecord | None] = []
+        try:  # a failed finalize (retried by the caller) leaves no file behind: each try writes new ones
+            for kind, lines in (("output", output_lines), ("error", error_lines)):
+                files.append(self._write_lines(f"{batch_id}_{kind}.jsonl", lines))
+            values = {"status": status, f"{status}_at": int(time.time()), "output_file_id": files[0] and files[0].id,
+                      "error_file_id": files[1] and files[1].id, **{k: _to_column(v) for k, v in values.items()}}
+            with self._lock, self._db:
+                for f in files:
+                    if f is not None:
+                        self._insert_file(f)
+                self._db.execute(f"UPDATE batches SET {', '.join(f'{k} = ?' for k in values)}, failed = failed + ? "
+                                 "WHERE id = ?", [*values.values(), unfinished, batch_id])
+                self._db.execute("DELETE FROM results WHERE batch_id = ?", (batch_id,))
+        except BaseException:
             for f in files:
                 if f is not None:
-                    self._insert_file(f)
-            self._db.execute(f"UPDATE batches SET {', '.join(f'{k} = ?' for k in values)}, failed = failed + ? "
-                             "WHERE id = ?", [*values.values(), unfinished, batch_id])
-            self._db.execute("DELETE FROM results WHERE batch_id = ?", (batch_id,))
+                    self.fs.rm(self._blob_path(f.id))
+            raise
 
     def _write_lines(self, filename: str, lines: Iterable[str]) -> FileRecord | None:
         """A batch_output file holding `lines`, or None (no file) when there are none."""
         file_id, size = new_id("file-"), 0
-        with self.fs.open(self._blob_path(file_id), "wb") as out:
-            for line in lines:
-                data = (line + "\n").encode()
-                out.write(data)
-                size += len(data)
+        try:
+            with self.fs.open(self._blob_path(file_id), "wb") as out:
+                for line in lines:
+                    data = (line + "\n").encode()
+                    out.write(data)
+                    size += len(data)
+        except BaseException:
+            if self.fs.exists(self._blob_path(file_id)):
+                self.fs.rm(self._blob_path(file_id))
+            raise
         if size == 0:
             self.fs.rm(self._blob_path(file_id))
             return None

@@ -323,11 +323,12 @@ def success_line(custom_id: str, body: dict[str, Any]) -> dict[str, Any]:
             "response": {"status_code": 200, "request_id": new_id("req_"), "body": body}, "error": None}
 
 
-def request_error_line(custom_id: str, message: str, param: str | None = None) -> dict[str, Any]:
-    """A line the API rejected (HTTP 400), written to the error file."""
-    body = error_object(message, param=param)
+def request_error_line(custom_id: str, message: str, param: str | None = None, status_code: int = 400,
+                       type_: str = "invalid_request_error") -> dict[str, Any]:
+    """A line the API rejected (HTTP 400) or failed (500), written to the error file."""
+    body = error_object(message, type_, param=param)
     return {"id": new_id("batch_req_"), "custom_id": custom_id,
-            "response": {"status_code": 400, "request_id": new_id("req_"), "body": body}, "error": None}
+            "response": {"status_code": status_code, "request_id": new_id("req_"), "body": body}, "error": None}
 
 
 def unfinished_line(custom_id: str, code: str, message: str | None = None) -> dict[str, Any]:
