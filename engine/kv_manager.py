@@ -75,11 +75,27 @@ class KVManager:
     def pages_needed(self, num_tokens: int) -> int:
         return self.geometry.pages_for(num_tokens)
 
+    def prompt_pages(self, num_tokens: int, samples: int = 1) -> int:
+        """Pages a prompt of `num_tokens` and its first token take in one tier with its other `samples` - 1 samples
+        forked beside it (fork): its own, and one per other sample (its copy of the partly filled last page, or the
+        page its next token opens); the whole pages are shared."""
+        return self.pages_needed(num_tokens + 1) + samples - 1
+
+    def fork_pages(self, parent: Sequence, location: KVLocation) -> int:
+        """Pages a fork of `parent` into `location` takes with its next token: beside the parent, all but the
+        whole pages it shares; in the other tier, a copy of each."""
+        shared = parent.kv_len // self.page_size if location is parent.kv_location else 0
+        return self.pages_needed(parent.kv_len + 1) - shared
+
     def fits(self, location: KVLocation, num_tokens: int, reserve: bool = True, samples: int = 1) -> bool:
         """Whether `samples` sequences of `num_tokens` each fit `location`'s free pages (on the device beside
         the running sequences' reserve for their next tokens, unless `reserve` is off)."""
+        return self.has_room(location, self.pages_needed(num_tokens) * samples, reserve)
+
+    def has_room(self, location: KVLocation, pages: int, reserve: bool = True) -> bool:
+        """Whether `pages` fit `location`'s free pages (on the device beside the reserve, as `fits`)."""
         extra = self.reserve_pages if reserve and location is KVLocation.DEVICE else 0
-        return self.pool(location).free_pages >= self.pages_needed(num_tokens) * samples + extra
+        return self.pool(location).free_pages >= pages + extra
 
     def allocate(self, seq: Sequence, location: KVLocation, num_tokens: int) -> None:
         pages = self.pool(location).allocate(self.pages_needed(num_tokens))

@@ -118,9 +118,10 @@ class Scheduler:
 
     def check_fits(self, total_tokens: int, prompt_tokens: int, samples: int, imported: bool = False) -> None:
         """Reject a request that could never run, however long it waited: each sequence (prompt + max_tokens,
-        `total_tokens`) must fit a pool it can decode from, and the prompt's pages for all `samples` (its
-        samples' copies of the prompt's KV) one pool it can be prefilled into - host pages too in coroutine
-        mode, or when its KV is `imported` (prefilled elsewhere: placed on the host when the device is full)."""
+        `total_tokens`) must fit a pool it can decode from, and the prompt's pages with all `samples` one pool it
+        can be prefilled into (kv.prompt_pages: forks share the whole pages) - host pages too in coroutine mode, or
+        when its KV is `imported` (prefilled elsewhere: a whole copy per sample, placed on the host when the device
+        is full)."""
         need = self.kv.pages_needed(total_tokens)
         device_ok = need <= self.kv.device.num_pages
         streamed_ok = self.coroutine and need <= min(self.kv.host_decode_pages, self.kv.host.num_pages)
@@ -128,13 +129,13 @@ class Scheduler:
             raise InvalidRequestError(
                 f"a sequence of up to {total_tokens} tokens (prompt + max_tokens) does not fit in the KV "
                 f"budget ({self.kv.device.num_pages} device pages of {self.kv.page_size} tokens)")
-        placed = self.kv.pages_needed(prompt_tokens + 1) * samples
+        placed = (self.kv.pages_needed(prompt_tokens + 1) * samples if imported
+                  else self.kv.prompt_pages(prompt_tokens, samples))
         on_host = (self.coroutine or imported) and placed <= self.kv.host.num_pages
         if placed > self.kv.device.num_pages and not on_host:
             raise InvalidRequestError(
-                f"a prompt of {prompt_tokens} tokens with n={samples} needs {placed} KV pages at once (a copy of "
-                f"its KV per sample), more than the KV budget holds ({self.kv.device.num_pages} device pages of "
-                f"{self.kv.page_size} tokens)")
+                f"a prompt of {prompt_tokens} tokens with n={samples} needs {placed} KV pages at once, more than "
+                f"the KV budget holds ({self.kv.device.num_pages} device pages of {self.kv.page_size} tokens)")
 
     def schedule(self) -> StepPlan | None:
         self._restore()
@@ -187,7 +188,7 @@ class Scheduler:
                 break
             if not chunks and samples > room and self.num_decoding() > 0:
                 break
-            pages = self.kv.pages_needed(len(seq.prefill_ids) + 1) * samples
+            pages = self.kv.prompt_pages(len(seq.prefill_ids), samples)
             where = self._prefill_location(pages, samples_total + samples)
             if where is None or (location is not None and where is not location):
                 break
@@ -278,10 +279,11 @@ class Scheduler:
             self.restores += 1
 
     def _plan_decode(self) -> DecodePlan:
-        victims: list[Sequence] | None = None  # eviction order, sorted once per step when first needed
+        victims: list[Sequence] = []  # eviction order, sorted when needed (again when a short host pool took
+        # the newest sequences in place of the popped ones, which still run)
         for seq in list(self.running.values()):
             while seq.seq_id in self.running and not self.kv.grow(seq, seq.kv_len + 1):
-                if victims is None:
+                if not victims:
                     victims = sorted(self.running.values(), key=self._victim_order)
                 victim = victims.pop()
                 if victim.seq_id not in self.running:
@@ -356,7 +358,7 @@ class Scheduler:
         pages when they have room; None when neither has (the step's decode took the pages admission counted on:
         the sample is `recompute`d)."""
         for location in (planned, KVLocation.HOST):
-            if self.kv.fits(location, parent.kv_len + 1):
+            if self.kv.has_room(location, self.kv.fork_pages(parent, location)):
                 return location
         return None
 

@@ -194,6 +194,19 @@ def test_prefilled_samples_that_fit_the_device_one_at_a_time_land_together_on_th
     assert [o.token_ids for o in results[0].outputs] == [expected[4]] * 3
 
 
+def test_samples_forked_beside_their_prompt_share_its_whole_pages_in_admission_too(moe_case):
+    """n=3 of a 30-token prompt: its 4 pages of 8 and one more per other sample fit the device's 10, its whole
+    pages shared by the forks. Admission counted a whole copy per sample (12 pages) and refused the request, and a
+    fork asked room for the whole prompt (else host pages or a recompute) though it takes one page."""
+    loaded, batch, expected = moe_case
+    engine = Engine(loaded, mode="lockstep", page_size=8, kv_budget_bytes=kv_bytes_per_token(loaded) * 8 * 10)
+    assert engine.kv.device.num_pages == 10
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, n=3)
+    [result] = engine.generate([Request("r", prompt_token_ids=batch[4], sampling=params)])
+    assert len(batch[4]) == 30 and [o.token_ids for o in result.outputs] == [expected[4][:3]] * 3
+    assert engine.kv.migrations == {"to_host": 0, "to_device": 0} and engine.metrics()["recomputes"] == 0
+
+
 def test_prefilled_prompts_finding_no_room_in_either_pool_are_prefilled_again_when_their_turn_comes(moe_case):
     """A decode engine handed more prefilled prompts than its device and host pages hold keeps them waiting and
     prefills each itself when room frees (the first tokens as the prefill engine drew them); it used to fail

@@ -199,15 +199,36 @@ def test_a_sequence_larger_than_every_pool_is_rejected_up_front():
 @pytest.mark.parametrize("mode,host_pages,accepted", [("lockstep", 64, False), ("coroutine", 64, True),
                                                        ("coroutine", 8, False)])
 def test_a_prompt_whose_samples_fit_no_pool_together_is_rejected_up_front(mode, host_pages, accepted):
-    """Each of n=5 samples fits the device (prompt 10 + 6 tokens: 4 pages of 4), but the prompt's pages for all
-    five (3 x 5 = 15) do not: the prefill waited for them forever, holding up every prompt behind it."""
+    """Each of n=7 samples fits the device (prompt 10 + 6 tokens: 4 pages of 4), but the prompt's 3 pages and one
+    per other sample (9: the forks share its whole pages) do not: the prefill waited for them forever, holding up
+    every prompt behind it. n=5 (7 pages) fits: it was refused when each sample counted a whole copy (15)."""
     scheduler = Scheduler(scheduler_config(mode=mode), manager(device_pages=8, host_pages=host_pages))
+    scheduler.check_fits(16, 10, samples=5)
     if accepted:
-        scheduler.check_fits(16, 10, samples=5)
+        scheduler.check_fits(16, 10, samples=7)
         return
-    with pytest.raises(InvalidRequestError, match=r"a prompt of 10 tokens with n=5 needs 15 KV pages at once"):
-        scheduler.check_fits(16, 10, samples=5)
-    scheduler.check_fits(16, 10, samples=2)  # 6 pages
+    with pytest.raises(InvalidRequestError, match=r"a prompt of 10 tokens with n=7 needs 9 KV pages at once"):
+        scheduler.check_fits(16, 10, samples=7)
+
+
+def test_a_full_device_with_forked_samples_and_no_host_room_recomputes_until_the_sequence_grows():
+    """Coroutine order evicts the most progressed sequence first; with no host room the newest is recomputed in its
+    place. Forked samples holding only pages shared with their parent free nothing, and the victims sorted once ran
+    out while the sequence needing a page still ran: an IndexError that failed the engine."""
+    kv = manager(device_pages=4, host_pages=0)
+    scheduler = Scheduler(scheduler_config(mode="coroutine"), kv)
+    ahead = decoding(scheduler, kv, sequence(0, prompt_len=3, generated=5))  # 8 tokens: 2 full pages
+    parent = decoding(scheduler, kv, sequence(1, prompt_len=7, generated=1))
+    samples = []
+    for i in (2, 3, 4):
+        sample = sequence(i, prompt_len=7, generated=1)
+        kv.fork(parent, sample, KVLocation.DEVICE)  # its pages all the parent's (8 tokens: 2 whole pages)
+        scheduler.place_decoding(sample)
+        samples.append(sample)
+    assert kv.device.free_pages == 0 and all(kv.pages_of(s) == kv.pages_of(parent) for s in samples)
+    plan = scheduler._plan_decode()
+    assert [s.seq_id for s in plan.seqs] == [0] and len(kv.pages_of(ahead)) == 3
+    assert scheduler.recomputes == 4 and sorted(s.seq_id for s in scheduler.waiting) == [1, 2, 3, 4]
 
 
 def test_a_yield_the_host_pool_cannot_hold_recomputes_the_newest_sequence():
@@ -271,13 +292,14 @@ def test_no_prompt_joins_a_held_step_even_when_a_chunked_prompt_completes_in_it(
 
 
 def test_lockstep_prefills_an_adopted_prompt_whose_samples_exceed_the_device_into_host_pages():
-    """n=3 samples of a 9-token prompt need 9 pages, the device has 8: check_fits admits such a prompt prefilled
-    elsewhere for the host; adopted when no pool had room, it is prefilled again here, into host pages (lockstep
-    never offered them: it waited forever)."""
-    scheduler = Scheduler(scheduler_config(mode="lockstep"), manager(device_pages=8, host_pages=12))
-    scheduler.check_fits(12, 9, samples=3, imported=True)
+    """n=7 samples of a 9-token prompt prefilled here need 9 pages (its 3, one per other sample), the device has 8:
+    check_fits admits such a prompt prefilled elsewhere for the host (21 pages: a whole copy per sample); adopted
+    when no pool had room, it is prefilled again here, into host pages (lockstep never offered them: it waited
+    forever)."""
+    scheduler = Scheduler(scheduler_config(mode="lockstep"), manager(device_pages=8, host_pages=24))
+    scheduler.check_fits(12, 9, samples=7, imported=True)
     prompt = sequence(0, prompt_len=9)
-    prompt.sampling = SamplingParams(max_tokens=3, n=3)
+    prompt.sampling = SamplingParams(max_tokens=3, n=7)
     scheduler.admit(prompt)
     assert scheduler.schedule().prefill.location is KVLocation.HOST
 
