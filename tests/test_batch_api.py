@@ -876,6 +876,27 @@ def test_a_request_finishing_after_its_batch_failed_stays_out_of_it(loop, tmp_pa
     assert store.results(batch.id) == {} and runner._owner == {}
 
 
+@pytest.mark.parametrize("ending", ["failed", "expired"])
+def test_a_cancel_is_accepted_only_while_the_batch_can_still_end_cancelled(loop, tmp_path, ending):
+    """A cancel that came after the runner read the status but before it wrote the final one was answered
+    "cancelling", and the batch then ended failed (or expired) all the same."""
+    runner, store = _runner_and_store(loop, tmp_path)
+    batch = _running(store, [{"prompt": "x"}])
+    finalize, accepted = store.finalize, []
+
+    def cancel_then_finalize(*args, **kwargs):  # the HTTP cancel, just before the final status is written
+        accepted.append(store.set_status(batch.id, "cancelling", only_from=("validating", "in_progress")))
+        return finalize(*args, **kwargs)
+
+    store.finalize = cancel_then_finalize
+    if ending == "failed":
+        runner._fail(batch, [{"code": "engine_error", "message": "device lost", "param": None, "line": None}])
+    else:
+        batch.stop_code = "batch_expired"
+        runner._finalize(batch)
+    assert accepted == [False] and store.get_batch(batch.id).status == ending
+
+
 def test_storage_errors_while_recording_and_finalizing_are_retried_not_fatal(loop, model_dir, tmp_path, caplog):
     """The runner thread died on them: the batch stayed finalizing and every later batch waited forever (and a
     failed record of results lost them)."""

@@ -227,15 +227,20 @@ class BatchBackendBase(ABC):
         code = batch.stop_code
         if code == "batch_expired" and len(self.store.results(batch.id)) == len(batch.lines):
             code = None  # every request had finished when the window passed: nothing expired
-        if code is None and not self.store.set_status(batch.id, "finalizing", only_from=("in_progress",)):
-            if self.store.get_batch(batch.id).status == "cancelling":
-                code = "batch_cancelled"
+        if code != "batch_cancelled" and self._cancelled_meanwhile(batch):
+            code = "batch_cancelled"
         self._write_files(batch, _FINAL_STATUS[code], code)
+
+    def _cancelled_meanwhile(self, batch: QueuedBatch) -> bool:
+        """Move the batch to finalizing unless a cancel came first (True then): a cancel is accepted only before
+        this move, so the status the cancel answered with is the one the batch ends in."""
+        return (not self.store.set_status(batch.id, "finalizing", only_from=("in_progress",))
+                and self.store.get_batch(batch.id).status == "cancelling")
 
     def _fail(self, batch: QueuedBatch, errors: list[dict[str, Any]]) -> None:
         """The batch's engine or job failed: the lines that finished keep their results in the output and error
         files, the others are failed with the failure's code and message (a batch being cancelled ends cancelled)."""
-        if self.store.get_batch(batch.id).status == "cancelling":
+        if self._cancelled_meanwhile(batch):
             self._write_files(batch, "cancelled", "batch_cancelled")
         else:
             self._write_files(batch, "failed", errors[0]["code"], errors[0]["message"], errors=errors)
