@@ -450,6 +450,18 @@ def test_null_parameters_are_unset_whatever_they_are():
         _check_fields({**body, "reasoning_effort": "high"}, chat=True)
 
 
+def test_logprobs_on_a_model_without_a_tokenizer_are_refused_per_line(engine):
+    """The line ran and its result could not be written (its tokens' text needs the tokenizer)."""
+    from batchgen.engine import RequestNormalizer
+    from batchgen.engine.errors import InvalidRequestError
+    from batchgen.pipelines.openai_batch.wire_format import RequestBuilder
+
+    builder = RequestBuilder("/v1/completions", RequestNormalizer(None, engine.model.vocab_size, 64), {})
+    assert builder.build("r", {"model": SERVED, "prompt": [3, 4]}).prompt_token_ids == [3, 4]
+    with pytest.raises(InvalidRequestError, match="logprobs needs the model's tokenizer"):
+        builder.build("r", {"model": SERVED, "prompt": [3, 4], "logprobs": 1})
+
+
 def test_per_request_errors_go_to_error_file(client, engine):
     too_long = [5] * (engine.max_model_len + 3)
     bad = {

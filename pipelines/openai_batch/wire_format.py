@@ -170,6 +170,8 @@ class RequestBuilder:
         values = {key: body.get(key) for key in _SAMPLING_FIELDS}
         values["max_tokens"] = _max_tokens(body, chat)
         values["logprobs"] = _logprobs(body, chat)
+        if values["logprobs"] is not None and self.normalizer.tokenizer is None:  # its tokens' text is the answer's
+            raise InvalidRequestError("logprobs needs the model's tokenizer (each token's text); this model has none")
         structured = _response_format(body.get("response_format"))
         if structured is not None:
             if values["structured_outputs"] is not None:
