@@ -106,10 +106,12 @@ def plan_offload(units: WeightUnits, budget: int, device_type: str, activation_b
     steps += [lambda p, name=u.name: dataclasses.replace(p, modules=p.modules | {name}) for u in units.modules]
     steps += [lambda p, layer=e.layer: dataclasses.replace(p, expert_layers=p.expert_layers | {layer})
               for e in units.expert_layers]
+    peak = weights(state)  # the heaviest placement the walk passes through
     for step in steps:
         trial = step(state)
         if weights(trial) <= allowance:
             state = trial
+            peak = max(peak, weights(trial))
     experts_streamed = len(state.expert_layers) < len(units.expert_layers)
     streamed_modules = [u.nbytes for u in units.modules if u.name not in state.modules]
     resident = weights(state) - rings(state)
@@ -124,7 +126,10 @@ def plan_offload(units: WeightUnits, budget: int, device_type: str, activation_b
         expert_slots=state.expert_slots if experts_streamed else 0,
         expert_slot_bytes=expert_slot if experts_streamed else 0,
         activation_bytes=activation,
-        kv_bytes=budget - fixed - activation - weights(state) if kv_bytes is None else kv_bytes,
+        # the KV what is left beside the walk's heaviest placement, not its last: a walk can pass through a heavier
+        # one (the last streamed module made resident frees its slots), and the plan's own KV budget given back
+        # (every engine actor of a job gets it) must let the same walk through to the same placement
+        kv_bytes=budget - fixed - activation - peak if kv_bytes is None else kv_bytes,
         b_moe=b_moe,
     )
 
