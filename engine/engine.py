@@ -281,7 +281,8 @@ class Engine(Generates):
             return None
         first = state.samples[0]
         request = Request(request_id, list(first.prompt_ids), sampling=state.request.sampling)
-        migrated = MigratedRequest(request, [], to_wall(first.submitted_at), to_wall(first.first_scheduled_at))
+        migrated = MigratedRequest(request, [], to_wall(first.submitted_at), to_wall(first.first_scheduled_at),
+                                   state.error)
         for seq in state.samples:
             if seq.phase is Phase.WAITING and not seq.recomputing:
                 continue
@@ -338,7 +339,7 @@ class Engine(Generates):
             self._admit(request, prompt_ids, submitted)
             return
         unfinished = [s for s in migrated.samples if s.finish_reason is None]
-        state = _RequestState(request, pending=len(unfinished))
+        state = _RequestState(request, pending=len(unfinished), error=migrated.error)
         self._requests[request.request_id] = state
         for sample in migrated.samples:
             seq = self.new_sequence(request, sample.index, prompt_ids, submitted)

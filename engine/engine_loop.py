@@ -24,6 +24,7 @@ unbounded queue.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -37,6 +38,8 @@ from batchgen.engine.migration import MigratedRequest
 from batchgen.engine.parallel.group_engine import GroupEngine
 from batchgen.engine.request import Request, Result
 from batchgen.engine.request_future import RequestFuture
+
+log = logging.getLogger(__name__)
 
 LOAD_REFRESH_S = 0.05  # `load` is recounted after a step at most this often (it walks every request), and
 # always after the step that leaves the engine idle
@@ -262,14 +265,14 @@ class EngineLoop:
         ready.set_result(self.engine)
         while not self._closed:
             out_of_work = self.failure is not None or not self.engine.has_unfinished()
-            if out_of_work and self._on_work is not None:
-                self._on_work(False)
+            if out_of_work:
+                self._tell_work(False)
             if not self._run_commands(block=out_of_work):
                 return
             if self.failure is not None or self._closed:
                 continue
-            if self._on_work is not None and self.engine.has_unfinished():
-                self._on_work(True)
+            if self.engine.has_unfinished():
+                self._tell_work(True)
             try:
                 finished = self.engine.step()
             except BaseException as exc:  # handed to every waiting caller
@@ -295,6 +298,16 @@ class EngineLoop:
         """Whether this loop runs `request_id` for another engine (adopted): a task submitting it again here
         gets its Result (`submit`)."""
         return request_id in self._adopted
+
+    def _tell_work(self, busy: bool) -> None:
+        """`on_work(busy)`, whose failure (thread lending's files: a full disk, a cleaned /tmp) costs the lending,
+        not the engine thread: raised here, it ended the thread and left every future waiting."""
+        if self._on_work is None:
+            return
+        try:
+            self._on_work(busy)
+        except Exception:  # noqa: BLE001
+            log.warning("engine loop: the on_work hook failed; the engine goes on", exc_info=True)
 
     def _run_commands(self, block: bool) -> bool:
         """Run every queued command (waiting for one when `block`); False once closed."""

@@ -36,6 +36,7 @@ class MigratedRequest:
     samples: list[MigratedSample]  # empty: the prompt was not prefilled yet
     submitted_at: float
     first_scheduled_at: float | None
+    error: str | None = None  # why a finished sample failed: the request's Result is that error
 
     @property
     def kv_bytes(self) -> int:

@@ -58,7 +58,8 @@ class BalancingAgent:
         actor_id = ray.get_runtime_context().get_actor_id()
         self.actor = (actor_id, incarnation(actor_id)[1])  # how the balancer tells this incarnation is alive
         self._finished: list[Result] = []  # Results of adopted requests, filled on the engine thread
-        self._holding = 0  # adopted requests whose Result has not been sent back yet
+        self._holding: set[str] = set()  # adopted requests whose Result has not been sent back yet (a request moved
+        # here again, its owner's task rerun elsewhere, is one request: the loop runs it once)
         self._serving = 0  # calls of this actor's UDF in progress
         self._checkpointed: dict[str, int] = {}  # request id -> generated tokens at its last checkpoint
         self._done: list[str] = []  # this actor's requests finished since the last exchange
@@ -109,7 +110,7 @@ class BalancingAgent:
         waited = 0.0
         while True:
             with self._lock:
-                holding, others = self._holding, self._serving > 1
+                holding, others = bool(self._holding), self._serving > 1
             if others:
                 return
             if waited >= LINGER_GRACE_S and not holding and not await self.balancer.has_surplus.remote(self.name):
@@ -122,8 +123,10 @@ class BalancingAgent:
         while True:
             try:
                 await self._exchange()
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.ActorDiedError:
                 return  # the balancer is gone: the job ended
+            except ray.exceptions.ActorUnavailableError:  # a passing network failure: the next exchange tries again
+                log.warning("engine actor %s: the work balancer is unreachable for now", self.name, exc_info=True)
             except Exception:  # noqa: BLE001 - one failed exchange must not end balancing for the job
                 log.exception("engine actor %s: a balancing exchange failed", self.name)
             await asyncio.sleep(REPORT_S)
@@ -155,14 +158,14 @@ class BalancingAgent:
             if unreachable:
                 await self.balancer.unreachable.remote(self.name, unreachable)
             with self._lock:
-                self._holding += len(adopted)
+                self._holding.update(m.request.request_id for m in adopted)
             await asyncio.wrap_future(self.loop.adopt(adopted, self._adopted_done))
         with self._lock:
             done, self._finished = self._finished, []
         if done:
             await self.balancer.deliver.remote(self.name, done)
             with self._lock:
-                self._holding -= len(done)
+                self._holding.difference_update(result.request_id for result in done)
             for result in done:  # adopted requests this actor checkpointed: finished
                 self._checkpointed.pop(result.request_id, None)
         results, lost = await self.balancer.collect.remote(self.name)

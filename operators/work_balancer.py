@@ -177,12 +177,15 @@ class WorkBalancer:
         return [(rid, [ref]) for _, rid, ref in items]
 
     def unreachable(self, worker: str, request_ids: list[str]) -> None:
-        """`worker` took these but could not fetch them (their owner died, and its objects with it: Ray Data reruns
-        the owner's tasks, which recover them): it does not hold them, so they keep none of its calls open."""
+        """`worker` took these but could not fetch them: it does not hold them, so they keep none of its calls open.
+        Their owner died, most likely, and its objects with it (Ray Data reruns the owner's tasks, which recover
+        them); an owner still here (the fetch failed otherwise) gets them back to run itself."""
         me = self._workers.get(worker)
         if me is not None:
             for rid in request_ids:
-                me.holding.pop(rid, None)
+                owner = me.holding.pop(rid, None)
+                if owner is not None:
+                    self._return_to_owner(owner, [rid])
 
     def deliver(self, worker: str, results: list[Any]) -> None:
         """Results of requests `worker` took, for their owners (their checkpoints are of no use any more: a holder's

@@ -39,6 +39,16 @@ def workload() -> list[Request]:
             for i, (p, kind) in enumerate(zip(PROMPTS, kinds))]
 
 
+class Remote:
+    """A balancer actor's method, called in process: `await method.remote(*args)`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    async def remote(self, *args):
+        return self.fn(*args)
+
+
 def by_id(results) -> dict:
     assert all(r.error is None for r in results), [r.error for r in results]
     return {r.request_id: [(o.token_ids, o.text, o.finish_reason,
@@ -90,6 +100,25 @@ def test_a_sample_finished_before_the_move_keeps_its_output(demo):
     target.import_request(moved)
     assert by_id(drain(target)) == expected
     assert not source.has_unfinished()
+
+
+def test_a_request_whose_sample_failed_before_the_move_fails_after_it(demo):
+    """A sample whose grammar was left no token (bad_words banned each one) fails its request once every sample is
+    done; moved or restored from a checkpoint before that, the request came back as a success with the failed
+    sample's output among the others."""
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=4, n=2, structured_outputs={"choice": ["yes", "no"]})
+    source, target = Engine(demo, page_size=16), Engine(demo, page_size=16)
+    source.add_request(Request("r", prompt=PROMPTS[0], sampling=params))
+    source.step()  # prefilled: both samples decode
+    failing = source._requests["r"].samples[1]
+    refused = source.tokenizer.encode("zebra", add_special_tokens=False)[0]  # no choice starts so
+    assert source._accept_token(failing, refused)  # as the engine takes a token the grammar refuses
+    source.scheduler.remove(failing)
+    moved = source.export_request("r")
+    assert moved.error is not None and [s.finish_reason for s in moved.samples] == [None, "error"]
+    target.import_request(moved)
+    [result] = drain(target)
+    assert result.outputs == [] and "no token the grammar allows" in result.error
 
 
 def test_a_request_mid_prefill_is_not_movable_and_bad_imports_are_refused(demo):
@@ -266,13 +295,6 @@ def test_requests_exported_for_a_move_that_could_not_be_sent_continue_on_their_o
     were held by nobody and their rows never finished."""
     from batchgen.operators import balancing
 
-    class Remote:
-        def __init__(self, fn):
-            self.fn = fn
-
-        async def remote(self, *args):
-            return self.fn(*args)
-
     class Balancer:
         report = Remote(lambda *args: (100, "taker"))  # move 100 output tokens' worth to another actor
 
@@ -298,6 +320,61 @@ def test_requests_exported_for_a_move_that_could_not_be_sent_continue_on_their_o
     finally:
         loop.close()
     assert by_id(results) == expected
+
+
+def test_a_request_moved_here_twice_is_held_once_and_the_actors_last_call_ends(demo, monkeypatch):
+    """Moved here, then (its owner died and its task ran again elsewhere) moved here again: the loop runs it once
+    and gives one Result, but the agent counted two held requests, and its actor's last call stayed for good."""
+    from types import SimpleNamespace
+
+    from batchgen.operators import balancing
+
+    request = Request("r", prompt=PROMPTS[0], sampling=SamplingParams(max_tokens=24, temperature=0.0,
+                                                                       ignore_eos=True))
+    [expected] = Engine(demo, page_size=16).generate([request])
+    source = Engine(demo, page_size=16)
+    source.add_request(request)
+    source.step()
+    moved = source.export_request("r")
+
+    async def fetched():
+        return moved
+
+    takes, delivered = [[("r", [fetched()])], [("r", [fetched()])]], []
+
+    class Balancer:
+        report = Remote(lambda *args: (0, None))
+        take = Remote(lambda name: takes.pop(0) if takes else [])
+        deliver = Remote(lambda name, results: delivered.extend(results))
+        collect = Remote(lambda name: ([], {}))
+        has_surplus = Remote(lambda name: False)
+        done = Remote(lambda ids: None)
+
+    loop = EngineLoop(lambda: Engine(demo, page_size=16))
+
+    class NoThread:  # the agent's exchanges run here, one at a time
+        def __init__(self, target, args, **kwargs):
+            args[0].close()
+
+        def start(self):
+            pass
+
+    monkeypatch.setattr(balancing, "threading", SimpleNamespace(Thread=NoThread, Lock=threading.Lock))
+    monkeypatch.setattr(balancing.ray, "get_runtime_context", lambda: SimpleNamespace(get_actor_id=lambda: "a"))
+    monkeypatch.setattr(balancing, "incarnation", lambda actor_id: ("ALIVE", 0))
+    try:
+        agent = balancing.BalancingAgent(Balancer(), loop)
+        agent._serving = 1  # its actor's last call, done with its own rows
+        asyncio.run(agent._exchange())
+        asyncio.run(agent._exchange())  # the same request again, while it runs here
+        deadline = time.monotonic() + 120
+        while not delivered and time.monotonic() < deadline:
+            asyncio.run(agent._exchange())
+            time.sleep(0.05)
+        asyncio.run(asyncio.wait_for(agent._linger(), 30))
+    finally:
+        loop.close()
+    assert [r.outputs[0].token_ids for r in delivered] == [expected.outputs[0].token_ids]
 
 
 def test_an_aborted_request_running_elsewhere_does_not_run_again_when_its_holder_dies(demo):

@@ -129,6 +129,25 @@ def test_the_engine_loop_says_when_it_computes_and_when_it_runs_out_of_work(tiny
     assert states[-1] is False
 
 
+def test_a_failing_on_work_hook_costs_the_lending_not_the_engine(tiny_moe_dir):
+    """The hook writes files (a full disk, a cleaned /tmp): its error ended the engine thread and every request
+    waited for good."""
+    engine = load_engine(tiny_moe_dir, **ENGINE)
+    calls = []
+
+    def failing(busy: bool) -> None:
+        calls.append(busy)
+        raise OSError(28, "No space left on device")
+
+    loop = EngineLoop(lambda: engine, on_work=failing)
+    params = SamplingParams.from_dict(SAMPLING)
+    requests = [Request(f"r{i}", prompt=p, sampling=params) for i, p in enumerate(workload(2))]
+    results = asyncio.run(asyncio.wait_for(
+        loop.run([r.request_id for r in requests], lambda engine, i: engine.add_request(requests[i])), 60))
+    loop.close()
+    assert all(r.error is None and r.outputs[0].token_ids for r in results) and True in calls
+
+
 def test_engine_actors_of_a_node_lend_their_threads(ray_cluster, tmp_path):
     import ray
 

@@ -83,11 +83,12 @@ def test_requests_a_taker_could_not_fetch_keep_none_of_its_calls_open():
     balancer.send("owner", "taker", [("a", ["ref-a"]), ("b", ["ref-b"])], 0, 200)
     assert [rid for rid, _ in balancer.take("taker")] == ["a", "b"]
     report(balancer, "owner", 1, 800)
-    balancer.unreachable("taker", ["a"])  # its owner's object was gone: the taker never adopted it
+    balancer.unreachable("taker", ["a"])  # its owner's object could not be fetched: the taker never adopted it
     assert balancer.has_surplus("taker")  # it still holds "b"
     balancer.deliver("taker", [Result("b", [1])])
     assert not balancer.has_surplus("taker")  # before the fix "a" stayed held and kept its last call open forever
-    assert balancer.collect("owner") == ([Result("b", [1])], {})
+    # an owner still here gets "a" back to run itself (it waited for its Result for good)
+    assert balancer.collect("owner") == ([Result("b", [1])], {"a": None})
 
 
 def test_a_failed_actor_lookup_does_not_end_the_reaping(monkeypatch):
