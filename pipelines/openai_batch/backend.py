@@ -146,12 +146,7 @@ class BatchBackendBase(ABC):
 
     def _take_incoming(self) -> list[QueuedBatch]:
         """The batches validated or resumed since the last call, oldest first."""
-        unchecked = []
-        while True:
-            try:
-                unchecked.append(self._to_check.get_nowait())
-            except queue.Empty:
-                break
+        unchecked = drain(self._to_check)
         for position, batch_id in enumerate(unchecked):
             try:
                 self._check(batch_id)
@@ -160,12 +155,7 @@ class BatchBackendBase(ABC):
                 for later in unchecked[position:]:
                     self._to_check.put(later)
                 break
-        batches = []
-        while True:
-            try:
-                batches.append(self._incoming.get_nowait())
-            except queue.Empty:
-                return batches
+        return drain(self._incoming)
 
     def _resume(self, record: BatchRecord) -> None:
         if record.status == "cancelling" and record.in_progress_at is None:  # cancelled before it started
@@ -271,6 +261,16 @@ class BatchBackendBase(ABC):
 
     def _failure_errors(self) -> list[dict[str, Any]]:
         return [{"code": "engine_error", "message": self.failure, "param": None, "line": None}]
+
+
+def drain(items: queue.Queue | queue.SimpleQueue) -> list:
+    """Everything in the queue now, in order."""
+    out = []
+    while True:
+        try:
+            out.append(items.get_nowait())
+        except queue.Empty:
+            return out
 
 
 def _result_lines(results: dict[int, tuple[bool, str]], ok: bool) -> Iterator[str]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from batchgen.engine import EngineLoop, Request
 from batchgen.engine.request_future import RequestFuture
-from batchgen.pipelines.openai_batch.backend import BackendConfig, BatchBackendBase, QueuedBatch
+from batchgen.pipelines.openai_batch.backend import BackendConfig, BatchBackendBase, QueuedBatch, drain
 from batchgen.pipelines.openai_batch.store import BatchRecord, BatchStore, ResultRow
 from batchgen.pipelines.openai_batch.wire_format import BatchLine
 
@@ -126,14 +126,8 @@ class BatchRunner(BatchBackendBase):
 
     def _record(self) -> None:
         """Commit every settled request: its result, or nothing when aborted (it then counts as unfinished)."""
-        settled = []
-        while True:
-            try:
-                settled.append(self._settled.get_nowait())
-            except queue.Empty:
-                break
-        settled = [(request_id, future) for request_id, future in settled if request_id in self._owner]  # (else
-        # its batch failed while it ran, and its line is in that batch's error file)
+        # (one whose request is not in `_owner` any more: its batch failed while it ran, its line in the error file)
+        settled = [(request_id, future) for request_id, future in drain(self._settled) if request_id in self._owner]
         rows: dict[str, list[ResultRow]] = {}
         for request_id, future in settled:
             batch, index = self._owner[request_id]
