@@ -63,6 +63,8 @@ class BalancingAgent:
         self._serving = 0  # calls of this actor's UDF in progress
         self._checkpointed: dict[str, int] = {}  # request id -> generated tokens at its last checkpoint
         self._done: list[str] = []  # this actor's requests finished since the last exchange
+        self._taken: list[str] = []  # request ids the last `take` and `collect` answers brought, each told to the
+        self._collected: list[str] = []  # balancer with the next call (it hands them again until then)
         self._copied_bytes, self._copy_s = 0, 0.0
         self._last_checkpoint = time.monotonic()
         self._lock = threading.Lock()
@@ -148,7 +150,7 @@ class BalancingAgent:
             except Exception:  # not sent: they continue here (only this actor held them)
                 self.loop.rerun({m.request.request_id: m for m in moved})
                 raise
-        incoming = await self.balancer.take.remote(self.name)
+        incoming = await self.balancer.take.remote(self.name, self._taken)
         if incoming:
             # a request whose owner died before it got here is gone with its owner's objects: nobody waits
             # for it (Ray Data reruns the owner's tasks), and this actor does not hold it
@@ -160,15 +162,21 @@ class BalancingAgent:
             with self._lock:
                 self._holding.update(m.request.request_id for m in adopted)
             await asyncio.wrap_future(self.loop.adopt(adopted, self._adopted_done))
+        self._taken = [rid for rid, _ in incoming]
         with self._lock:
             done, self._finished = self._finished, []
         if done:
-            await self.balancer.deliver.remote(self.name, done)
+            try:
+                await self.balancer.deliver.remote(self.name, done)
+            except Exception:  # delivered again next time (the balancer passes a Result on once)
+                with self._lock:
+                    self._finished[:0] = done
+                raise
             with self._lock:
                 self._holding.difference_update(result.request_id for result in done)
             for result in done:  # adopted requests this actor checkpointed: finished
                 self._checkpointed.pop(result.request_id, None)
-        results, lost = await self.balancer.collect.remote(self.name)
+        results, lost = await self.balancer.collect.remote(self.name, self._collected)
         if results:
             self.loop.resolve(results)
         if lost:  # (handed over once: a checkpoint that cannot be fetched means running from the prompt)
@@ -181,6 +189,7 @@ class BalancingAgent:
                         log.warning("engine actor %s: the checkpoint of %s is gone; it runs again from its prompt",
                                     self.name, rid, exc_info=True)
             self.loop.rerun({rid: points.get(rid) for rid in lost})
+        self._collected = [result.request_id for result in results] + list(lost)
         if time.monotonic() - self._last_checkpoint > CHECKPOINT_S:
             self._last_checkpoint = time.monotonic()
             await self._store_checkpoints(await asyncio.wrap_future(self.loop.snapshot(self._checkpoint_is_recent)))

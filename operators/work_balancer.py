@@ -34,6 +34,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,8 +61,12 @@ class _Worker:
     incoming_requests: int = 0  # sent to it since its last report (taken or not): not in its load yet
     incoming_tokens: int = 0
     holding: dict[str, str] = field(default_factory=dict)  # request id -> owner, for requests it took
+    # handed to it by `take` or `collect`, kept (and handed again) until it says they arrived: a reply can be lost
+    # on its way (a passing network failure: Ray's ActorUnavailableError, the call may or may not have run)
+    taking: dict[str, Any] = field(default_factory=dict)  # request id -> ref
     results: list[Any] = field(default_factory=list)  # Results of its own requests, finished elsewhere
     lost: list[str] = field(default_factory=list)  # its own requests whose holder died
+    recovering: dict[str, list | None] = field(default_factory=dict)  # lost ones, as `recover` answered once
 
     @property
     def requests(self) -> int:
@@ -166,15 +171,19 @@ class WorkBalancer:
         self.stats.migrations += len(items)
         self.stats.kv_bytes_moved += kv_bytes
 
-    def take(self, worker: str) -> list[tuple[str, list]]:
+    def take(self, worker: str, received: Iterable[str] = ()) -> list[tuple[str, list]]:
         """The moved requests waiting for `worker`: (request id, [ref]), the ref wrapped in a list (so it stays a
-        ref)."""
+        ref); those of an earlier call are handed again until `received` (what its last answer brought) names
+        them."""
         me = self._workers.get(worker)
         if me is None:
             return []
+        for rid in received:
+            me.taking.pop(rid, None)
         items, me.incoming = me.incoming, []
         me.holding.update((rid, owner) for owner, rid, _ in items)
-        return [(rid, [ref]) for _, rid, ref in items]
+        me.taking.update((rid, ref) for _, rid, ref in items)
+        return [(rid, [ref]) for rid, ref in me.taking.items()]
 
     def unreachable(self, worker: str, request_ids: list[str]) -> None:
         """`worker` took these but could not fetch them: it does not hold them, so they keep none of its calls open.
@@ -197,14 +206,20 @@ class WorkBalancer:
             if owner in self._workers:
                 self._workers[owner].results.append(result)
 
-    def collect(self, worker: str) -> tuple[list[Any], dict[str, list | None]]:
+    def collect(self, worker: str, received: Iterable[str] = ()) -> tuple[list[Any], dict[str, list | None]]:
         """(Results of `worker`'s own requests finished elsewhere, {request id: [checkpoint ref] or None}
-        for its requests lost with their holder)."""
+        for its requests lost with their holder); handed again until `received` (the request ids its last answer
+        brought) names them."""
         me = self._workers.get(worker)
         if me is None:
             return [], {}
-        results, lost, me.results, me.lost = me.results, me.lost, [], []
-        return results, self.recover(lost)
+        received = set(received)
+        me.results = [result for result in me.results if result.request_id not in received]
+        for rid in received:
+            me.recovering.pop(rid, None)
+        lost, me.lost = me.lost, []
+        me.recovering.update(self.recover(lost))
+        return list(me.results), dict(me.recovering)
 
     # ------------------------------------------------------------ checkpoints and recovery
     def checkpoint(self, items: list[tuple[Checkpoint, bytes]]) -> None:

@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from tiny_models import kv_bytes_per_token
 
 from batchgen.connectors.checkpoint import load_model
-from batchgen.engine import Engine, EngineLoop, InvalidRequestError, Request, SamplingParams
+from batchgen.engine import Engine, EngineLoad, EngineLoop, InvalidRequestError, Request, SamplingParams
 from batchgen.engine.parallel.partition import partition_pages
 from batchgen.engine.sequence import Phase
 
@@ -47,6 +48,26 @@ class Remote:
 
     async def remote(self, *args):
         return self.fn(*args)
+
+
+def agent_without_thread(monkeypatch, balancer, loop: EngineLoop):
+    """A BalancingAgent of an actor's last call, done with its own rows, whose exchanges the test runs one at a
+    time (no thread of its own, no Ray runtime)."""
+    from batchgen.operators import balancing
+
+    class NoThread:
+        def __init__(self, target, args, **kwargs):
+            args[0].close()
+
+        def start(self):
+            pass
+
+    monkeypatch.setattr(balancing, "threading", SimpleNamespace(Thread=NoThread, Lock=threading.Lock))
+    monkeypatch.setattr(balancing.ray, "get_runtime_context", lambda: SimpleNamespace(get_actor_id=lambda: "a"))
+    monkeypatch.setattr(balancing, "incarnation", lambda actor_id: ("ALIVE", 0))
+    agent = balancing.BalancingAgent(balancer, loop)
+    agent._serving = 1
+    return agent
 
 
 def by_id(results) -> dict:
@@ -325,10 +346,6 @@ def test_requests_exported_for_a_move_that_could_not_be_sent_continue_on_their_o
 def test_a_request_moved_here_twice_is_held_once_and_the_actors_last_call_ends(demo, monkeypatch):
     """Moved here, then (its owner died and its task ran again elsewhere) moved here again: the loop runs it once
     and gives one Result, but the agent counted two held requests, and its actor's last call stayed for good."""
-    from types import SimpleNamespace
-
-    from batchgen.operators import balancing
-
     request = Request("r", prompt=PROMPTS[0], sampling=SamplingParams(max_tokens=24, temperature=0.0,
                                                                        ignore_eos=True))
     [expected] = Engine(demo, page_size=16).generate([request])
@@ -344,27 +361,15 @@ def test_a_request_moved_here_twice_is_held_once_and_the_actors_last_call_ends(d
 
     class Balancer:
         report = Remote(lambda *args: (0, None))
-        take = Remote(lambda name: takes.pop(0) if takes else [])
+        take = Remote(lambda name, received: takes.pop(0) if takes else [])
         deliver = Remote(lambda name, results: delivered.extend(results))
-        collect = Remote(lambda name: ([], {}))
+        collect = Remote(lambda name, received: ([], {}))
         has_surplus = Remote(lambda name: False)
         done = Remote(lambda ids: None)
 
     loop = EngineLoop(lambda: Engine(demo, page_size=16))
-
-    class NoThread:  # the agent's exchanges run here, one at a time
-        def __init__(self, target, args, **kwargs):
-            args[0].close()
-
-        def start(self):
-            pass
-
-    monkeypatch.setattr(balancing, "threading", SimpleNamespace(Thread=NoThread, Lock=threading.Lock))
-    monkeypatch.setattr(balancing.ray, "get_runtime_context", lambda: SimpleNamespace(get_actor_id=lambda: "a"))
-    monkeypatch.setattr(balancing, "incarnation", lambda actor_id: ("ALIVE", 0))
     try:
-        agent = balancing.BalancingAgent(Balancer(), loop)
-        agent._serving = 1  # its actor's last call, done with its own rows
+        agent = agent_without_thread(monkeypatch, Balancer(), loop)
         asyncio.run(agent._exchange())
         asyncio.run(agent._exchange())  # the same request again, while it runs here
         deadline = time.monotonic() + 120
@@ -375,6 +380,62 @@ def test_a_request_moved_here_twice_is_held_once_and_the_actors_last_call_ends(d
     finally:
         loop.close()
     assert [r.outputs[0].token_ids for r in delivered] == [expected.outputs[0].token_ids]
+
+
+def test_a_moved_request_and_its_result_survive_answers_lost_on_their_way(demo, monkeypatch):
+    """A balancer call can run and its answer be lost (Ray's ActorUnavailableError): the moved request `take`
+    handed out, or the Result `deliver` passed on (the agent had let go of it), was lost, and its owner waited for
+    good; the agent also stopped balancing for the rest of the job."""
+    import ray
+
+    from batchgen.operators.work_balancer import WorkBalancer
+
+    request = Request("r", prompt=PROMPTS[1], sampling=SamplingParams(max_tokens=16, temperature=0.0,
+                                                                       ignore_eos=True))
+    [expected] = Engine(demo, page_size=16).generate([request])
+    source = Engine(demo, page_size=16)
+    source.add_request(request)
+    source.step()
+    moved = source.export_request("r")
+
+    class Ref:  # an object ref: awaitable as often as it is fetched
+        def __await__(self):
+            return asyncio.sleep(0, moved).__await__()
+
+    balancer, lost = WorkBalancer(low_water=4, partition_below=0), []
+
+    def answer_lost_once(method):
+        def call(*args):
+            value = method(*args)
+            if value != [] and method.__name__ not in lost:
+                lost.append(method.__name__)
+                raise ray.exceptions.ActorUnavailableError("the connection was reset", None)
+            return value
+        return Remote(call)
+
+    fake = SimpleNamespace(**{name: Remote(getattr(balancer, name)) for name in (
+        "report", "unreachable", "collect", "done", "has_surplus", "report_costs", "checkpoint")})
+    fake.take, fake.deliver = answer_lost_once(balancer.take), answer_lost_once(balancer.deliver)
+    loop = EngineLoop(lambda: Engine(demo, page_size=16))
+    try:
+        agent = agent_without_thread(monkeypatch, fake, loop)
+        asyncio.run(agent._exchange())  # known to the balancer
+        balancer.report("owner", ("owner-actor", 0), EngineLoad(1, 10, 0.0), True)
+        balancer.send("owner", agent.name, [("r", [Ref()])], 0, 16)
+        deadline, failures = time.monotonic() + 120, 0
+        while not balancer._workers["owner"].results or agent._holding:  # until the Result is back, let go of
+            assert time.monotonic() < deadline
+            try:
+                asyncio.run(agent._exchange())
+            except ray.exceptions.ActorUnavailableError:
+                failures += 1
+            time.sleep(0.05)
+        asyncio.run(asyncio.wait_for(agent._linger(), 30))
+    finally:
+        loop.close()
+    assert lost == ["take", "deliver"] and failures == 2
+    results, _ = balancer.collect("owner")
+    assert [r.outputs[0].token_ids for r in results] == [expected.outputs[0].token_ids]
 
 
 def test_an_aborted_request_running_elsewhere_does_not_run_again_when_its_holder_dies(demo):
