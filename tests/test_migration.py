@@ -50,6 +50,17 @@ class Remote:
         return self.fn(*args)
 
 
+def exported_after_one_step(demo, prompt: str, max_tokens: int):
+    """(the Result of greedy request "r" run in place, "r" exported from another engine after its first step)."""
+    request = Request("r", prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                  ignore_eos=True))
+    [expected] = Engine(demo, page_size=16).generate([request])
+    source = Engine(demo, page_size=16)
+    source.add_request(request)
+    source.step()
+    return expected, source.export_request("r")
+
+
 def agent_without_thread(monkeypatch, balancer, loop: EngineLoop):
     """A BalancingAgent of an actor's last call, done with its own rows, whose exchanges the test runs one at a
     time (no thread of its own, no Ray runtime)."""
@@ -346,13 +357,7 @@ def test_requests_exported_for_a_move_that_could_not_be_sent_continue_on_their_o
 def test_a_request_moved_here_twice_is_held_once_and_the_actors_last_call_ends(demo, monkeypatch):
     """Moved here, then (its owner died and its task ran again elsewhere) moved here again: the loop runs it once
     and gives one Result, but the agent counted two held requests, and its actor's last call stayed for good."""
-    request = Request("r", prompt=PROMPTS[0], sampling=SamplingParams(max_tokens=24, temperature=0.0,
-                                                                       ignore_eos=True))
-    [expected] = Engine(demo, page_size=16).generate([request])
-    source = Engine(demo, page_size=16)
-    source.add_request(request)
-    source.step()
-    moved = source.export_request("r")
+    expected, moved = exported_after_one_step(demo, PROMPTS[0], 24)
 
     async def fetched():
         return moved
@@ -390,13 +395,7 @@ def test_a_moved_request_and_its_result_survive_answers_lost_on_their_way(demo, 
 
     from batchgen.operators.work_balancer import WorkBalancer
 
-    request = Request("r", prompt=PROMPTS[1], sampling=SamplingParams(max_tokens=16, temperature=0.0,
-                                                                       ignore_eos=True))
-    [expected] = Engine(demo, page_size=16).generate([request])
-    source = Engine(demo, page_size=16)
-    source.add_request(request)
-    source.step()
-    moved = source.export_request("r")
+    expected, moved = exported_after_one_step(demo, PROMPTS[1], 16)
 
     class Ref:  # an object ref: awaitable as often as it is fetched
         def __await__(self):
