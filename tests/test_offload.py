@@ -160,6 +160,31 @@ def test_a_plans_own_kv_budget_given_back_walks_to_the_same_placement_at_every_b
         assert plan.weight_bytes + plan.activation_bytes + plan.kv_bytes <= budget
 
 
+def test_the_profile_of_a_placed_model_times_its_streamed_weights_loaded(tmp_path, monkeypatch):
+    """After a timed call's warm-up the streamed unit stayed in its slot, so its timed repeats copied nothing: the
+    planner priced a memory-constrained engine's steps as a resident model's."""
+    from batchgen.engine.planner import profiler
+
+    save_tiny_checkpoint("mixtral", tmp_path)
+    loaded = load_model(str(tmp_path))
+    total = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    streamer, _ = place_as_engine(loaded, EngineConfig(device_memory_bytes=int(total * 0.3), page_size=4,
+                                                       max_model_len=MAX_LEN))
+    assert loaded.streamer is streamer and "layers.0.attn" not in streamer.plan.resident_modules
+    measure, copies = profiler._Timer.__call__, []
+
+    def counted(timer, fn):
+        before = streamer.modules.copies.copies
+        seconds = measure(timer, fn)
+        copies.append(streamer.modules.copies.copies - before)
+        return seconds
+
+    monkeypatch.setattr(profiler._Timer, "__call__", counted)
+    profiler.profile_model(loaded, progress=False)
+    attention = copies[: len(profiler.DECODE_GRID) + len(profiler.PREFILL_GRID)]  # layer 0's, streamed
+    assert min(attention) >= 4  # a warm-up and at least three timed calls, each loading the weights
+
+
 def test_an_engine_on_a_model_placed_for_a_budget_records_no_decode_steps(tmp_path):
     """The planner profiles a model placed for a device memory budget with engines of its own, which stream
     nothing themselves: a recording of their steps would replay kernels on whatever the slots held then."""

@@ -24,6 +24,7 @@ class LoadedModel:
     # "resident", or how memory-constrained mode placed the weights (engine/offload): what a layer's measured
     # cost depends on, besides the device and the shape
     weight_placement: str = "resident"
+    streamer: Any = None  # the WeightStreamer that placed them (engine/offload), None while resident
 
     @property
     def device(self) -> torch.device:

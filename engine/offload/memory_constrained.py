@@ -42,6 +42,7 @@ def stream_weights(loaded: LoadedModel, config: EngineConfig, device: torch.devi
                          "model again for another memory-constrained engine")
     units, plan, per_token = offload_plan(loaded, config, device.type)
     streamer = WeightStreamer(units, plan, device, per_token)
+    loaded.streamer = streamer
     loaded.weight_placement = (f"streamed by {config.weight_streaming}, {plan.budget_bytes} device bytes, "
                                f"{len(plan.resident_modules)} modules and {len(plan.resident_expert_layers)} expert "
                                f"layers resident, {plan.expert_slots} expert slots")

@@ -195,6 +195,13 @@ class WeightStreamer:
         for layer in streamed_experts:
             layer.experts.streamed = functools.partial(self.experts.run, layer)
 
+    def forget(self) -> None:
+        """Let go of what every slot holds, so each streamed unit's next use loads it again: as a step meets it, the
+        slots having held other units since (what a profile of the placed model must time)."""
+        for ring in (self.modules, self.experts):
+            if ring is not None:
+                ring.holds = [None] * len(ring.holds)
+
     def memory(self, kv, max_ffn_tokens: int, phases: PhaseSwitch | None = None) -> dict:
         """Device bytes by use, and their peak: the allocator's statistics on CUDA, this accounting elsewhere
         (weights and slots, the device KV pool as allocated, and the most any step held of staging pages and

@@ -84,7 +84,7 @@ def _backends(device_type: str, dtype: torch.dtype) -> dict[str, str]:
     return chosen
 
 
-PROFILE_VERSION = 10  # bump when what the curves mean changes in a file code_digest does not cover
+PROFILE_VERSION = 11  # bump when what the curves mean changes in a file code_digest does not cover
 # config entries that do not change what a layer costs (token ids, names, init and rope details)
 IGNORED_SUFFIXES = ("token_id", "_token_ids", "_range", "_eps", "_theta", "architectures", "torch_dtype",
                     "rope_scaling", "rope_parameters", "id2label", "label2id")
@@ -135,7 +135,8 @@ def profile_model(loaded: LoadedModel, progress: bool | None = None) -> CostCurv
     layer_spec = dataclasses.replace(spec, num_layers=attn_layer.attn.self_attn.layer + 1)
     pages = max(s * -(-(c + 1) // PAGE) for s, c in decode + prefill)
     pool = KVPool(PoolGeometry(layer_spec, PAGE, loaded.dtype), pages, device)
-    measure = _Timer(device)
+    # a streamed unit timed again found its weights still in their slot: a step does not (each load is timed)
+    measure = _Timer(device, None if loaded.streamer is None else loaded.streamer.forget)
     bar = tqdm(total=len(decode) + len(prefill) + len(FFN_GRID) + len(HEAD_GRID) + len(HOST_RUNS) + 1,
                desc="profiling one layer", disable=None if progress is None else not progress, leave=False)
     rows: dict[str, tuple[list[dict], list[float]]] = {name: ([], []) for name in ("decode", "prefill", "ffn", "head")}
@@ -204,11 +205,14 @@ class _Timer:
     """The best of a few timed calls after a warm-up, synchronising the device; fewer repeats for slow calls.
     The best, not the median: on a shared machine contention only ever adds time."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, before_each: Callable[[], None] | None = None):
         self.device = device
+        self.before_each = before_each  # run before every call, untimed
 
     def __call__(self, fn: Callable[[], object]) -> float:
         def once() -> float:
+            if self.before_each is not None:
+                self.before_each()
             start = time.perf_counter()
             fn()
             if self.device.type == "cuda":
