@@ -1,6 +1,7 @@
 """What is measured once per machine and kept on disk under $BATCHGEN_CACHE (default ~/.cache/batchgen): the
 kernels' crossovers on this CPU, the planner's cost curves and plans. BATCHGEN_PLAN=0 in the environment turns
-every such measurement off: fixed settings and defaults, as the tests and reproducible runs want."""
+every such measurement an engine would make for itself off: fixed settings and defaults, as the tests and
+reproducible runs want (a plan asked for by name, `batchgen plan` or `batchgen run --engine-actors`, still runs)."""
 
 from __future__ import annotations
 

@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 
 REPORT_S = 0.25  # how often an engine actor reports and exchanges moved requests and their Results
 STALE_S = 2.0  # an actor silent this long is checked for life
-MIN_SHARE = 0.05  # loads closer than this share of the busier one are left alone (a move costs KV copies)
+MIN_SHARE = 0.05  # a move of half the difference below this share of the busier load is left undone (loads within
+# 10 % of each other stay put: a move costs KV copies)
 
 
 @dataclass

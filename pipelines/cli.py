@@ -3,9 +3,11 @@
     batchgen run --model URI --input URI --output URI [--mode disaggregated|single]
                  [--prefill-concurrency N --decode-concurrency M | --concurrency N] [--config job.yaml]
     batchgen demo
+    batchgen serve --model URI --storage URI [--backend engine|ray]   (the OpenAI Batch API)
+    batchgen plan --model URI [--input URI]   (what `run` would set, without running)
 
 Exit status: 0 when the job completed, whatever its per-row errors; 1 when it failed or could not
-start (the message says why); 2 for a bad command line or config file.
+start (the message says why); 2 for a bad command line or config file (an unknown or invalid option value).
 """
 
 from __future__ import annotations
@@ -143,9 +145,11 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         raise UsageError(f"missing {', '.join(missing)} (on the command line or in --config)")
     try:
         values["storage_options"] = parse_json_object(values.get("storage_options"), "storage options")
-    except ValueError as exc:
+        config = JobConfig(**values)
+        config.validate()  # a bad value is a bad command line or config file, found before anything starts
+    except (ValueError, JobError) as exc:
         raise UsageError(str(exc)) from None
-    return JobConfig(**values)
+    return config
 
 
 def _read_yaml(path: str) -> dict[str, Any]:

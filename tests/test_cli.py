@@ -75,8 +75,8 @@ def test_run_fails_fast_with_a_clear_message(tmp_path, tiny_moe_dir, capsys, cas
     elif case == "unknown config option":
         (tmp_path / "c.yaml").write_text("batchsize: 4\n")
         extra, expected_code, message = ["--config", str(tmp_path / "c.yaml")], 2, "unknown option(s) ['batchsize']"
-    else:
-        extra, message = ["--temperature", "-1"], "invalid sampling parameter 'temperature'"
+    else:  # a bad value: a bad command line (exit 2), found before Ray starts
+        extra, expected_code, message = ["--temperature", "-1"], 2, "invalid sampling parameter 'temperature'"
     started = time.monotonic()
     code = main(["run", *[x for k, v in argv.items() for x in (f"--{k}", v)], *extra, "--no-progress"])
     assert code == expected_code
