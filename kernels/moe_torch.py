@@ -51,10 +51,17 @@ def fused_moe_torch(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """out[t] = sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t,k]; see kernels/ops.py."""
-    rows = route_rows(x, topk_weights, topk_ids, w_gate_up.shape[0])
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    accumulate_experts(out, rows, [e for e, count in enumerate(rows.counts) if count], w_gate_up, w_down)
+    accumulate_moe(out, x, w_gate_up, w_down, topk_weights, topk_ids)
     return out.to(x.dtype)
+
+
+def accumulate_moe(out: torch.Tensor, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    """fused_moe_torch's sum added to `out` (float32) before it is rounded to x's dtype: calls over parts of the
+    experts (a streamed layer's windows) summed here round once, as one call over all of them does."""
+    rows = route_rows(x, topk_weights, topk_ids, w_gate_up.shape[0])
+    accumulate_experts(out, rows, [e for e, count in enumerate(rows.counts) if count], w_gate_up, w_down)
 
 
 def accumulate_experts(out: torch.Tensor, rows: RoutedRows, experts: list[int], w_gate_up: torch.Tensor,

@@ -19,7 +19,8 @@ from batchgen.engine.offload.offload_plan import OffloadPlan
 from batchgen.engine.offload.phase_switch import PhaseSwitch
 from batchgen.engine.offload.slot_copies import SlotCopies
 from batchgen.engine.offload.weight_units import ExpertLayer, ModuleUnit, WeightUnits, aligned_bytes
-from batchgen.kernels import ops
+from batchgen.kernels import ops, registry
+from batchgen.kernels.moe_torch import accumulate_moe
 
 
 class ModuleRing:
@@ -93,14 +94,19 @@ class ExpertRing:
         self.window = slots // self.halves
         self.holds: list[tuple[int, int] | None] = [None] * slots  # (layer, expert) in each slot
         self.reused = 0  # expert loads saved: the slot already held that expert
+        # the torch backend sums in float32 and rounds once: its windows' sums are added before that rounding (each
+        # window rounded apart, a bf16 model's output differed from the resident model's even with top-2 routing)
+        backend = registry.resolve("fused_moe", device.type, first.gate_up_proj.dtype)[0]
+        self.accumulate = accumulate_moe if backend == "torch" else None
 
     def run(self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor) -> torch.Tensor:
         """ops.fused_moe over the layer's experts, each routed expert fetched at most once. Each window holds
-        consecutive experts in expert order and the windows' results are summed: with top-2 routing (in any
-        window order), or when a call's routed experts fit one window, that is the resident computation's sum
-        exactly; with more experts per token in another window the partial sums associate differently (float
-        rounding)."""
+        consecutive experts in expert order and the windows' results are summed (before the rounding to the model's
+        dtype where the backend sums in float32: torch's). When a call's routed experts fit one window, or with the
+        torch backend and top-2 routing (in any window order), that is the resident computation exactly; with more
+        experts per token in another window the partial sums associate differently, and the CPU kernel fuses each
+        expert's multiply-add into its sum, so its windows' sums differ from one call's in the last bit."""
         experts = layer.experts
         routed = torch.unique(topk_ids[topk_ids >= 0]).tolist()
         windows = [routed[i : i + self.window] for i in range(0, len(routed), self.window)]
@@ -109,7 +115,7 @@ class ExpertRing:
         plan = self._place(layer.layer, windows)
         slot_of = torch.full((experts.num_local_experts,), -1, dtype=topk_ids.dtype, device=topk_ids.device)
         self._load(layer, *plan[0])
-        out = None
+        out = None if self.accumulate is None else torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for i, (window, start) in enumerate(plan):
             if self.halves == 2 and i + 1 < len(plan):
                 self._load(layer, *plan[i + 1])
@@ -119,13 +125,16 @@ class ExpertRing:
             slot_of.fill_(-1)
             slot_of[window] = torch.arange(len(window), dtype=topk_ids.dtype, device=topk_ids.device)
             ids = torch.where(topk_ids >= 0, slot_of[topk_ids.clamp(min=0)], topk_ids)
-            part = ops.fused_moe(x, self.gate_up[start:end], self.down[start:end], topk_weights, ids)
+            if self.accumulate is not None:
+                self.accumulate(out, x, self.gate_up[start:end], self.down[start:end], topk_weights, ids)
+            else:
+                part = ops.fused_moe(x, self.gate_up[start:end], self.down[start:end], topk_weights, ids)
+                out = part if out is None else out + part
             for slot in range(start, end):
                 self.copies.release(slot)
-            out = part if out is None else out + part
             if self.halves == 1 and i + 1 < len(plan):
                 self._load(layer, *plan[i + 1])
-        return out
+        return out if self.accumulate is None else out.to(x.dtype)
 
     def _place(self, layer: int, windows: list[list[int]]) -> list[tuple[list[int], int]]:
         """(window, first slot) in run order: a window some half of the slots holds entirely runs first, there;
