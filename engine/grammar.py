@@ -48,7 +48,8 @@ class GrammarBackend:
             vocab = list(base.decoded_vocab)
             # special tokens decode to nothing in the output text: the grammar must never take them as text
             for token in tokenizer.all_special_ids:
-                vocab[token] = b""
+                if token < len(vocab):  # (a special token added past the model's vocabulary is never sampled)
+                    vocab[token] = b""
             info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.RAW, vocab_size=vocab_size,
                                           stop_token_ids=list(self.stop_token_ids))
             # its own cache off: this one is bounded (xgrammar's grows without limit by default)
@@ -89,7 +90,10 @@ class GrammarBackend:
             if spec.regex is not None:
                 return compiler.compile_regex(spec.regex)
             if spec.choice is not None:
-                return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+                # each choice a string literal of its own characters: escaped to ASCII, a character past U+FFFF
+                # became two surrogate escapes the grammar read as two characters, and the choice never matched
+                return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                          for c in spec.choice))
             return compiler.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError) as exc:
             raise InvalidRequestError(f"structured_outputs: the {spec.kind} does not compile: "

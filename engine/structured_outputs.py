@@ -23,7 +23,8 @@ class StructuredOutputs:
     choice: tuple[str, ...] | None = None  # the output is exactly one of these strings
     grammar: str | None = None  # EBNF (GBNF dialect), start rule `root`
     json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
-    disable_any_whitespace: bool = False  # JSON without optional whitespace: compact, and no runaway blanks
+    disable_any_whitespace: bool = False  # JSON without optional whitespace (no runaway blanks; the separators
+    # keep their one space, ", " and ": ", as vLLM's do)
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):

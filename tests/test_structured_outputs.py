@@ -4,6 +4,7 @@ prefill/decode split; a spec that cannot compile fails its row alone."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 
@@ -239,6 +240,29 @@ def test_specs_travel_between_stages_as_an_arrow_struct():
     params = [SamplingParams(structured_outputs=spec) for spec in SPECS.values()] + [SamplingParams()]
     columns = sc.tokenized_columns([str(i) for i in range(len(params))], [[1]] * len(params), params)
     assert [r.sampling for r in sc.requests(pa.table(columns))] == params
+
+
+def test_choices_with_characters_past_u_ffff_come_out_whole(model):
+    """An emoji choice was written into the grammar as two surrogate escapes, each read as a character of its own:
+    it never matched, and the output was bytes of no choice (empty once decoded)."""
+    choices = ["good \U0001F44D", "bad \U0001F44E", "fine"]
+    results = Engine(model, page_size=16).generate([Request(str(i), prompt=p, sampling=SamplingParams(
+        max_tokens=24, temperature=1.0, seed=i, structured_outputs={"choice": choices}))
+        for i, p in enumerate(PROMPTS * 2)])
+    texts = [r.outputs[0].text for r in results]
+    assert set(texts) <= set(choices) and any(ord(t[-1]) > 0xFFFF for t in texts), texts
+
+
+def test_a_special_token_past_the_models_vocabulary_is_left_out_of_the_grammar(model):
+    """A tokenizer whose added special token lies past the model's vocabulary (embeddings never resized) raised an
+    IndexError building the grammar backend, which failed the engine at its first structured request."""
+    tokenizer = copy.deepcopy(model.tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})
+    extra = tokenizer.convert_tokens_to_ids("<|extra|>")
+    vocab = model.model.vocab_size
+    assert extra >= vocab or len(tokenizer) > vocab
+    backend = GrammarBackend(tokenizer, min(vocab, extra), [model.tokenizer.eos_token_id])
+    assert backend.compile(SPECS["choice"]) is not None
 
 
 def test_backend_without_end_token_names_it(model):
