@@ -12,7 +12,7 @@ import gc
 import itertools
 import time
 from collections.abc import Callable, Container
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -217,7 +217,9 @@ class Engine(Generates):
             seq = self.new_sequence(request, index, list(request.prompt_token_ids), from_wall(prefilled.submitted_at))
             if location is None or not self.kv.load(seq, location, prefilled.kv, prefilled.num_tokens,
                                                     prefilled.kv_start):
-                state.prefilled = prefilled  # only the first sample can miss: later ones find its pages
+                # only the first sample can miss (later ones find its pages); its first tokens are kept, not the KV
+                # (a view of the whole hand-off batch's buffer: held until the request ends, it kept all of it)
+                state.prefilled = replace(prefilled, kv=prefilled.kv[:0].clone())
                 state.samples.append(seq)
                 self.scheduler.admit(seq)
                 self.stats.handoff_prefills += 1

@@ -35,17 +35,21 @@ class PrefillExporter:
         `before_step()` runs before each prefill step (an engine actor recounts its threads there)."""
         engine, scheduler = self.engine, self.engine.scheduler
         engine.stats.mark_start()
-        out: dict[str, PrefillOutput | Result] = {}
         requests = list(requests)
+        out: list[PrefillOutput | Result | None] = [None] * len(requests)
+        position: dict[str, int] = {}  # admitted request id -> its place
         admitted = []
-        for request in requests:
+        for i, request in enumerate(requests):
             submitted = time.perf_counter()
             try:
+                if request.request_id in position:  # (the outputs are matched to requests by id)
+                    raise InvalidRequestError(f"duplicate request_id {request.request_id!r}")
                 ids = engine.admissible_prompt(request)
             except InvalidRequestError as exc:
-                out[request.request_id] = Result(request.request_id, [], error=str(exc), submitted_at=submitted,
-                                                 finished_at=time.perf_counter())
+                out[i] = Result(request.request_id, [], error=str(exc), submitted_at=submitted,
+                                finished_at=time.perf_counter())
                 continue
+            position[request.request_id] = i
             admitted.append(engine.new_sequence(request, 0, ids, submitted))
         geometry = engine.kv.geometry
         starts = _carried_prefixes([s.prompt_ids for s in admitted], engine.kv.page_size,
@@ -57,7 +61,7 @@ class PrefillExporter:
             slices[seq.request_id] = (start, buffer[offset : offset + size])
             offset += size
             scheduler.admit(seq)
-        by_id = {r.request_id: r for r in requests}
+        by_id = {requests[i].request_id: requests[i] for i in position.values()}
         while scheduler.waiting or scheduler.prefilling:
             if before_step is not None:
                 before_step()
@@ -65,8 +69,8 @@ class PrefillExporter:
             if plan is None or plan.prefill is None:
                 raise RuntimeError("the prefill engine ran out of KV room; give it a larger kv budget")
             for prefilled in self._export(plan.prefill, by_id, slices):
-                out[prefilled.request.request_id] = prefilled
-        return PrefillBatch([out[r.request_id] for r in requests], buffer)
+                out[position[prefilled.request.request_id]] = prefilled
+        return PrefillBatch(out, buffer)
 
     def _export(self, plan: PrefillPlan, by_id: dict[str, Request],
                 slices: dict[str, tuple[int, torch.Tensor]]) -> list[PrefillOutput]:

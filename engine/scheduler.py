@@ -120,8 +120,8 @@ class Scheduler:
         """Reject a request that could never run, however long it waited: each sequence (prompt + max_tokens,
         `total_tokens`) must fit a pool it can decode from, and the prompt's pages with all `samples` one pool it
         can be prefilled into (kv.prompt_pages: forks share the whole pages) - host pages too in coroutine mode, or
-        when its KV is `imported` (prefilled elsewhere: a whole copy per sample, placed on the host when the device
-        is full)."""
+        when its KV is `imported` (prefilled elsewhere: placed on the host when the device is full, or prefilled
+        again here when no pool has room for a copy per sample)."""
         need = self.kv.pages_needed(total_tokens)
         device_ok = need <= self.kv.device.num_pages
         streamed_ok = self.coroutine and need <= min(self.kv.host_decode_pages, self.kv.host.num_pages)
@@ -129,8 +129,7 @@ class Scheduler:
             raise InvalidRequestError(
                 f"a sequence of up to {total_tokens} tokens (prompt + max_tokens) does not fit in the KV "
                 f"budget ({self.kv.device.num_pages} device pages of {self.kv.page_size} tokens)")
-        placed = (self.kv.pages_needed(prompt_tokens + 1) * samples if imported
-                  else self.kv.prompt_pages(prompt_tokens, samples))
+        placed = self.kv.prompt_pages(prompt_tokens, samples)
         on_host = (self.coroutine or imported) and placed <= self.kv.host.num_pages
         if placed > self.kv.device.num_pages and not on_host:
             raise InvalidRequestError(

@@ -207,6 +207,37 @@ def test_samples_forked_beside_their_prompt_share_its_whole_pages_in_admission_t
     assert engine.kv.migrations == {"to_host": 0, "to_device": 0} and engine.metrics()["recomputes"] == 0
 
 
+def test_a_prefilled_prompt_whose_samples_fit_only_sharing_its_pages_is_adopted_not_refused(moe_case):
+    """n=3 of a 25-token prompt: a copy of its 4 pages of 8 per sample (12) fits neither the decode engine's 8 device
+    pages nor its one host page, so the row was refused, though one engine runs it (4 pages and one per other
+    sample). It is prefilled again here (the prefill engine's first tokens kept) and holds none of the hand-off's
+    KV meanwhile (a view of the whole batch's buffer)."""
+    loaded, batch, expected = moe_case
+    prompt = (batch[4] * 2)[:25]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=3)
+    request = Request("r", prompt_token_ids=prompt, sampling=params)
+    [alone] = Engine(loaded, page_size=8).generate([request])
+    [prefilled] = PrefillExporter(Engine(loaded, page_size=8)).prefill([request]).outputs
+    page = kv_bytes_per_token(loaded) * 8
+    decode = Engine(loaded, page_size=8, kv_budget_bytes=page * 8, host_kv_budget_bytes=page, prefix_caching=False)
+    decode.add_prefilled(prefilled)
+    assert decode._requests["r"].prefilled.kv.numel() == 0 and decode.metrics()["handoff_prefills"] == 1
+    results = []
+    while decode.has_unfinished():
+        results += decode.step()
+    assert [o.token_ids for o in results[0].outputs] == [o.token_ids for o in alone.outputs]
+
+
+def test_a_prefill_exporters_duplicate_request_id_fails_in_its_own_place(moe_case):
+    """Outputs were matched to requests by id: both came back as the second prompt's, and the first's slice of
+    the batch buffer was never written."""
+    loaded, batch, _ = moe_case
+    exported = PrefillExporter(Engine(loaded, page_size=4)).prefill(
+        [Request("x", prompt_token_ids=batch[0]), Request("x", prompt_token_ids=batch[1])]).outputs
+    assert exported[0].request.prompt_token_ids == batch[0] and exported[0].kv_start == 0
+    assert "duplicate request_id 'x'" in exported[1].error
+
+
 def test_prefilled_prompts_finding_no_room_in_either_pool_are_prefilled_again_when_their_turn_comes(moe_case):
     """A decode engine handed more prefilled prompts than its device and host pages hold keeps them waiting and
     prefills each itself when room frees (the first tokens as the prefill engine drew them); it used to fail

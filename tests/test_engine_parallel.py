@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pickle
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from pipeline_helpers import ENGINE, SAMPLING, engine_outputs, read_output, work
 from tiny_models import kv_bytes_per_token, prompts, save_tiny_checkpoint
 
 from batchgen.connectors.checkpoint import load_model
-from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
+from batchgen.engine import Engine, EngineConfig, PrefillExporter, Request, SamplingParams
 from batchgen.engine.metrics import completion_quantiles
 from batchgen.engine.models.layers import FusedExperts
 from batchgen.engine.parallel import group_engine
@@ -177,6 +178,35 @@ def test_a_rank_that_runs_out_of_requests_takes_some_of_the_busiest_ranks(tmp_pa
     assert [r.outputs[0].token_ids for r in results] == [r.outputs[0].token_ids for r in single]
     assert len(results[0].outputs[0].token_ids) == 1
     assert ranks[0]["migrated_in"] == ranks[1]["migrated_out"] > 0
+
+
+def test_prefilled_rows_reach_a_group_with_their_own_kv_alone(tmp_path, monkeypatch):
+    """Each row's KV is a view of its hand-off batch's buffer: queued in a round as it was, every row pickled the
+    whole buffer (R rows of a B-byte batch: R x B bytes a round)."""
+    save_tiny_checkpoint("mixtral", tmp_path)
+    batch = prompts(lengths=(5, 9, 7, 11, 6))
+    work = requests(batch)
+    single = load_engine(str(tmp_path)).generate(work)
+    exported = PrefillExporter(load_engine(str(tmp_path))).prefill(work).outputs
+    group = load_engine(str(tmp_path), ep_size=2)
+    place, sent = group._place, []
+
+    def measured(request_id, sampling, method, payload):
+        sent.append(len(pickle.dumps(payload)))
+        return place(request_id, sampling, method, payload)
+
+    monkeypatch.setattr(group, "_place", measured)
+    try:
+        for prefilled in exported:
+            group.add_prefilled(prefilled)
+        results = []
+        while group.has_unfinished():
+            results += group.step()
+    finally:
+        group.close()
+    results.sort(key=lambda r: int(r.request_id[1:]))
+    assert [r.outputs[0].token_ids for r in results] == [r.outputs[0].token_ids for r in single]
+    assert all(size < prefilled.kv.numel() + 4096 for size, prefilled in zip(sent, exported)), sent
 
 
 @pytest.mark.parametrize("arch,overrides", [("mixtral", {}), ("qwen3_moe", {"attention_bias": True}),

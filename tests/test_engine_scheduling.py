@@ -293,9 +293,8 @@ def test_no_prompt_joins_a_held_step_even_when_a_chunked_prompt_completes_in_it(
 
 def test_lockstep_prefills_an_adopted_prompt_whose_samples_exceed_the_device_into_host_pages():
     """n=7 samples of a 9-token prompt prefilled here need 9 pages (its 3, one per other sample), the device has 8:
-    check_fits admits such a prompt prefilled elsewhere for the host (21 pages: a whole copy per sample); adopted
-    when no pool had room, it is prefilled again here, into host pages (lockstep never offered them: it waited
-    forever)."""
+    check_fits admits such a prompt prefilled elsewhere for the host; adopted when no pool had room for a copy per
+    sample, it is prefilled again here, into host pages (lockstep never offered them: it waited forever)."""
     scheduler = Scheduler(scheduler_config(mode="lockstep"), manager(device_pages=8, host_pages=24))
     scheduler.check_fits(12, 9, samples=7, imported=True)
     prompt = sequence(0, prompt_len=9)

@@ -22,6 +22,7 @@ unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import subprocess
 import sys
@@ -136,6 +137,8 @@ class GroupEngine(Generates):
     def add_prefilled(self, prefilled: PrefillOutput) -> None:
         self.check_prefilled(prefilled)
         self._end_partition()
+        # its KV alone: a view of the hand-off batch's buffer pickles the whole buffer into the round, for each row
+        prefilled = dataclasses.replace(prefilled, kv=prefilled.kv.clone())
         self._place(prefilled.request.request_id, prefilled.request.sampling, "add_prefilled", prefilled)
 
     def check_prefilled(self, prefilled: PrefillOutput) -> None:
