@@ -135,6 +135,8 @@ class SamplingParams:
             changes[key] = value
         if defaults is not None and not changes:
             return defaults
+        if defaults is not None and "structured_outputs" in changes and "min_tokens" not in changes:
+            changes["min_tokens"] = 0  # a default min_tokens is not this row's: its grammar decides where it ends
         try:
             return dataclasses.replace(defaults, **changes) if defaults is not None else cls(**changes)
         except TypeError as exc:

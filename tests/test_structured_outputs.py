@@ -211,6 +211,15 @@ def test_malformed_specs_are_named(value, message):
         SamplingParams(structured_outputs=value)
 
 
+def test_a_default_min_tokens_does_not_apply_to_a_structured_row():
+    """A job's or server's default min_tokens made every structured row fail, though none of them set it."""
+    defaults = SamplingParams(min_tokens=5, max_tokens=20)
+    row = SamplingParams.from_dict({"structured_outputs": {"choice": ["a", "b"]}}, defaults)
+    assert (row.min_tokens, row.max_tokens) == (0, 20)
+    with pytest.raises(InvalidRequestError, match="min_tokens"):  # set by the row itself: refused
+        SamplingParams.from_dict({"structured_outputs": {"choice": ["a"]}, "min_tokens": 3}, defaults)
+
+
 def test_min_tokens_is_refused_with_structured_outputs():
     with pytest.raises(InvalidRequestError, match="min_tokens"):
         SamplingParams(min_tokens=2, structured_outputs={"regex": "a+"})
