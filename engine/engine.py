@@ -191,9 +191,12 @@ class Engine(Generates):
         layers, heads and KV dtype; an id not in use; a length it can run)."""
         if prefilled.request.request_id in self._requests:
             raise InvalidRequestError(f"duplicate request_id {prefilled.request.request_id!r}")
+        same = "prefill and decode engines must run the same model and KV dtype"
+        if prefilled.kv_layout and prefilled.kv_layout != self.kv.geometry.layout:
+            raise InvalidRequestError(f"the prefilled KV is {prefilled.kv_layout}, this decode engine's is "
+                                      f"{self.kv.geometry.layout} ({same})")
         self._check_packed(prefilled.kv, prefilled.num_tokens - prefilled.kv_start,
-                           "the prefilled KV does not fit this decode engine (prefill and decode engines must run "
-                           "the same model and KV dtype)")
+                           f"the prefilled KV does not fit this decode engine ({same})")
         sampling = prefilled.request.sampling
         self.scheduler.check_fits(min(prefilled.num_tokens + sampling.max_tokens, self.max_model_len),
                                   prefilled.num_tokens, sampling.n, imported=True)

@@ -47,13 +47,19 @@ class PoolGeometry:
         """Bytes of one sequence's KV packed for a hand-off: k [L, T, Hkv, Dk] then v [L, T, Hkv, Dv]."""
         return self.page_bytes // self.page_size * num_tokens
 
+    @property
+    def layout(self) -> str:
+        """What a packed token of KV is: a hand-off's KV must be this engine's (equal sizes can be other dtypes)."""
+        spec = self.spec
+        return (f"{self.dtype} [{spec.num_layers} layers, {spec.num_kv_heads} KV heads, head dims "
+                f"{spec.k_dim}/{spec.v_dim}]")
+
     def packed_views(self, packed: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) views of a packed uint8 buffer of `packed_nbytes(num_tokens)` bytes, in this dtype."""
         spec = self.spec
         if packed.dtype != torch.uint8 or packed.numel() != self.packed_nbytes(num_tokens):
             raise ValueError(f"packed KV of {num_tokens} tokens needs {self.packed_nbytes(num_tokens)} bytes of "
-                             f"{self.dtype} [{spec.num_layers} layers, {spec.num_kv_heads} KV heads, head dims "
-                             f"{spec.k_dim}/{spec.v_dim}], got {packed.numel()} {packed.dtype} values")
+                             f"{self.layout}, got {packed.numel()} {packed.dtype} values")
         k_bytes = packed.numel() * spec.k_dim // (spec.k_dim + spec.v_dim)
         k = packed[:k_bytes].view(self.dtype).view(spec.num_layers, num_tokens, spec.num_kv_heads, spec.k_dim)
         v = packed[k_bytes:].view(self.dtype).view(spec.num_layers, num_tokens, spec.num_kv_heads, spec.v_dim)

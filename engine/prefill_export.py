@@ -94,7 +94,7 @@ class PrefillExporter:
                 request=Request(prompt.request_id, prompt.prompt_ids, sampling=prompt.sampling),
                 kv=packed, first_token_ids=tokens[cursor : cursor + n],
                 first_logprobs=[s.logprobs[0] if s.logprobs else None for s in drawn],
-                submitted_at=to_wall(prompt.submitted_at), kv_start=start))
+                submitted_at=to_wall(prompt.submitted_at), kv_start=start, kv_layout=engine.kv.geometry.layout))
             cursor += n
         return out
 

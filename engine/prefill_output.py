@@ -21,6 +21,7 @@ class PrefillOutput:
     # `kv` holds prompt tokens [kv_start, num_tokens): the earlier ones are whole prefix pages an earlier
     # output of the same batch carries, so a shared prefix crosses to the decode engine once per batch
     kv_start: int = 0
+    kv_layout: str = ""  # the prefill engine's PoolGeometry.layout ("": unknown, the sizes alone are checked)
 
     @property
     def num_tokens(self) -> int:

@@ -39,6 +39,7 @@ KV_START = "__batchgen_kv_start"  # int64: the first prompt token in KV (the pre
 FIRST_TOKENS = "__batchgen_first_tokens"  # list<int64>: each sample's first token
 FIRST_LOGPROBS = "__batchgen_first_logprobs"  # list<struct>: each sample's first logprob entry, or null
 SUBMITTED_AT = "__batchgen_submitted_at"  # float64: when the prefill engine admitted the row
+KV_LAYOUT = "__batchgen_kv_layout"  # string: what the KV is (dtype, layers, heads, head dims), checked by decode
 
 _ARROW_OF_ANNOTATION = {
     "int": pa.int64(), "int | None": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str | None": pa.string(),
@@ -56,7 +57,7 @@ SAMPLING_TYPE = _struct_of(SamplingParams)
 LOGPROB_TYPE = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64()),
                           ("top", pa.map_(pa.int64(), pa.float64()))])
 
-ALL = (REQUEST_ID, PROMPT_IDS, SAMPLING, KV, KV_START, FIRST_TOKENS, FIRST_LOGPROBS, SUBMITTED_AT)
+ALL = (REQUEST_ID, PROMPT_IDS, SAMPLING, KV, KV_START, FIRST_TOKENS, FIRST_LOGPROBS, SUBMITTED_AT, KV_LAYOUT)
 
 
 def tokenized_columns(request_ids: list[str | None], prompt_ids: list[list[int] | None],
@@ -91,6 +92,7 @@ def prefill_columns(outputs: list[PrefillOutput | None], batch: PrefillBatch) ->
                                                           for lp in o.first_logprobs] for o in outputs],
                                  pa.list_(LOGPROB_TYPE)),
         SUBMITTED_AT: pa.array([None if o is None else o.submitted_at for o in outputs], pa.float64()),
+        KV_LAYOUT: pa.array([None if o is None else o.kv_layout for o in outputs], pa.string()),
     }
 
 
@@ -100,13 +102,13 @@ def prefilled(block: Block) -> list[PrefillOutput | None]:
 
     kv = _binary_views(arrow_column(block, KV))
     out: list[PrefillOutput | None] = []
-    for request, packed, start, first, logprobs, submitted in zip(
+    for request, packed, start, first, logprobs, submitted, layout in zip(
             requests(block), kv, column_values(block, KV_START), column_values(block, FIRST_TOKENS),
-            column_values(block, FIRST_LOGPROBS), column_values(block, SUBMITTED_AT)):
+            column_values(block, FIRST_LOGPROBS), column_values(block, SUBMITTED_AT), column_values(block, KV_LAYOUT)):
         if request is None or first is None:
             out.append(None)
             continue
-        out.append(PrefillOutput(request, packed, first, [_logprob(lp) for lp in logprobs], submitted, start))
+        out.append(PrefillOutput(request, packed, first, [_logprob(lp) for lp in logprobs], submitted, start, layout))
     return out
 
 

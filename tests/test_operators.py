@@ -313,11 +313,17 @@ def test_prefill_columns_survive_the_object_store_and_slicing_without_copies(spl
 
 
 def test_decode_rejects_kv_from_an_engine_of_another_dtype_per_row(tiny_moe_dir, split_stages, prompts):
+    """Also of a dtype of the same size (bf16 KV adopted by an fp16 engine: the byte count alone passed it, and the
+    tokens after the first were garbage)."""
     tokenize, prefill, _ = split_stages
-    prefilled = call(prefill, call(tokenize, pa.table({"prompt": prompts[:2]})))
-    half = Decode(tiny_moe_dir, max_model_len=MAX_MODEL_LEN, **{**ENGINE, "dtype": "bfloat16"})
-    errors = call(half, prefilled).column("error").to_pylist()
-    assert all("does not fit this decode engine" in e and "bfloat16" in e for e in errors), errors
+    rows = call(tokenize, pa.table({"prompt": prompts[:2]}))
+    bf16 = {**ENGINE, "max_model_len": MAX_MODEL_LEN, "dtype": "bfloat16"}
+    half = Decode(tiny_moe_dir, **bf16)
+    errors = call(half, call(prefill, rows)).column("error").to_pylist()
+    assert all("the prefilled KV is torch.float32" in e and "torch.bfloat16" in e for e in errors), errors
+    fp16 = Decode(tiny_moe_dir, **{**bf16, "dtype": "float16"})
+    errors = call(fp16, call(Prefill(tiny_moe_dir, **bf16), rows)).column("error").to_pylist()
+    assert all("the prefilled KV is torch.bfloat16" in e and "torch.float16" in e for e in errors), errors
 
 
 def test_engine_loop_fails_every_waiting_batch_when_the_engine_raises(tiny_moe_dir):
