@@ -32,7 +32,10 @@ class Progress:
 
     @property
     def tokens_per_s(self) -> float:
-        tokens = max(self.generated_tokens, self.finished_tokens)
+        """Generated tokens per second: those of the written rows once every row is written (exact), before that
+        the engines' count when larger (a task retried after an actor died counts its rows' tokens again)."""
+        written_all = self.rows >= self.total_rows - self.skipped_rows
+        tokens = self.generated_tokens if written_all else max(self.generated_tokens, self.finished_tokens)
         return tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     @property

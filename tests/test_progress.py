@@ -14,3 +14,11 @@ def test_progress_counts_rows_out_of_the_engines_and_estimates_from_the_start():
     p.finished_rows = 500  # a retried task counts again: never more than the rows to do
     assert p.done_rows == 90 and p.eta_s == 0.0
 
+
+
+def test_the_finished_jobs_throughput_counts_the_written_rows_tokens_once():
+    """Tasks retried after an actor died count their rows' tokens again in the engines' count: the summary's
+    tokens/s took that larger count, and its rate times the BCT was not the token count it printed."""
+    p = Progress(total_rows=10, skipped_rows=2, rows=8, generated_tokens=80, finished_rows=12, finished_tokens=120,
+                 elapsed_s=4.0)
+    assert p.tokens_per_s == 20.0
