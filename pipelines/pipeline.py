@@ -166,11 +166,12 @@ class JobSummary:
     @property
     def engines_ready_s(self) -> float | None:
         """Seconds from the run's start until its last first-started engine actor was ready: the start-up
-        every job pays (restarted actors after a crash are not counted)."""
-        first: dict[str, float] = {}
-        for actor in sorted(self.engine_actors, key=lambda a: a.ready_at):
-            first.setdefault(actor.stage, actor.ready_at)
-        return max(first.values()) - self.started_at if first else None
+        every job pays. An actor restarted after a crash is not counted: it started after its stage's first actor
+        was ready (a crash comes after work)."""
+        first_ready = {stage: min(a.ready_at for a in self.engine_actors if a.stage == stage)
+                       for stage in {a.stage for a in self.engine_actors}}
+        started = [a.ready_at for a in self.engine_actors if a.ready_at - a.init_s <= first_ready[a.stage]]
+        return max(started) - self.started_at if started else None
 
     @property
     def bct_s(self) -> float:

@@ -31,3 +31,16 @@ def test_completion_time_quantiles_are_those_of_every_row_in_the_output(tmp_path
         assert value == pytest.approx(exact, rel=RELATIVE_ERROR * (1 + 1e-9)), q
     with pytest.raises(JobError, match="of 3001 rows"):
         _summarise(config, Progress(total_rows=ROWS + 1, skipped_rows=0))
+
+
+def test_engines_are_ready_when_the_last_first_started_actor_of_any_stage_is():
+    """It was the first actor ready of each stage: four BatchGen actors ready at 10, 12, 30 and 31 s gave 10 s. An
+    actor restarted after a crash (its constructor started after the stage's first actor was ready) is left out."""
+    from batchgen.operators.actor_ready import EngineActorReady
+    from batchgen.pipelines.pipeline import JobSummary
+
+    actors = [EngineActorReady("BatchGen", "node", 100.0 + ready, init_s=ready - 1) for ready in (10, 12, 30, 31)]
+    actors.append(EngineActorReady("BatchGen", "node", 190.0, init_s=20.0))  # restarted at 170 s
+    summary = JobSummary.__new__(JobSummary)
+    summary.engine_actors, summary.started_at = actors, 100.0
+    assert summary.engines_ready_s == 31.0
