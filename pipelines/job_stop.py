@@ -36,6 +36,7 @@ class JobStopper:
 
     def __init__(self) -> None:
         self._executors: list[Any] = []
+        self.stopped = False  # sticky: an executor that registers, or starts, after the stop ends at its first step
 
     @contextmanager
     def armed(self) -> Iterator[JobStopper]:
@@ -57,8 +58,10 @@ class JobStopper:
                     hooks.remove(_RegisterExecutors)
 
     def stop(self) -> None:
-        """Shut down the job's executors (again: one that registered since the last call is caught too)."""
+        """Shut down the job's executors (again: one that registered since the last call is caught too); one that
+        had not started yet (its shutdown does nothing then) or registers later stops at its first step."""
         with _lock:
+            self.stopped = True
             executors = list(self._executors)
         for executor in executors:
             executor.shutdown(force=True)  # returns at once for one already shut down or not started yet
@@ -72,3 +75,13 @@ if ExecutionCallback is not None:
             with _lock:
                 for stopper in _armed:
                     stopper._executors.append(executor)
+
+        def on_execution_step(self, executor: Any) -> None:
+            with _lock:
+                stopped = any(stopper.stopped and executor in stopper._executors for stopper in _armed)
+            if stopped:  # ends the execution: the error reaches whoever consumes the job's output
+                raise JobStopped("the job was stopped")
+
+
+class JobStopped(RuntimeError):
+    """A stopped job's execution ended at its next step."""
