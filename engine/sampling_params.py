@@ -96,7 +96,7 @@ class SamplingParams:
             raise bad("stop", "must be a string or a list of non-empty strings")
         if not all(isinstance(s, str) and s.strip() for s in self.bad_words):
             raise bad("bad_words", "must be a string or a list of non-blank strings")
-        if not all(_is_int(t) and 0 <= t < INT64.stop for t in self.stop_token_ids):
+        if not all(map(_is_token_id, self.stop_token_ids)):
             raise bad("stop_token_ids", "must be a list of non-negative 64-bit integers")
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
@@ -166,7 +166,7 @@ def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
         token, bias = item
         if isinstance(token, str) and token.isdigit():
             token = int(token)
-        if not _is_int(token) or token not in range(INT64.stop):
+        if not _is_token_id(token):
             raise InvalidRequestError(f"invalid sampling parameter 'logit_bias': token id {token!r} is not a "
                                       "64-bit integer >= 0")
         if not _is_number(bias) or not -100 <= bias <= 100:
@@ -178,6 +178,11 @@ def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_id(value: Any) -> bool:
+    """A non-negative integer a 64-bit column holds."""
+    return _is_int(value) and 0 <= value < INT64.stop
 
 
 def _is_number(value: Any) -> bool:

@@ -63,8 +63,10 @@ class BalancingAgent:
         self._serving = 0  # calls of this actor's UDF in progress
         self._checkpointed: dict[str, int] = {}  # request id -> generated tokens at its last checkpoint
         self._done: list[str] = []  # this actor's requests finished since the last exchange
-        self._taken: list[str] = []  # request ids the last `take` and `collect` answers brought, each told to the
-        self._collected: list[str] = []  # balancer with the next call (it hands them again until then)
+        # request ids the last `take` and `collect` answers brought, told to the balancer with the next call of each
+        # (it hands them again until then)
+        self._taken: list[str] = []
+        self._collected: list[str] = []
         self._copied_bytes, self._copy_s = 0, 0.0
         self._last_checkpoint = time.monotonic()
         self._lock = threading.Lock()
