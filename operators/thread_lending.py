@@ -29,6 +29,8 @@ from batchgen.engine.process_identity import process_alive, process_start
 
 IDLE_S = 0.5  # a peer idle this long lends its threads: not one that is between two batches
 CHECK_S = 0.25  # a busy engine recounts its threads at most this often
+PREFIX = "batchgen-threads-"  # the lending directories' names in the node's temp folder
+ENDED_AGE_S = 60.0  # a lending directory untouched this long, all of whose engines ended, is an ended job's
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,11 @@ class ThreadLending:
         self._checked = 0.0
         self._met: set[int] = set()  # peers' pids seen alive
         directory.mkdir(parents=True, exist_ok=True)
-        self._publish()
+        try:
+            self._publish()
+        except FileNotFoundError:  # removed as an ended job's (remove_ended_jobs) between the two
+            directory.mkdir(parents=True, exist_ok=True)
+            self._publish()
         # the files of engines that ended go now, not at this engine's first step: a replacement takes the grant
         # of the actor it replaces, which peers that met that actor would lend on meanwhile (all its loading)
         self.peers()
@@ -139,5 +145,39 @@ def lend_threads(granted: int, engine_options: dict[str, Any]) -> ThreadLending 
     if EngineConfig.from_kwargs(**engine_options).ranks > 1:
         return None
     context = ray.get_runtime_context()
-    name = f"batchgen-threads-{context.get_job_id()}-{context.get_node_id()[:16]}"
-    return ThreadLending(Path(tempfile.gettempdir()) / name, granted)
+    directory = Path(tempfile.gettempdir()) / f"{PREFIX}{context.get_job_id()}-{context.get_node_id()[:16]}"
+    remove_ended_jobs(directory.parent, keep=directory, now=time.time())
+    return ThreadLending(directory, granted)
+
+
+def remove_ended_jobs(root: Path, keep: Path, now: float) -> list[Path]:
+    """Remove the lending directories under `root` (other than `keep`) of jobs that ended: untouched for ENDED_AGE_S
+    and naming only processes that no longer run. Nothing else removes them (an engine's file stays after it ends, for
+    its peers to lend its grant), and each Ray job of each node would leave one behind. Returns those removed."""
+    removed = []
+    for entry in os.scandir(root):
+        if not entry.name.startswith(PREFIX) or entry.path == str(keep):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or now - entry.stat().st_mtime < ENDED_AGE_S:
+                continue
+            files = list(os.scandir(entry.path))
+            if not all(_ended(f) for f in files):
+                continue
+            for f in files:
+                Path(f.path).unlink(missing_ok=True)
+            os.rmdir(entry.path)  # fails, and the directory stays, if an engine wrote its file meanwhile
+        except OSError:
+            continue
+        removed.append(Path(entry.path))
+    return removed
+
+
+def _ended(entry: os.DirEntry) -> bool:
+    """Whether a lending file names a process that ended (a file that does not read as one: not known to)."""
+    pid = entry.name.removesuffix(".tmp")
+    try:
+        started = Path(entry.path).read_text().split()[2]
+    except (OSError, IndexError):
+        return False
+    return pid.isdigit() and not process_alive(int(pid), started)

@@ -15,6 +15,7 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb
 
 def test_quickstart_notebook_executes(ray_cluster, tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", ray_cluster)  # the kernel joins this session's Ray runtime
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebook's scratch folder, under the test's own
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(notebook, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()

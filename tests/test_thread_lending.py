@@ -17,7 +17,15 @@ from pipeline_helpers import ENGINE, SAMPLING, workload
 from batchgen.engine import EngineLoop, Request, SamplingParams
 from batchgen.engine.process_identity import process_start
 from batchgen.operators.engine_factory import load_engine
-from batchgen.operators.thread_lending import IDLE_S, Peer, ThreadLending, lent_threads
+from batchgen.operators.thread_lending import (
+    ENDED_AGE_S,
+    IDLE_S,
+    PREFIX,
+    Peer,
+    ThreadLending,
+    lent_threads,
+    remove_ended_jobs,
+)
 
 NOW = 1000.0
 LONG_IDLE = NOW - IDLE_S - 1
@@ -108,6 +116,33 @@ def test_a_file_whose_pid_now_names_another_process_is_an_ended_engines(tmp_path
     peer_file(tmp_path, reused, 1, None, started=str(int(process_start(reused)) + 1))
     assert lending.busy() == 2  # counted as computing, it would take half of the idle peer's thread
     assert not (tmp_path / str(reused)).exists()
+
+
+def test_the_lending_directories_of_ended_jobs_are_removed(tmp_path, processes):
+    live, ended = processes
+    now = time.time()
+
+    def job(name, pids, age=2 * ENDED_AGE_S, text=None):
+        directory = tmp_path / name
+        directory.mkdir()
+        for pid in pids:
+            peer_file(directory, pid, 1, None)
+        if text is not None:
+            (directory / "7").write_text(text)
+        os.utime(directory, (now - age, now - age))
+        return directory
+
+    ended_job = job(f"{PREFIX}01-a", [ended])
+    ended_empty = job(f"{PREFIX}02-a", [])
+    running = job(f"{PREFIX}03-a", [ended, live])  # one engine left, another still computes
+    recent = job(f"{PREFIX}04-a", [ended], age=ENDED_AGE_S / 2)  # an engine may be starting in it
+    unreadable = job(f"{PREFIX}05-a", [ended], text="being written")
+    own = job(f"{PREFIX}06-a", [ended])
+    other = job("someone-elses", [ended])
+    assert sorted(remove_ended_jobs(tmp_path, keep=own, now=now)) == [ended_job, ended_empty]
+    assert not ended_job.exists() and not ended_empty.exists()
+    assert all(d.exists() for d in (running, recent, unreadable, own, other))
+    assert len(list(running.iterdir())) == 2  # nothing removed from a directory that stays
 
 
 def test_the_engine_loop_says_when_it_computes_and_when_it_runs_out_of_work(tiny_moe_dir):
