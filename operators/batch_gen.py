@@ -78,14 +78,14 @@ class BatchGen:
         outcomes = [RowOutcome() for _ in range(num_rows(block))]
         requests: list[tuple[int, Request]] = []
         # a numbered row has the same request id when its task runs again: its checkpoint is found
-        numbered = column_values(block, ROW_INDEX) if ROW_INDEX in names(block) else None
+        numbered = column_values(block, ROW_INDEX)  # all None without the column
         for i, row in enumerate(rows(block, (*PROMPT_COLUMNS, SAMPLING_PARAMS))):
             parsed = self.parser.parse(row)
             if isinstance(parsed, str):
                 outcomes[i].error = parsed
                 continue
             outcomes[i].num_prompt_tokens = len(parsed.prompt_token_ids)
-            rid = next(self._ids) if numbered is None else f"row-{numbered[i]}"
+            rid = next(self._ids) if numbered[i] is None else f"row-{numbered[i]}"
             requests.append((i, Request(rid, parsed.prompt_token_ids, sampling=parsed.sampling)))
 
         def add(engine: Engine, i: int) -> None:
@@ -94,5 +94,5 @@ class BatchGen:
         results = await run_requests(self.loop, self.agent, [r.request_id for _, r in requests], add)
         for (i, _), result in zip(requests, results):
             outcomes[i].result = result
-        report_finished(self.progress, outcomes)
+        report_finished(self.progress, outcomes, numbered)
         return with_columns(block, output_columns(outcomes, self.list_outputs))

@@ -111,11 +111,12 @@ class RowOutcome:
     num_prompt_tokens: int | None = None
 
 
-def report_finished(progress: Any, outcomes: list[RowOutcome]) -> None:
-    """Tell a progress actor (`add_finished(rows, tokens)`, fire and forget) about rows leaving an engine."""
+def report_finished(progress: Any, outcomes: list[RowOutcome], row_indexes: list[int | None]) -> None:
+    """Tell a progress actor (`add_finished(row_indexes, tokens)`, fire and forget) about rows leaving an engine:
+    their input positions (None for a row without one) and each one's generated tokens."""
     if progress is not None:
-        tokens = sum(len(c.token_ids) for o in outcomes if o.result is not None for c in o.result.outputs)
-        progress.add_finished.remote(len(outcomes), tokens)
+        tokens = [sum(len(c.token_ids) for c in o.result.outputs) if o.result is not None else 0 for o in outcomes]
+        progress.add_finished.remote(row_indexes, tokens)
 
 
 def output_columns(outcomes: list[RowOutcome], list_outputs: bool) -> dict[str, pa.Array]:

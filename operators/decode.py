@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from batchgen.connectors.indexed_parquet import ROW_INDEX
 from batchgen.engine import Engine, EngineConfig, EngineLoop, InvalidRequestError, PrefillOutput
 from batchgen.operators import stage_columns as sc
 from batchgen.operators.actor_ready import announce_ready
@@ -65,5 +66,5 @@ class Decode:
         results = await run_requests(self.loop, self.agent, [p.request.request_id for _, p in todo], add)
         for (i, _), result in zip(todo, results):
             outcomes[i].result = result
-        report_finished(self.progress, outcomes)
+        report_finished(self.progress, outcomes, column_values(block, ROW_INDEX))
         return with_columns(without_columns(block, (*sc.ALL, ERROR)), output_columns(outcomes, self.list_outputs))

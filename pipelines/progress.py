@@ -21,7 +21,7 @@ class Progress:
     rows: int = 0  # written by this run
     errors: int = 0
     generated_tokens: int = 0  # in the rows written
-    finished_rows: int = 0  # out of the engines (not yet all written); a retried task counts again
+    finished_rows: int = 0  # out of the engines (not yet all written); a retried task's rows once
     finished_tokens: int = 0
     elapsed_s: float = 0.0
 
@@ -33,7 +33,7 @@ class Progress:
     @property
     def tokens_per_s(self) -> float:
         """Generated tokens per second: those of the written rows once every row is written (exact), before that
-        the engines' count when larger (a task retried after an actor died counts its rows' tokens again)."""
+        the engines' count when larger (rows out of the engines, not yet written)."""
         written_all = self.rows >= self.total_rows - self.skipped_rows
         tokens = self.generated_tokens if written_all else max(self.generated_tokens, self.finished_tokens)
         return tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
@@ -52,6 +52,7 @@ class ProgressTracker:
     def __init__(self) -> None:
         self.rows = self.errors = self.tokens = self.finished_rows = self.finished_tokens = 0
         self.actors: list[Any] = []  # operators.actor_ready.EngineActorReady, one per engine actor start
+        self.finished = bytearray()  # bit i: the row of input position i is out of an engine
 
     def actor_ready(self, ready: Any) -> None:
         self.actors.append(ready)
@@ -64,9 +65,20 @@ class ProgressTracker:
         self.errors += errors
         self.tokens += tokens
 
-    def add_finished(self, rows: int, tokens: int) -> None:
-        self.finished_rows += rows
-        self.finished_tokens += tokens
+    def add_finished(self, row_indexes: list[int | None], tokens: list[int]) -> None:
+        """Rows out of an engine, by input position, and each one's generated tokens. A row already counted (its
+        task retried after an actor died) is not counted again: the ETA would reach 0 with rows still to do. A row
+        without a position (an engine stage used outside a job's pipeline) is counted each time."""
+        for index, count in zip(row_indexes, tokens):
+            if index is not None:
+                byte, bit = divmod(index, 8)
+                if byte >= len(self.finished):
+                    self.finished.extend(bytes(byte + 1 - len(self.finished)))
+                if self.finished[byte] >> bit & 1:
+                    continue
+                self.finished[byte] |= 1 << bit
+            self.finished_rows += 1
+            self.finished_tokens += count
 
     def snapshot(self) -> dict[str, int]:
         return {"rows": self.rows, "errors": self.errors, "generated_tokens": self.tokens,
