@@ -242,24 +242,28 @@ def _run_planned(plan: JobPlan, on_progress: Callable[[Progress], None] | None, 
     tracker = ProgressTracker.remote()
     started, started_at = time.perf_counter(), time.time()
     balancer = _work_balancer(config)
-    if progress.skipped_rows < progress.total_rows:
-        ds = build_dataset(config, source, tracker, balancer)
-        sink = OrderedParquetSink(config.output, config.storage_options, config.rows_per_file,
-                                  on_written=ReportWritten(tracker, "num_generated_tokens", ERROR))
-        _run_with_progress(lambda: ds.write_datasink(sink, ray_remote_args={"num_cpus": _CPU_STAGE_CPUS}),
-                           tracker, progress, started, on_progress, poll_s)
-    progress.elapsed_s = time.perf_counter() - started
-    update_progress(progress, tracker)
-    if plan.lease.lost:
-        raise JobError(f"another run took over output {config.output!r} while this one ran (this run's lease went "
-                       f"stale: stopped for longer than {STALE_S:.0f} s?); let that run finish")
-    summary = _summarise(config, progress)
-    summary.engine_actors, summary.started_at = ray.get(tracker.ready_actors.remote()), started_at
-    summary.stage_split = split
-    if balancer is not None:
-        summary.balancing = ray.get(balancer.summary.remote())
-        ray.kill(balancer)
-    return summary
+    try:
+        if progress.skipped_rows < progress.total_rows:
+            ds = build_dataset(config, source, tracker, balancer)
+            sink = OrderedParquetSink(config.output, config.storage_options, config.rows_per_file,
+                                      on_written=ReportWritten(tracker, "num_generated_tokens", ERROR))
+            _run_with_progress(lambda: ds.write_datasink(sink, ray_remote_args={"num_cpus": _CPU_STAGE_CPUS}),
+                               tracker, progress, started, on_progress, poll_s)
+        progress.elapsed_s = time.perf_counter() - started
+        update_progress(progress, tracker)
+        if plan.lease.lost:
+            raise JobError(f"another run took over output {config.output!r} while this one ran (this run's lease "
+                           f"went stale: stopped for longer than {STALE_S:.0f} s?); let that run finish")
+        summary = _summarise(config, progress)
+        summary.engine_actors, summary.started_at = ray.get(tracker.ready_actors.remote()), started_at
+        summary.stage_split = split
+        if balancer is not None:
+            summary.balancing = ray.get(balancer.summary.remote())
+        return summary
+    finally:  # a failed or stopped job's too: a serving process runs job after job
+        for actor in (tracker, balancer):
+            if actor is not None:
+                ray.kill(actor)
 
 
 _CPU_STAGE_CPUS = 0.25  # read, tokenize, write: light, and must never starve the engine actors

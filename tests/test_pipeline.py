@@ -242,3 +242,42 @@ def test_structured_rows_follow_their_spec_through_map_batches_and_the_split_pip
         assert all(isinstance(json.loads(t)["ok"], bool) for t in texts[0::5])
         assert all(re.fullmatch("[a-z]{3}-[0-9]{2}", t) for t in texts[1::5])
         assert all(t in ("red", "green", "blue") for t in texts[2::5])
+
+
+class Recorded:
+    """Stands for an actor class or factory in the pipeline module: what it makes, kept for the test."""
+
+    def __init__(self, make):
+        self.make, self.made = make, []
+
+    def remote(self, *args, **kwargs):
+        self.made.append(self.make(*args, **kwargs))
+        return self.made[-1]
+
+    def __call__(self, *args, **kwargs):
+        return self.remote(*args, **kwargs)
+
+
+def test_a_failed_job_ends_its_progress_tracker_and_work_balancer(ray_cluster, tiny_moe_dir, input_dir, tmp_path,
+                                                                   monkeypatch):
+    """They ended only with a successful job: a serving process (the Batch API) kept two actors of every job that
+    failed or was cancelled."""
+    pipeline = batchgen.pipelines.pipeline
+    trackers = Recorded(pipeline.ProgressTracker.remote)
+    balancers = Recorded(pipeline.start_work_balancer)
+    monkeypatch.setattr(pipeline, "ProgressTracker", trackers)
+    monkeypatch.setattr(pipeline, "start_work_balancer", balancers)
+
+    def failing_write(*args, **kwargs):
+        raise RuntimeError("the object store is unreachable")
+
+    monkeypatch.setattr(pipeline, "_run_with_progress", failing_write)
+    config = JobConfig(model=tiny_moe_dir, input=input_dir, output=str(tmp_path / "out"), mode="single",
+                       sampling_params=SAMPLING, engine=ENGINE, concurrency=2)
+    with pytest.raises(RuntimeError, match="unreachable"):
+        run_job(config)
+    assert len(trackers.made) == 1 and len(balancers.made) == 1
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(trackers.made[0].snapshot.remote(), timeout=60)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(balancers.made[0].summary.remote(), timeout=60)
