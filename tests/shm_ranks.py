@@ -8,12 +8,17 @@ import os
 import pickle
 import sys
 import time
+from datetime import timedelta
 
 import torch
 
-from batchgen.engine.parallel import shared_memory
+from batchgen.engine.parallel import rank_group, shared_memory
 from batchgen.engine.parallel.rank_group import GroupAddress, join_rank_group, leave_rank_group
 from batchgen.engine.parallel.rank_round import broadcast_round, gather_replies
+from batchgen.engine.parallel.rank_worker import _raise_failures
+
+SHORT_TIMEOUT = timedelta(seconds=6)  # slow_load's collective timeout
+SLOW_LOAD_S = 8.0  # slow_load's rank 1 loads this long: past SHORT_TIMEOUT
 
 BIG = shared_memory.MESSAGE_BYTES + 1
 # name -> (shape, dtype); "large" does not fit a slot and takes the process group
@@ -52,9 +57,21 @@ def wait_on_the_dead(group) -> dict:
     return {}
 
 
+def slow_load(group) -> dict:
+    """Rank 1's checkpoint load outlasts the collectives' timeout; the start-up gather waits for it."""
+    if group.rank == 1:
+        time.sleep(SLOW_LOAD_S)
+    started = time.monotonic()
+    _raise_failures(None, group)
+    leave_rank_group()
+    return {"waited_s": time.monotonic() - started}
+
+
 if __name__ == "__main__":
     case, rank, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    if case == "slow_load":
+        rank_group.COLLECTIVE_TIMEOUT = SHORT_TIMEOUT
     group = join_rank_group(GroupAddress("127.0.0.1", port), rank, 2, torch.device("cpu"))
-    seen = {"collectives": collectives, "wait_on_the_dead": wait_on_the_dead}[case](group)
+    seen = {"collectives": collectives, "wait_on_the_dead": wait_on_the_dead, "slow_load": slow_load}[case](group)
     with open(out, "wb") as f:
         pickle.dump(seen, f)

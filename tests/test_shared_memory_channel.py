@@ -1,7 +1,7 @@
 """The shared-memory channel of an engine group (two processes on this host, tests/shm_ranks.py): all-reduces
 equal torch's sum and max on every rank, tensors and messages too large for a slot take the process group and
-still arrive, rounds sent back to back reach a slow follower in order, and a rank waiting on a dead one fails
-at once instead of spinning."""
+still arrive, rounds sent back to back reach a slow follower in order, a rank waiting on a dead one fails
+at once instead of spinning, and the start-up gathers wait out a rank's long checkpoint load."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
-from shm_ranks import BIG, REDUCED, part
+from shm_ranks import BIG, REDUCED, SHORT_TIMEOUT, part
 
 from batchgen.engine.parallel.rank_group import free_address
 
@@ -46,3 +46,11 @@ def test_a_rank_waiting_on_a_dead_rank_fails_at_once(tmp_path):
     assert gone is None
     assert leader["error"].startswith("engine rank 1 (pid ") and leader["error"].endswith("is gone")
     assert leader["waited_s"] < 5
+
+
+def test_the_start_up_gathers_wait_out_a_load_longer_than_the_collectives_timeout(tmp_path):
+    """A rank whose shards loaded later than the others' by more than the collectives' timeout (a large checkpoint
+    from object storage) failed the engine's start."""
+    leader, slow = run_ranks("slow_load", tmp_path)
+    assert leader is not None and slow is not None
+    assert leader["waited_s"] > SHORT_TIMEOUT.total_seconds()

@@ -25,6 +25,9 @@ from batchgen.kernels.expert_parallel import ProcessGroupExchange
 
 # A collective that waits longer than this means a rank died: fail instead of hanging the job.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+# The start-up gathers wait for every rank's checkpoint load (a large model's shards from object storage, loads
+# that end minutes apart): a rank that dies meanwhile fails them at once (its sockets close), a hung one at this.
+LOAD_TIMEOUT = timedelta(hours=1)
 JOIN_POLL_S = 0.05  # rank 0 looks for the ranks that joined (and for those that died) this often
 
 
@@ -35,6 +38,7 @@ class RankGroup:
     data: dist.ProcessGroup
     control: dist.ProcessGroup
     channel: SharedMemoryChannel
+    start: dist.ProcessGroup  # gloo, LOAD_TIMEOUT: the gathers around the ranks' loads (rank_worker.py)
 
     @property
     def is_leader(self) -> bool:
@@ -95,6 +99,7 @@ def join_rank_group(address: GroupAddress, rank: int, size: int, device: torch.d
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
     world = dist.group.WORLD
     control = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    start = dist.new_group(backend="gloo", timeout=LOAD_TIMEOUT)
     # the segment is named by the group's port (unique while the group lives) and unlinked once all mapped it
     shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     path = os.path.join(shm_dir, f"batchgen-engine-{address.port}")
@@ -108,7 +113,7 @@ def join_rank_group(address: GroupAddress, rank: int, size: int, device: torch.d
     finally:  # also when a rank failed before mapping it: the segment does not outlive the group's start
         if rank == 0 and os.path.exists(path):
             os.unlink(path)
-    return RankGroup(rank, size, world, control, channel)
+    return RankGroup(rank, size, world, control, channel, start)
 
 
 def _await_ranks(store: dist.TCPStore, size: int, departed: Callable[[], str | None] | None) -> None:

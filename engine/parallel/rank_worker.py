@@ -71,7 +71,7 @@ def build_rank_engine(spec: RankSpec, rank: int,
         error = f"{type(exc).__name__}: {exc}"
     _raise_failures(error, group)
     budgets = [None] * spec.size
-    dist.all_gather_object(budgets, (config.kv_budget_bytes, config.host_kv_budget_bytes), group=group.control)
+    dist.all_gather_object(budgets, (config.kv_budget_bytes, config.host_kv_budget_bytes), group=group.start)
     config = common_budgets(config, budgets)
     engine, error = None, None
     try:
@@ -93,7 +93,7 @@ def common_budgets(config: EngineConfig, budgets: list[tuple[int, int]]) -> Engi
 def _raise_failures(error: str | None, group: RankGroup) -> None:
     """Every rank's `error` gathered; GroupStartError on every rank if any failed."""
     errors = [None] * group.size
-    dist.all_gather_object(errors, error, group=group.control)
+    dist.all_gather_object(errors, error, group=group.start)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         leave_rank_group()
