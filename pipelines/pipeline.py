@@ -329,23 +329,31 @@ def engine_actor_cpus(config: JobConfig) -> float:
         actors, light_slots = config.concurrency, 2
     else:  # read and write, and one slot per tokenizer actor (an actor pool holds its CPUs for the job)
         actors, light_slots = config.prefill_concurrency + config.decode_concurrency, 2 + config.tokenize_concurrency
-    largest_node = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]), default=1.0)
-    return actor_cpu_share(ray.cluster_resources().get("CPU", 1.0), largest_node, actors, light_slots)
+    nodes = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
+    return actor_cpu_share(nodes, actors, light_slots)
 
 
-def actor_cpu_share(cluster_cpus: float, largest_node: float, actors: int, light_slots: int) -> float:
-    """CPUs each of `actors` engine actors asks for: the light stages (read, write, tokenize) keep `light_slots`
-    slots of _CPU_STAGE_CPUS each, so they never starve; the engine actors compute with the rest
+def actor_cpu_share(node_cpus: list[float], actors: int, light_slots: int) -> float:
+    """CPUs each of `actors` engine actors asks for: the most that lets all of them fit on the nodes (`node_cpus`)
+    while every node keeps `light_slots` slots of _CPU_STAGE_CPUS for the light stages (read, write, tokenize), so
+    they never starve wherever Ray places the actors; the engine actors compute with the rest
     (prepare_engine_process gives them that many torch threads, rounded up), which on a 2-CPU machine means two
-    threads for a single engine, not one. No actor asks for more than the largest node has, nor for less than
-    _MIN_ENGINE_CPUS: a JobError names actors the cluster cannot hold beside the light stages (their requests
-    would leave the read tasks no CPU and the job would wait forever)."""
-    free = cluster_cpus - light_slots * _CPU_STAGE_CPUS
-    if free / actors < _MIN_ENGINE_CPUS:
-        raise JobError(f"{actors} engine actors do not fit {cluster_cpus:g} CPUs beside the read, write and tokenize "
+    threads for a single engine, not one. A JobError names actors the cluster cannot hold at _MIN_ENGINE_CPUS
+    each: their requests would leave the read tasks no CPU, or one actor none, and the job would wait forever."""
+    rooms = [cpus - light_slots * _CPU_STAGE_CPUS for cpus in node_cpus]
+    rooms = [room for room in rooms if room > 0]
+
+    def placed(share: float) -> int:  # actors of `share` CPUs the nodes hold
+        return sum(int(room / share + 1e-9) for room in rooms)
+
+    # the largest share is some node's room split k ways
+    shares = sorted({room / k for room in rooms for k in range(1, actors + 1)}, reverse=True)
+    share = next((s for s in shares if placed(s) >= actors), 0.0)
+    if share < _MIN_ENGINE_CPUS:
+        raise JobError(f"{actors} engine actors do not fit {sum(node_cpus):g} CPUs beside the read, write and tokenize "
                        f"stages ({light_slots} x {_CPU_STAGE_CPUS} CPUs): run fewer engine actors, or give "
                        f"engine_num_cpus")
-    return min(free / actors, largest_node)  # an actor must fit on one node
+    return share
 
 
 def _run_with_progress(write: Callable[[], None], tracker, progress: Progress, started: float,

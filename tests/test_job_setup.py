@@ -41,22 +41,26 @@ def test_a_damaged_job_record_is_a_job_error_and_an_older_one_without_the_input_
     _claim_output(config, total_rows=3, input_digest="d")
 
 
-@pytest.mark.parametrize("cluster,largest,actors,light,expected", [
-    (2.0, 2.0, 1, 2, 1.5),  # one engine on a 2-CPU machine: two torch threads
-    (2.0, 2.0, 2, 3, 0.625),  # prefill + decode beside read, write and one tokenizer
-    (2.0, 2.0, 2, 5, 0.375),  # three tokenizer actors keep three slots
-    (16.0, 4.0, 2, 2, 4.0),  # no more than the largest node
-    (2.0, 2.0, 6, 2, 0.25),
+@pytest.mark.parametrize("nodes,actors,light,expected", [
+    ([2.0], 1, 2, 1.5),  # one engine on a 2-CPU machine: two torch threads
+    ([2.0], 2, 3, 0.625),  # prefill + decode beside read, write and one tokenizer
+    ([2.0], 2, 5, 0.375),  # three tokenizer actors keep three slots
+    ([4.0] * 4, 2, 2, 3.5),  # no more than a node holds beside the light stages
+    ([2.0], 6, 2, 0.25),
+    # every node hosts an actor: each keeps room for the read and write tasks (3.875 CPUs each left 0.125)
+    ([4.0] * 4, 4, 2, 3.5),
+    ([8.0, 8.0], 3, 2, 3.75),  # two actors on one node, one on the other (5.17 each: the third never started)
+    ([8.0, 2.0], 2, 2, 3.75),  # the small node holds neither of two halves of 9.25
 ])
-def test_engine_actors_share_what_the_light_stages_leave(cluster, largest, actors, light, expected):
-    assert actor_cpu_share(cluster, largest, actors, light) == pytest.approx(expected)
+def test_engine_actors_share_what_the_light_stages_leave(nodes, actors, light, expected):
+    assert actor_cpu_share(nodes, actors, light) == pytest.approx(expected)
 
 
 def test_engine_actors_the_cluster_cannot_hold_beside_the_light_stages_are_refused():
     # 7 x 0.25 + 2 x 0.25 > 2 CPUs: the read tasks would never be scheduled and the job would wait forever
     with pytest.raises(JobError, match=r"7 engine actors do not fit 2 CPUs beside the read, write and tokenize "
                                        r"stages \(2 x 0.25 CPUs\)"):
-        actor_cpu_share(2.0, 2.0, 7, 2)
+        actor_cpu_share([2.0], 7, 2)
 
 
 @pytest.mark.parametrize("mode,options,named", [
