@@ -332,15 +332,35 @@ TIE_GAP = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
 # a loose bound would excuse real divergences; the flips seen in fp32 had margins of 6e-7 to 3e-6.
 ROUTING_TIE_GAP = {"float32": 1e-5, "float16": 5e-4, "bfloat16": 3e-3}
 
-Probe = Callable[[int, list[int]], tuple[torch.Tensor, float | None]]
+NEAR_TIES = 4  # routing picks with the smallest margins a probe reports (each a flip compare may try)
+
+
+@dataclass(frozen=True)
+class NearTie:
+    """One routing pick of the reference model: where (MoE layer in forward order, token position) and its margin
+    between the router's k-th and (k+1)-th expert logit."""
+
+    layer: int
+    position: int
+    margin: float
+
+
+@dataclass
+class Judgement:
+    logits: torch.Tensor  # the reference model's next-token logits
+    near_ties: list[NearTie]  # its NEAR_TIES smallest routing margins, smallest first (none for a dense model)
+
+
+Probe = Callable[..., Judgement]  # (prompt index, generated tokens, flip: NearTie | None = None)
 
 
 def reference_probe(hf_model, prompts: list[list[int]]) -> Probe:
     """The transformers model as the judge of a divergence: for prompt `i` followed by `generated`, its
-    next-token logits and its smallest routing margin, over every position and MoE layer, between the
-    router's k-th and (k+1)-th expert logit (None for a dense model). A near-zero margin is a routing
-    near-tie: float rounding that depends on batch composition picks either expert there, and the
-    sequence's hidden states, and soon its tokens, follow the pick."""
+    next-token logits and its smallest routing margins over every position and MoE layer. A near-zero margin is
+    a routing near-tie: float rounding that depends on batch composition picks either expert there, and the
+    sequence's hidden states, and soon its tokens, follow the pick. With `flip`, the model runs with that one pick
+    the other way (the (k+1)-th expert for the k-th), as the other system may have: whether that flip explains a
+    divergence."""
     config = hf_model.config
     experts = next((getattr(config, n) for n in ("num_local_experts", "n_routed_experts", "num_experts")
                     if getattr(config, n, None)), None)
@@ -350,11 +370,18 @@ def reference_probe(hf_model, prompts: list[list[int]]) -> Probe:
     gates = [m for name, m in hf_model.named_modules() if name.rsplit(".", 1)[-1] == "gate" and experts
              and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.shape[0] == experts]
 
+    def record(layer: int, routed: list[torch.Tensor], flip: NearTie | None):
+        def hook(module, args, out):
+            logits = out if isinstance(out, torch.Tensor) else out[0]
+            routed.append(logits.detach().float().reshape(-1, experts))
+            if flip is not None and flip.layer == layer:
+                flip_pick(out, flip.position, top_k)
+        return hook
+
     @torch.inference_mode()
-    def probe(prompt: int, generated: list[int]) -> tuple[torch.Tensor, float | None]:
+    def probe(prompt: int, generated: list[int], flip: NearTie | None = None) -> Judgement:
         routed: list[torch.Tensor] = []
-        hooks = [g.register_forward_hook(lambda module, args, out: routed.append(
-            (out if isinstance(out, torch.Tensor) else out[0]).detach().float())) for g in gates]
+        hooks = [g.register_forward_hook(record(i, routed, flip)) for i, g in enumerate(gates)]
         try:
             ids = torch.tensor([prompts[prompt] + generated], device=hf_model.device)
             logits = hf_model(ids).logits[0, -1]
@@ -362,21 +389,41 @@ def reference_probe(hf_model, prompts: list[list[int]]) -> Probe:
             for hook in hooks:
                 hook.remove()
         if not routed or not top_k:
-            return logits, None
-        ranked = [r.reshape(-1, experts).sort(dim=-1, descending=True).values for r in routed]
-        return logits, min(float((r[:, top_k - 1] - r[:, top_k]).min()) for r in ranked)
+            return Judgement(logits, [])
+        ranked = [r.sort(dim=-1, descending=True).values for r in routed]
+        margins = torch.stack([v[:, top_k - 1] - v[:, top_k] for v in ranked])  # [layers, positions]
+        smallest = margins.flatten().topk(min(NEAR_TIES, margins.numel()), largest=False)
+        positions = margins.shape[1]
+        return Judgement(logits, [NearTie(int(i) // positions, int(i) % positions, float(v))
+                                  for v, i in zip(smallest.values, smallest.indices)])
 
     return probe
+
+
+def flip_pick(out, position: int, top_k: int) -> None:
+    """A router's output with token `position`'s k-th expert replaced by its (k+1)-th, in place: on the logits (the
+    caller picks the top k from them), or on the picks and their weights (transformers' router modules return
+    logits, weights and picks, the weights the renormalised softmax of the picks)."""
+    if isinstance(out, torch.Tensor):
+        ranked = out[position].float().argsort(descending=True)
+        kth, nxt = int(ranked[top_k - 1]), int(ranked[top_k])
+        out[position, kth], out[position, nxt] = out[position, nxt].clone(), out[position, kth].clone()
+        return
+    logits, weights, picks = out[0].reshape(-1, out[0].shape[-1]), out[1], out[2]
+    ranked = logits[position].float().argsort(descending=True)
+    picks[position, picks[position] == ranked[top_k - 1]] = ranked[top_k]
+    probs = logits[position].float().softmax(-1)[picks[position]]
+    weights[position] = (probs / probs.sum()).to(weights.dtype)
 
 
 def lazy_reference_probe(model_dir: str, prompts: list[list[int]]) -> Probe:
     """reference_probe over the transformers model, loaded on the first divergence only."""
     probe: list[Probe] = []
 
-    def lazy(prompt: int, generated: list[int]):
+    def lazy(prompt: int, generated: list[int], flip: NearTie | None = None) -> Judgement:
         if not probe:
             probe.append(reference_probe(load_systems(model_dir, torch.device("cpu"), "float32")[1], prompts))
-        return probe[0](prompt, generated)
+        return probe[0](prompt, generated, flip)
 
     return lazy
 
@@ -401,9 +448,11 @@ def compare(reference: list[list[int]], other: list[list[int]], probe: Probe | N
             routing_tie_gap: float = 0.0) -> MatchReport:
     """Token-for-token comparison. With `probe` (reference_probe), each divergence reports the reference
     model's top-2 logit gap at the first differing position, how far each system's token trails the top logit
-    and the other's rank there, and the smallest routing margin over the shared prefix; a divergence whose two
-    tokens both trail by less than `tie_gap`, or whose prefix routes through a margin under `routing_tie_gap`,
-    is a tie (`tie_kind` "logits" or "routing")."""
+    and the other's rank there, and the smallest routing margin over the shared prefix. It is a tie (`tie_kind`)
+    when both tokens trail the top by less than `tie_gap` ("logits"), or when the reference, with one of its routing
+    picks of margin under `routing_tie_gap` flipped, puts the other system's token within `tie_gap` of its top
+    ("routing", the flip in `flipped`): a near-tied pick somewhere in the prefix that does not explain the other's
+    token excuses nothing."""
     prefixes, first, divergences = [], None, []
     for index, (a, b) in enumerate(zip(reference, other)):
         prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -414,18 +463,25 @@ def compare(reference: list[list[int]], other: list[list[int]], probe: Probe | N
                  "other": b[prefix] if prefix < len(b) else None}
         first = first or where
         if probe is not None and where["reference"] is not None and where["other"] is not None:
-            logits, margin = probe(index, a[:prefix])
-            logits = logits.float()
+            judged = probe(index, a[:prefix])
+            logits = judged.logits.float()
             top2 = logits.topk(2).values
             where["top2_gap"] = float(top2[0] - top2[1])
             where["other_gap"] = float(top2[0] - logits[where["other"]])  # how far the other's pick trails
             where["reference_gap"] = float(top2[0] - logits[where["reference"]])  # and the reference system's
             where["other_rank"] = int((logits > logits[where["other"]]).sum())
-            where["router_margin"] = margin
+            where["router_margin"] = judged.near_ties[0].margin if judged.near_ties else None
             # both picks within tie_gap of the top: a system far below it is wrong however near the other one is
-            near_top = max(where["other_gap"], where["reference_gap"]) < tie_gap
-            where["tie_kind"] = ("logits" if near_top else
-                                 "routing" if margin is not None and margin < routing_tie_gap else None)
+            where["tie_kind"] = "logits" if max(where["other_gap"], where["reference_gap"]) < tie_gap else None
+            for tie in judged.near_ties if where["tie_kind"] is None else []:
+                if tie.margin >= routing_tie_gap:
+                    break
+                flipped = probe(index, a[:prefix], tie).logits.float()
+                other_gap = float(flipped.max() - flipped[where["other"]])
+                if other_gap < tie_gap:
+                    where["tie_kind"] = "routing"
+                    where["flipped"] = {**dataclasses.asdict(tie), "other_gap": other_gap}
+                    break
             where["tie"] = where["tie_kind"] is not None
         divergences.append(where)
     exact = sum(a == b for a, b in zip(reference, other))
@@ -468,7 +524,8 @@ def scenario_summary(runs: dict[str, SystemRun], output_tokens: int, bound_s: fl
                               for name, run in runs.items()},
         "engine": {name: {k: run.engine_metrics[k] for k in engine_keys}
                    for name, run in runs.items() if run.engine_metrics},
-        "outputs_match": {"batchgen_vs_lockstep": vs_lockstep.all_match, "batchgen_vs_hf": vs_hf.all_match},
+        "outputs_match": vs_lockstep.all_match and vs_hf.all_match,
+        "outputs_match_by_pair": {"batchgen_vs_lockstep": vs_lockstep.all_match, "batchgen_vs_hf": vs_hf.all_match},
         "match": {"batchgen_vs_lockstep": dataclasses.asdict(vs_lockstep),
                   "batchgen_vs_hf": dataclasses.asdict(vs_hf)},
     }
@@ -623,8 +680,9 @@ def run(args: argparse.Namespace, log) -> dict:
         "roofline": dataclasses.asdict(bound),
         "decode_graphs": not args.eager,
         "scenarios": scenarios,
-        "outputs_match": {key: all(s["outputs_match"][key] for s in scenarios.values())
-                          for key in ("batchgen_vs_lockstep", "batchgen_vs_hf")},
+        "outputs_match": all(s["outputs_match"] for s in scenarios.values()),
+        "outputs_match_by_pair": {key: all(s["outputs_match_by_pair"][key] for s in scenarios.values())
+                                  for key in ("batchgen_vs_lockstep", "batchgen_vs_hf")},
     }
 
 

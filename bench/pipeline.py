@@ -313,7 +313,8 @@ def run(args: argparse.Namespace, workdir: Path, log) -> dict:
         "overhead": {m: p["overhead"] for m, p in pipelines.items()},
         "overhead_goal": OVERHEAD_GOAL,
         "pipelines": pipelines,
-        "outputs_match": {m: p["outputs_match"] for m, p in pipelines.items()},
+        "outputs_match": all(p["outputs_match"] for p in pipelines.values()),
+        "outputs_match_by_shape": {m: p["outputs_match"] for m, p in pipelines.items()},
     }
 
 
