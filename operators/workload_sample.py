@@ -16,6 +16,10 @@ from batchgen.operators.columns import PROMPT_COLUMNS, SAMPLING_PARAMS, RowParse
 SAMPLED_ROWS = 2048  # input rows read to learn the workload's prompt and output lengths
 
 
+class NoPromptToPlanFor(ValueError):
+    """None of the sampled rows has a prompt the model can take (each such row gets its error when the job runs)."""
+
+
 def input_workload(uri: str, loaded: LoadedModel, defaults: SamplingParams, storage_options: dict[str, Any]
                    ) -> WorkloadShape:
     """The prompt lengths and max_tokens of the input's first rows, parsed as the pipeline parses them
@@ -40,5 +44,5 @@ def input_workload(uri: str, loaded: LoadedModel, defaults: SamplingParams, stor
         if len(prompts) >= SAMPLED_ROWS:
             break
     if not prompts:
-        raise ValueError(f"no row of {uri} has a prompt the model can take: nothing to plan for")
+        raise NoPromptToPlanFor(f"no row of {uri} has a prompt the model can take: nothing to plan for")
     return WorkloadShape(tuple(prompts[:SAMPLED_ROWS]), tuple(outputs[:SAMPLED_ROWS]))

@@ -43,14 +43,17 @@ def _plan_on_engine_node(model: str, engine: dict[str, Any], input_uri: str, sto
     from batchgen.engine.planner import PLANNED_FIELDS, plan_engine
     from batchgen.engine.planner.stage_split import plan_stage_split
     from batchgen.operators.engine_actor import prepare_engine_process
-    from batchgen.operators.workload_sample import input_workload
+    from batchgen.operators.workload_sample import NoPromptToPlanFor, input_workload
 
     prepare_engine_process()  # the threads and priority the engine actors compute with: the profile times those
     config = EngineConfig.from_kwargs(**engine)
     loaded = load_model(model, dtype=config.dtype, device=config.load_device(),
                         shared_host_weights=config.shares_host_weights, storage_options=storage_options)
     _streamer, config = place_as_engine(loaded, config)  # kept while the plan profiles the streamed weights
-    workload = input_workload(input_uri, loaded, SamplingParams.from_dict(sampling), storage_options)
+    try:
+        workload = input_workload(input_uri, loaded, SamplingParams.from_dict(sampling), storage_options)
+    except NoPromptToPlanFor:  # planned for a generic workload: the job writes each row's error
+        workload = None
     limits = None
     if loaded.device.type == "cuda" and 0 < num_gpus < 1:
         free = int(available_memory_bytes(loaded.device) * num_gpus)

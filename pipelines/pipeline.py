@@ -100,7 +100,7 @@ class JobConfig:
     # MIGRATE requests from busy to idle engine actors (several of them: single, or the decode stage)
     migrate: bool = True
     # disaggregated: this many engine actors in all, split between prefill and decode by the planner (which
-    # also fixes the engine settings left unset, for the job's input); prefill/decode_concurrency are ignored
+    # also fixes the engine settings left unset, for the job's input); prefill/decode_concurrency stay unset
     engine_actors: int | None = None
 
     def validate(self) -> None:
@@ -117,6 +117,10 @@ class JobConfig:
         if ignored:
             raise JobError(other_mode_message(ignored, self.mode))
         if self.engine_actors is not None:
+            given = [name for name in ("prefill_concurrency", "decode_concurrency") if getattr(self, name) != 1]
+            if given:
+                raise JobError(f"engine_actors lets the planner split the engine actors: drop {' and '.join(given)}, "
+                               "or give the two stage sizes alone")
             if self.mode != "disaggregated":
                 raise JobError("engine_actors splits a disaggregated pipeline's engine actors; in single mode give "
                                "concurrency")
@@ -236,9 +240,9 @@ def execute_job(plan: JobPlan, on_progress: Callable[[Progress], None] | None = 
 def _run_planned(plan: JobPlan, on_progress: Callable[[Progress], None] | None, poll_s: float) -> JobSummary:
     config, source = plan.config, plan.source
     split = None
-    if config.engine_actors is not None:
-        config, split = plan_stages(config)
     progress = Progress(total_rows=source.num_rows, skipped_rows=source.skip.count)
+    if config.engine_actors is not None and progress.skipped_rows < progress.total_rows:  # not a finished job's
+        config, split = plan_stages(config)
     tracker = ProgressTracker.remote()
     started, started_at = time.perf_counter(), time.time()
     balancer = _work_balancer(config)

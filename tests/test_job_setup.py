@@ -100,3 +100,13 @@ def test_no_balancer_without_migrate_a_second_engine_actor_or_with_a_tensor_para
     base = dict(model="m", input="i", output="o", mode="single")
     assert _work_balancer(JobConfig(**base, concurrency=1)) is None
     assert _work_balancer(JobConfig(**base, concurrency=2, engine={"tp_size": 2})) is None
+
+
+@pytest.mark.parametrize("given", [{"prefill_concurrency": 2}, {"decode_concurrency": 3},
+                                   {"prefill_concurrency": 2, "decode_concurrency": 3}])
+def test_stage_sizes_beside_engine_actors_are_refused(given):
+    """The planner's split replaced them without a word (the CLI refused the pair; the Python API took it)."""
+    config = JobConfig(model="m", input="i", output="o", mode="disaggregated", engine_actors=4, **given)
+    with pytest.raises(JobError, match=f"engine_actors lets the planner split the engine actors: drop "
+                                       f"{' and '.join(given)}"):
+        config.validate()

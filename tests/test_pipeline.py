@@ -194,7 +194,7 @@ def settled_parts(output: Path) -> dict[str, tuple[int, object]]:
 
 
 def test_structured_rows_follow_their_spec_through_map_batches_and_the_split_pipeline(
-        ray_cluster, tiny_moe_dir, prompts, tmp_path):
+        ray_cluster, tiny_moe_dir, prompts, tmp_path, monkeypatch):
     """Per-row `sampling_params.structured_outputs` (a Parquet struct) through map_batches(BatchGen) and the
     disaggregated job, on prompts sharing a long prefix (cached in every engine, sent once a batch to
     decode): the same tokens as the engine alone without prefix caching, every output follows its spec,
@@ -242,6 +242,15 @@ def test_structured_rows_follow_their_spec_through_map_batches_and_the_split_pip
         assert all(isinstance(json.loads(t)["ok"], bool) for t in texts[0::5])
         assert all(re.fullmatch("[a-z]{3}-[0-9]{2}", t) for t in texts[1::5])
         assert all(t in ("red", "green", "blue") for t in texts[2::5])
+
+    def no_planning(config):
+        raise AssertionError("a finished job planned its stages: a model loaded and profiled for nothing")
+
+    monkeypatch.setattr(batchgen.pipelines.pipeline, "plan_stages", no_planning)
+    again = run_job(JobConfig(model=tiny_moe_dir, input=str(input_dir), output=output, mode="disaggregated",
+                              sampling_params=SAMPLING, engine=ENGINE, batch_size=3, rows_per_block=3,
+                              engine_actors=2))
+    assert again.progress.skipped_rows == 10 and again.progress.rows == 0 and again.stage_split is None
 
 
 class Recorded:

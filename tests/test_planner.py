@@ -440,3 +440,17 @@ def test_the_profile_key_tells_cpu_generations_apart_that_share_a_model_name(tmp
     finally:
         cpu_identity.this_cpu.cache_clear()  # the next caller reads the real CPU
     assert keys[0] != keys[1] and keys[0] == keys[2]
+
+
+def test_a_disaggregated_job_whose_input_has_no_prompt_to_plan_for_is_planned_generically(loaded, tmp_path,
+                                                                                          monkeypatch):
+    """Its planning task raised, and the job failed with a Ray task's traceback; planned for a generic workload,
+    the job writes each row's error, as one without the planner does."""
+    from batchgen.operators import engine_actor
+    from batchgen.pipelines import job_planning
+
+    monkeypatch.setattr(engine_actor, "prepare_engine_process", lambda: torch.get_num_threads())  # this process's
+    pq.write_table(pa.table({"prompt": pa.array([None, None], pa.string())}), tmp_path / "in.parquet")
+    engine, split = job_planning._plan_on_engine_node(loaded.uri, {}, str(tmp_path / "in.parquet"), {},
+                                                      {"max_tokens": 8}, 3, 0)
+    assert split.prefill_actors + split.decode_actors == 3 and set(engine) == set(PLANNED_FIELDS)
