@@ -58,11 +58,13 @@ def activation_bytes_per_token(loaded: LoadedModel, top_k: int) -> int:
 
 
 def available_memory_bytes(device: torch.device) -> int:
-    """Free device memory; on the host what the machine has available, within what the memory limit of this
-    process's cgroup (a container's) still leaves."""
+    """Free device memory, within this process's share of the device (torch's per-process memory fraction: an
+    engine actor granted a fraction of a GPU sets it); on the host what the machine has available, within what the
+    memory limit of this process's cgroup (a container's) still leaves."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
+        free, total = torch.cuda.mem_get_info(device)
+        return device_room_bytes(free, total, torch.cuda.memory_reserved(device),
+                                 torch.cuda.get_per_process_memory_fraction(device))
     try:
         with open("/proc/meminfo") as meminfo:
             available = meminfo_available_bytes(meminfo.read())
@@ -79,6 +81,13 @@ def available_memory_bytes(device: torch.device) -> int:
     except OSError:
         room = None
     return available if room is None else min(available, room)
+
+
+def device_room_bytes(free: int, total: int, reserved: int, share: float) -> int:
+    """What a process may still allocate on a device that has `free` bytes free: within its `share` of the
+    device's `total` less what it holds (`reserved`). Two engines sharing a GPU both saw all its free memory: each
+    sized its KV pool for it, their pools together for twice that."""
+    return max(0, min(free, int(share * total) - reserved))
 
 
 def cgroup_room_bytes(proc_cgroup: str, root: Path) -> int | None:

@@ -39,11 +39,16 @@ def engine_threads(granted_cpus: float) -> int:
 
 
 def prepare_engine_process() -> int:
-    """In a Ray actor: torch threads for the CPUs Ray granted it (engine_threads), niceness 0 where the
-    OS allows, the heap frozen (the actor holds its engine for its life). Outside Ray nothing changes. Returns the
+    """In a Ray actor: torch threads for the CPUs Ray granted it (engine_threads), its share of a GPU granted a
+    fraction of one as its memory limit (kv_budget.available_memory_bytes), niceness 0 where the OS allows, the heap
+    frozen (the actor holds its engine for its life). Outside Ray nothing changes. Returns the
     thread count in use."""
     if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
-        threads = engine_threads(ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0))
+        granted = ray.get_runtime_context().get_assigned_resources()
+        threads = engine_threads(granted.get("CPU", 0.0))
+        gpus = granted.get("GPU", 0.0)
+        if 0 < gpus < 1 and torch.cuda.is_available():  # a share of one GPU: the engine sizes its pools within it
+            torch.cuda.set_per_process_memory_fraction(gpus)
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         try:

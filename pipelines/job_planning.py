@@ -7,7 +7,6 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import ray
-import torch
 
 from batchgen.engine.planner.stage_split import StageSplit
 
@@ -24,21 +23,19 @@ def plan_stages(config: JobConfig) -> tuple[JobConfig, StageSplit]:
     task = ray.remote(num_cpus=engine_actor_cpus(sized), num_gpus=config.engine_num_gpus,
                       resources=config.decode_resources, max_calls=1)(_plan_on_engine_node)
     engine, split = ray.get(task.remote(config.model, config.engine, config.input, config.storage_options,
-                                        config.sampling_params, config.engine_actors, config.engine_num_gpus))
+                                        config.sampling_params, config.engine_actors))
     planned = dataclasses.replace(sized, engine={**config.engine, **engine}, prefill_concurrency=split.prefill_actors,
                                   decode_concurrency=split.decode_actors)
     return planned, split
 
 
 def _plan_on_engine_node(model: str, engine: dict[str, Any], input_uri: str, storage_options: dict[str, Any],
-                         sampling: dict[str, Any], engine_actors: int,
-                         num_gpus: float) -> tuple[dict[str, Any], StageSplit]:
-    """The planned engine settings and the stage split, as every engine actor will run them. An actor given a
-    fraction of a GPU plans from that fraction of its free memory: every actor gets the same budgets, and two
-    actors sharing a GPU each took the share of it a whole one plans for."""
+                         sampling: dict[str, Any], engine_actors: int) -> tuple[dict[str, Any], StageSplit]:
+    """The planned engine settings and the stage split, as every engine actor will run them. A task given a
+    fraction of a GPU plans within that share of it (prepare_engine_process), as each engine actor will run: two
+    actors sharing a GPU each hold their own weights beside their pools."""
     from batchgen.connectors.checkpoint import load_model
     from batchgen.engine import EngineConfig, SamplingParams
-    from batchgen.engine.kv_budget import available_memory_bytes, memory_limits
     from batchgen.engine.offload.memory_constrained import place_as_engine
     from batchgen.engine.planner import PLANNED_FIELDS, plan_engine
     from batchgen.engine.planner.stage_split import plan_stage_split
@@ -54,10 +51,6 @@ def _plan_on_engine_node(model: str, engine: dict[str, Any], input_uri: str, sto
         workload = input_workload(input_uri, loaded, SamplingParams.from_dict(sampling), storage_options)
     except NoPromptToPlanFor:  # planned for a generic workload: the job writes each row's error
         workload = None
-    limits = None
-    if loaded.device.type == "cuda" and 0 < num_gpus < 1:
-        free = int(available_memory_bytes(loaded.device) * num_gpus)
-        limits = memory_limits("cuda", config, free, available_memory_bytes(torch.device("cpu")))
-    plan = plan_engine(loaded, config, workload=workload, limits=limits, progress=False)
+    plan = plan_engine(loaded, config, workload=workload, progress=False)
     split = plan_stage_split(engine_actors, plan.workload, plan.curves, plan.config)
     return {name: getattr(plan.config, name) for name in PLANNED_FIELDS}, split

@@ -90,3 +90,20 @@ def test_decode_steps_replayed_from_cuda_graphs_give_the_reference_tokens_and_th
     assert graphed["decode_graph_refusals"] == 0, graphed
     assert graphed["decode_graph_captures"] >= 2 and graphed["decode_graph_replays"] >= 10, graphed
     assert {k: graphed[k] for k in COUNTERS} == {k: eager[k] for k in COUNTERS}
+
+
+def test_a_process_granted_part_of_a_gpu_sees_only_its_share_free():
+    """Engine actors granted half a GPU each sized their KV pools from all of its free memory (prepare_engine_process
+    now sets the per-process memory fraction, which available_memory_bytes honours)."""
+    from batchgen.engine.kv_budget import available_memory_bytes
+
+    device = torch.device("cuda")
+    held = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    free, total = torch.cuda.mem_get_info(device)
+    try:
+        torch.cuda.set_per_process_memory_fraction(0.25, device)
+        assert available_memory_bytes(device) == min(free, int(0.25 * total) - torch.cuda.memory_reserved(device))
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    assert available_memory_bytes(device) == min(free, total - torch.cuda.memory_reserved(device))
+    del held

@@ -20,6 +20,7 @@ from batchgen.engine.kv_budget import (
     MemoryLimits,
     available_memory_bytes,
     cgroup_room_bytes,
+    device_room_bytes,
     meminfo_available_bytes,
     plan_kv_budget,
 )
@@ -231,6 +232,16 @@ def test_a_container_without_a_cgroup_namespace_finds_its_limit_at_the_mount_roo
     names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
     write_cgroup(tmp_path / "memory", names, limit=8 << 30, usage=3 << 30, inactive=1 << 30)
     assert cgroup_room_bytes("4:memory:/docker/0123abcd\n0::/\n", tmp_path) == 6 << 30
+
+
+def test_a_process_with_a_share_of_a_device_has_room_within_that_share_less_what_it_holds():
+    gib = 1 << 30
+    assert device_room_bytes(free=60 * gib, total=80 * gib, reserved=20 * gib, share=1.0) == 60 * gib
+    # half of an 80 GiB GPU, 28 GiB of weights held: 12 GiB more, though the device has 52 free
+    assert device_room_bytes(free=52 * gib, total=80 * gib, reserved=28 * gib, share=0.5) == 12 * gib
+    # the other half's engine took more than its share first: what is free bounds it
+    assert device_room_bytes(free=8 * gib, total=80 * gib, reserved=28 * gib, share=0.5) == 8 * gib
+    assert device_room_bytes(free=52 * gib, total=80 * gib, reserved=30 * gib, share=0.25) == 0
 
 
 def test_host_memory_available_counts_what_the_kernel_reclaims_not_only_free_pages():
@@ -452,5 +463,5 @@ def test_a_disaggregated_job_whose_input_has_no_prompt_to_plan_for_is_planned_ge
     monkeypatch.setattr(engine_actor, "prepare_engine_process", lambda: torch.get_num_threads())  # this process's
     pq.write_table(pa.table({"prompt": pa.array([None, None], pa.string())}), tmp_path / "in.parquet")
     engine, split = job_planning._plan_on_engine_node(loaded.uri, {}, str(tmp_path / "in.parquet"), {},
-                                                      {"max_tokens": 8}, 3, 0)
+                                                      {"max_tokens": 8}, 3)
     assert split.prefill_actors + split.decode_actors == 3 and set(engine) == set(PLANNED_FIELDS)
