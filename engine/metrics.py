@@ -174,7 +174,9 @@ class EngineMetrics:
             "bytes_moved": kv.bytes_moved,
             "prefill_tokens_saved": kv.prefix_hit_tokens,  # prompt tokens whose KV came from cached pages
             "prefix_hit_rate": kv.prefix_hit_tokens / kv.prefix_query_tokens if kv.prefix_query_tokens else 0.0,
+            "prefix_query_tokens": kv.prefix_query_tokens,  # prompt tokens looked up in the prefix cache
             "moe_calls": self.moe_calls,
+            "decode_moe_calls": self.decode_moe_calls,
             "mean_expert_batch": self.expert_tokens_sum / self.moe_calls if self.moe_calls else 0.0,
             "mean_decode_expert_batch": (self.decode_expert_tokens_sum / self.decode_moe_calls
                                          if self.decode_moe_calls else 0.0),

@@ -22,7 +22,13 @@ from batchgen.engine import Engine, EngineConfig, PrefillExporter, Request, Samp
 from batchgen.engine.metrics import completion_quantiles
 from batchgen.engine.models.layers import FusedExperts
 from batchgen.engine.parallel import group_engine
-from batchgen.engine.parallel.group_engine import GroupEngine, rank_spec, start_engine_group
+from batchgen.engine.parallel.group_engine import (
+    SUMMED_METRICS,
+    GroupEngine,
+    merge_rank_metrics,
+    rank_spec,
+    start_engine_group,
+)
 from batchgen.engine.parallel.rank_group import check_rank_devices, device_of_rank, free_address, use_device
 from batchgen.engine.parallel.rank_worker import GroupStartError, RankSpec, common_budgets
 from batchgen.engine.quantile_sketch import QuantileSketch
@@ -90,6 +96,10 @@ def test_two_rank_expert_parallel_engine_gives_the_single_engines_tokens(arch, p
     assert all(rank["finished_requests"] > 0 for rank in ranks)  # both ranks attended to sequences of their own
     assert ranks[1]["frozen_objects"] > 10_000  # the rank process froze its imports' heap (a test process does not)
     assert metrics["finished_requests"] == len(batch) and metrics["yields"] > 0
+    # every rank's routing counted (the group's histogram and peaks were rank 0's alone)
+    assert metrics["expert_histogram"] == [sum(c) for c in zip(*(rank["expert_histogram"] for rank in ranks))]
+    assert metrics["peak_active"] == sum(rank["peak_active"] for rank in ranks) > ranks[0]["peak_active"]
+    assert metrics["moe_calls"] == max(rank["moe_calls"] for rank in ranks)
     times = QuantileSketch()  # the quantiles are of every rank's requests (they were rank 0's alone)
     times.add_many([r.finished_at - r.submitted_at for r in results])
     assert {k: metrics[k] for k in completion_quantiles(times)} == completion_quantiles(times)
@@ -413,3 +423,24 @@ def test_a_single_mode_job_with_a_two_rank_engine_gives_the_engines_tokens(ray_c
 def test_a_split_job_refuses_a_multi_rank_engine():
     with pytest.raises(JobError, match="ep_size 2, tp_size 1: an engine over several ranks runs in single mode"):
         JobConfig(model="m", input="i", output="o", mode="disaggregated", engine={"ep_size": 2}).validate()
+
+
+def test_an_expert_parallel_groups_metrics_merge_its_ranks():
+    rank = dict(generated_tokens=10, prompt_tokens=40, prefill_tokens_saved=8, prefix_query_tokens=40,
+                prefix_hit_rate=0.2, moe_calls=12, decode_moe_calls=8, mean_expert_batch=2.0,
+                mean_decode_expert_batch=1.0, expert_histogram=[3, 0, 5, 1], peak_active=4, peak_suspended=1,
+                max_ffn_tokens=16, prefill_step_seconds=0.5, decode_step_seconds=2.0, decode_micro_batches=9,
+                decode_graph_captures=1, decode_graph_replays=5, decode_graph_refusals=0, scheduler_share=0.1)
+    other = {**rank, "prefill_tokens_saved": 0, "prefix_query_tokens": 60, "prefix_hit_rate": 0.0, "moe_calls": 11,
+             "decode_moe_calls": 7, "mean_expert_batch": 4.0, "mean_decode_expert_batch": 2.0,
+             "expert_histogram": [1, 2, 0, 0], "peak_active": 6, "max_ffn_tokens": 24, "decode_step_seconds": 2.5,
+             "scheduler_share": 0.3}
+    for key in set(SUMMED_METRICS) - set(rank):
+        rank[key] = other[key] = 1
+    merged = merge_rank_metrics([rank, other])
+    assert merged["prefix_hit_rate"] == 8 / 100  # the summed counts' rate, not rank 0's 0.2
+    assert merged["expert_histogram"] == [4, 2, 5, 1] and merged["peak_active"] == 10
+    assert merged["moe_calls"] == 12 and merged["mean_expert_batch"] == (2.0 * 12 + 4.0 * 11) / 12
+    assert merged["mean_decode_expert_batch"] == (1.0 * 8 + 2.0 * 7) / 8
+    assert merged["max_ffn_tokens"] == 24 and merged["decode_step_seconds"] == 2.5
+    assert merged["decode_micro_batches"] == 18 and merged["scheduler_share"] == 0.1

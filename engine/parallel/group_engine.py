@@ -47,8 +47,35 @@ SUMMED_METRICS = (
     "generated_tokens", "prompt_tokens", "recomputed_tokens", "finished_requests", "failed_requests",
     "aborted_requests", "prefill_steps", "decode_steps", "mixed_steps", "chunked_prefills", "handoff_prefills",
     "migrated_out", "migrated_in", "staged_decode_batches", "yields", "restores", "recomputes", "bytes_moved",
-    "prefill_tokens_saved", "moe_calls", "expert_only_steps", "partitioned_steps",
+    "prefill_tokens_saved", "prefix_query_tokens", "expert_only_steps", "partitioned_steps",
+    "decode_micro_batches", "decode_graph_captures", "decode_graph_replays", "decode_graph_refusals",
+    # each rank's own sequences: the sum of the ranks' peaks (at most what the group held at once)
+    "peak_active", "peak_suspended",
 )
+# the ranks step together, and every MoE call of a step serves all of them: the group's calls are the most any
+# rank made (one without tokens for a call still makes it)
+MAXED_METRICS = ("max_ffn_tokens", "prefill_step_seconds", "decode_step_seconds", "moe_calls", "decode_moe_calls")
+
+
+def merge_rank_metrics(per_rank: list[dict]) -> dict:
+    """An expert-parallel group's metrics from its ranks' (each attends its own sequences; every MoE call of a
+    step serves all ranks' tokens): counts summed, peaks and step times per rank at their largest, the expert
+    batch of a call the ranks' tokens together, rates recomputed from the summed counts. Keys not merged here
+    (the scheduler and host shares) are rank 0's."""
+    merged = dict(per_rank[0])
+    for key in SUMMED_METRICS:
+        merged[key] = sum(m[key] for m in per_rank)
+    for key in MAXED_METRICS:
+        merged[key] = max(m[key] for m in per_rank)
+    for mean, calls in (("mean_expert_batch", "moe_calls"), ("mean_decode_expert_batch", "decode_moe_calls")):
+        tokens = sum(m[mean] * m[calls] for m in per_rank)  # tokens per expert, over every call of every rank
+        merged[mean] = tokens / merged[calls] if merged[calls] else 0.0
+    merged["prefix_hit_rate"] = (merged["prefill_tokens_saved"] / merged["prefix_query_tokens"]
+                                 if merged["prefix_query_tokens"] else 0.0)
+    histograms = [m["expert_histogram"] for m in per_rank]
+    width = max(map(len, histograms))
+    merged["expert_histogram"] = [sum(h[e] for h in histograms if e < len(h)) for e in range(width)]
+    return merged
 
 
 def start_engine_group(spec: RankSpec) -> GroupEngine:
@@ -196,9 +223,8 @@ class GroupEngine(Generates):
         merged = dict(per_rank[0])
         if self.replicated:  # every rank ran every request
             return {**merged, "ranks": per_rank}
+        merged = merge_rank_metrics(per_rank)
         merged["partitions"] = self.partitions
-        for key in SUMMED_METRICS:
-            merged[key] = sum(m[key] for m in per_rank)
         times = QuantileSketch()
         for rank in range(self.ranks):  # each rank finished its own requests
             times.merge(answers[rank][1])
