@@ -9,7 +9,8 @@ step) spent outside the model forward (`host_share.<S>`), and the host microseco
 step (`host_us_per_seq.<S>`: host seconds over the sum of sequences over steps), which should not grow
 with S if every per-step cost is vectorised or O(changed sequences). Each level runs `--repeats` times and reports
 its run of median host share (a level's run takes 0.1-1 s, where a shared machine's swings show). `--profile` prints
-the top host functions of the largest level, from its first run, which the figures then leave out. The process
+the top host functions of the largest level, from a run of its own before the others (its figures under
+`profiled`, left out of the level's). The process
 freezes its heap once the model is loaded, as engine actors do (engine/process_heap.py), so a full pass of Python's
 collector over the imports' objects does not land in a level's timed run. With --json the last line printed is one
 JSON object.
@@ -86,11 +87,11 @@ def main() -> None:
                           "frozen_objects": frozen},
               "host_share": {}, "host_us_per_seq": {}, "runs": {}}
     for seqs in args.seqs:
-        profiled = args.profile and seqs == max(args.seqs)  # its first run only, which is not the one reported
+        profiled = args.profile and seqs == max(args.seqs)  # a run more, profiled first and left out of the figures
         runs = [measure(loaded, seqs, args.prompt_len, args.max_tokens, profiled and not i)
-                for i in range(args.repeats)]
+                for i in range(args.repeats + profiled)]
         profile = runs[0].pop("profile", None)
-        timed = runs[1:] if profile is not None and len(runs) > 1 else runs
+        timed = runs[1:] if profiled else runs
         run = sorted(timed, key=lambda r: r["host_share"])[(len(timed) - 1) // 2]
         run["host_share_runs"] = [r["host_share"] for r in timed]
         report["host_share"][str(seqs)] = run["host_share"]
@@ -99,7 +100,8 @@ def main() -> None:
         print(f"{seqs:5d} seqs: host share {run['host_share']:.1%}, {run['host_us_per_seq']:.1f} us/seq/step, "
               f"wall {run['wall_s']:.2f} s ({run['prefill_steps']} prefill + {run['decode_steps']} decode steps)",
               flush=True)
-        if profile:
+        if profiled:  # its figures apart: how much the profiler slowed the host
+            report["profiled"] = {"seqs": seqs, **{k: runs[0][k] for k in ("wall_s", "host_share", "host_us_per_seq")}}
             print(profile)
     report["machine"]["load_avg_end"] = os.getloadavg()[0]
     if args.json:
