@@ -174,7 +174,7 @@ def remove_ended_jobs(root: Path, keep: Path, now: float) -> list[Path]:
 
 
 def _ended(entry: os.DirEntry) -> bool:
-    """Whether a lending file names a process that ended (a file that does not read as one: not known to)."""
+    """Whether a lending file names a process that ended (one that does not read as a lending file has not)."""
     pid = entry.name.removesuffix(".tmp")
     try:
         started = Path(entry.path).read_text().split()[2]
