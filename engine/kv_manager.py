@@ -142,12 +142,12 @@ class KVManager:
         start = len(cached) * size
         return len(cached), (cached[-1] if cached else ROOT, tuple(prompt[start : start + size]))
 
-    def cache_prompt(self, seq: Sequence, num_tokens: int) -> None:
-        """Index the whole pages of prefilled tokens among the first `num_tokens` of the sequence's KV (just
-        written)."""
+    def cache_prompt(self, seq: Sequence, num_tokens: int, prefilled: list[int] | None = None) -> None:
+        """Index the whole pages of prefilled tokens (`prefilled`, else the sequence's prefill_ids) among the first
+        `num_tokens` of the sequence's KV (just written)."""
         pool = self.pool(seq.kv_location)
         if pool.cache is not None:
-            size, prompt = self.page_size, seq.prefill_ids
+            size, prompt = self.page_size, seq.prefill_ids if prefilled is None else prefilled
             whole = min(num_tokens, len(prompt)) // size
             _register(pool, self.pages_of(seq), [prompt[i * size : (i + 1) * size] for i in range(whole)])
 
@@ -239,7 +239,9 @@ class KVManager:
         flat_k[:, slots] = k[:, written - start :].to(pool.device)
         flat_v[:, slots] = v[:, written - start :].to(pool.device)
         self.bytes_moved += self.geometry.packed_nbytes(num_tokens - written)
-        self.cache_prompt(seq, num_tokens)
+        # the prompt's pages only: a moved sample's generated tokens were decoded, and a later prompt that shares
+        # them computes their KV itself, as it would had the sample not moved
+        self.cache_prompt(seq, num_tokens, seq.prompt_ids)
         return True
 
     def _place(self, seq: Sequence, location: KVLocation, shared: list[int], count: int) -> list[int]:

@@ -15,7 +15,7 @@ from tiny_models import kv_bytes_per_token
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, EngineLoad, EngineLoop, InvalidRequestError, Request, SamplingParams
 from batchgen.engine.parallel.partition import partition_pages
-from batchgen.engine.sequence import Phase
+from batchgen.engine.sequence import KVLocation, Phase
 
 PROMPTS = ["Tell me about the old river.", "Write a poem about a cat.", "What would you do?",
            "Give 3 ideas for a game about the moon.", "Describe a day on the farm with your friend.",
@@ -115,6 +115,25 @@ def test_a_moved_request_finishes_as_if_it_had_stayed(demo, steps):
         assert any(m.samples for m in moved) and sum(m.kv_bytes for m in moved) > 0
     else:
         assert all(not m.samples for m in moved)  # still waiting: the prompt alone travels
+
+
+def test_a_moved_samples_decoded_tokens_are_not_cached_as_a_prompt_prefix(demo):
+    """The importing engine indexed the pages of the sample's generated tokens, KV its source had decoded: a later
+    prompt sharing them took that KV instead of computing it, as it would had the sample not moved."""
+    request = Request("r", prompt=" ".join(PROMPTS), sampling=SamplingParams(max_tokens=64, temperature=0.0,
+                                                                              ignore_eos=True))
+    source = Engine(demo, page_size=16)
+    source.add_request(request)
+    for _ in range(40):
+        source.step()
+    migrated = source.export_request("r")
+    prompt, generated = migrated.request.prompt_token_ids, migrated.samples[0].generated
+    assert len(prompt) >= 16 and len(generated) >= 32
+    target = Engine(demo, page_size=16)
+    target.import_request(migrated)
+    tokens = prompt + generated
+    cached = target.kv.pool(KVLocation.DEVICE).cache.match(tokens, 16, len(tokens) // 16)
+    assert len(cached) == len(prompt) // 16  # the prompt's whole pages, which its source prefilled
 
 
 def test_a_sample_finished_before_the_move_keeps_its_output(demo):
