@@ -315,7 +315,7 @@ def test_a_jobs_plan_for_a_device_memory_budget_is_one_its_engines_can_run(monke
     budget = int(weight_units(loaded.model, "expert").total_bytes * 0.4)
     engine = {"page_size": 4, "max_model_len": MAX_LEN, "device_memory_bytes": budget}
     planned, split = _plan_on_engine_node(str(tmp_path / "model"), engine, str(tmp_path / "in.parquet"), {},
-                                          {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}, 3, 0.0)
+                                          {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}, 3)
     assert split.prefill_actors + split.decode_actors == 3
     actor = Engine(load_model(str(tmp_path / "model")), **{**engine, **planned})  # as each engine actor builds it
     assert actor.config.kv_budget_bytes == planned["kv_budget_bytes"] <= budget
