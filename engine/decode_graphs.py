@@ -88,7 +88,9 @@ class DecodeGraphs:
             self._refused_from, self._configuration = None, configuration
         size, ctx = len(batch.seqs), batch.ctx
         rows = padded_rows(size, max_rows)
-        key = (rows, _bucket(ctx.page_table.shape[1]), ctx.pool.k.data_ptr())
+        # the kernels' thread counts are in the recording: one recorded while borrowing a peer's threads (operators/
+        # thread_lending.py) would go on computing on the peer's cores after they were given back
+        key = (rows, _bucket(ctx.page_table.shape[1]), ctx.pool.k.data_ptr(), torch.get_num_threads())
         graph = self._graphs.get(key)
         if graph is not None:
             return self._replay(key, graph, batch, run)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from tiny_models import hf_greedy, prompts, save_tiny_checkpoint
 
 from batchgen.connectors.checkpoint import load_model
@@ -171,6 +172,32 @@ def test_a_backend_forced_midway_drops_the_recordings(tmp_path):
     by_id = {r.request_id: r.outputs[0].token_ids for r in results}
     assert [by_id[r.request_id] for r in requests] == [hf_greedy(hf, r.prompt_token_ids, 30) for r in requests]
     assert engine.metrics()["decode_graph_refusals"] == 1
+
+
+def test_a_step_run_with_another_thread_count_is_recorded_anew(tmp_path):
+    """Recordings hold the kernels' thread counts: when thread lending changed torch's, replays kept computing with
+    the count they were recorded at (on a peer's cores after it took its threads back)."""
+    hf = save_tiny_checkpoint("mixtral", tmp_path)
+    loaded = load_model(str(tmp_path))
+    requests = _requests(loaded.model.vocab_size, (40, 40))
+    before = torch.get_num_threads()
+    engine = Engine(loaded, page_size=64)  # one page a sequence throughout: every step of the same shape
+    for request in requests:
+        engine.add_request(request)
+    results = []
+    try:
+        torch.set_num_threads(1)
+        while engine.metrics()["decode_graph_replays"] < 5:
+            results += engine.step()
+        captures = engine.metrics()["decode_graph_captures"]
+        torch.set_num_threads(2)
+        while engine.has_unfinished():
+            results += engine.step()
+    finally:
+        torch.set_num_threads(before)
+    assert engine.metrics()["decode_graph_captures"] > captures
+    by_id = {r.request_id: r.outputs[0].token_ids for r in results}
+    assert [by_id[r.request_id] for r in requests] == [hf_greedy(hf, r.prompt_token_ids, 40) for r in requests]
 
 
 _FIRST_RECORDING = """
