@@ -27,7 +27,7 @@ def input_workload(uri: str, loaded: LoadedModel, defaults: SamplingParams, stor
     fs, files = list_files(uri, ".parquet", storage_options)  # the files the job reads, in its order
     parser = RowParser(RequestNormalizer(loaded.tokenizer, loaded.model.vocab_size, loaded.max_model_len), defaults,
                        list_outputs=True)
-    prompts, outputs = [], []
+    prompts, outputs, samples = [], [], []
     for file in files:
         with fs.open(file, "rb") as f:
             reader = pq.ParquetFile(f)
@@ -38,11 +38,12 @@ def input_workload(uri: str, loaded: LoadedModel, defaults: SamplingParams, stor
                     parsed = parser.parse(row)
                     if not isinstance(parsed, str):
                         prompts.append(len(parsed.prompt_token_ids))
-                        outputs.append(parsed.sampling.max_tokens * parsed.sampling.n)
+                        outputs.append(parsed.sampling.max_tokens)
+                        samples.append(parsed.sampling.n)
                 if len(prompts) >= SAMPLED_ROWS:
                     break
         if len(prompts) >= SAMPLED_ROWS:
             break
     if not prompts:
         raise NoPromptToPlanFor(f"no row of {uri} has a prompt the model can take: nothing to plan for")
-    return WorkloadShape(tuple(prompts[:SAMPLED_ROWS]), tuple(outputs[:SAMPLED_ROWS]))
+    return WorkloadShape(tuple(prompts[:SAMPLED_ROWS]), tuple(outputs[:SAMPLED_ROWS]), tuple(samples[:SAMPLED_ROWS]))

@@ -162,9 +162,11 @@ def test_copies_on_the_critical_path_when_host_kv_streams():
                                                                   curves.num_layers * attention_s)
 
 
-@pytest.mark.parametrize("budget_tokens", [None, 96])
-def test_replay_is_the_engines_schedule_step_by_step(loaded, budget_tokens):
-    """Under a tight KV budget too (sequences yield to host pages and come back)."""
+@pytest.mark.parametrize("budget_tokens,samples", [(None, ()), (96, ()), (None, (1, 3, 1, 2, 1, 1, 4, 1)),
+                                                   (96, (1, 3, 1, 2, 1, 1, 4, 1))])
+def test_replay_is_the_engines_schedule_step_by_step(loaded, budget_tokens, samples):
+    """Under a tight KV budget too (sequences yield to host pages and come back), and with prompts of several
+    samples (forked from their prefill; the replay ran one sequence of n times the output)."""
     spec = loaded.model.kv_spec()
     token_bytes = spec.num_layers * spec.num_kv_heads * (spec.k_dim + spec.v_dim) * 4
     batch = prompts(vocab_size=loaded.model.vocab_size, lengths=(3, 40, 17, 5, 30, 12, 9, 22))
@@ -175,14 +177,14 @@ def test_replay_is_the_engines_schedule_step_by_step(loaded, budget_tokens):
                           staging_fraction=0.25, max_prefill_tokens=48)
     engine = Engine(loaded, config)
     for i, (p, n) in enumerate(zip(batch, outputs)):
-        engine.add_request(Request(f"r{i}", prompt_token_ids=p,
-                                   sampling=SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)))
+        engine.add_request(Request(f"r{i}", prompt_token_ids=p, sampling=SamplingParams(
+            max_tokens=n, ignore_eos=True, temperature=0.0, n=samples[i] if samples else 1)))
     per_step = []
     while engine.has_unfinished():
         before = engine.stats.sequence_steps
         engine.step()
         per_step.append(engine.stats.sequence_steps - before)
-    workload = WorkloadShape(tuple(map(len, batch)), tuple(outputs))
+    workload = WorkloadShape(tuple(map(len, batch)), tuple(outputs), samples)
     steps = replay_schedule(config, plan_kv_budget(config, False), spec, loaded.dtype, workload, stream_host=False,
                             device_type="cpu")
     assert [len(s.prefill) + s.decoding for s in steps] == per_step
@@ -334,6 +336,10 @@ def test_stage_split_follows_the_work():
     assert heavy.predicted_bct_s == min(heavy.by_prefill_actors.values())
     with pytest.raises(ValueError, match="at least 2"):
         plan_stage_split(1, decode_heavy, curves, config)
+    # each prompt's samples decode side by side: eight of them are eight sequences' decode work, one prefill
+    one, eight = (plan_stage_split(6, WorkloadShape((1000,) * 64, (40,) * 64, (n,) * 64), curves, config)
+                  for n in (1, 8))
+    assert eight.prefill_actors < one.prefill_actors and eight.predicted_bct_s > one.predicted_bct_s
 
 
 def test_batchgen_plan_prints_the_plan_and_the_split(loaded, tmp_path, capsys):

@@ -161,7 +161,7 @@ def search(config: EngineConfig, curves: CostCurves, workload: WorkloadShape, sp
         return (explicit,) if explicit is not None else tuple(values)
 
     coroutine = config.mode == "coroutine"
-    enough = next((n for n in space.max_num_seqs if n >= len(workload.prompt_lens)), space.max_num_seqs[-1])
+    enough = next((n for n in space.max_num_seqs if n >= workload.sequences), space.max_num_seqs[-1])
     seqs_options = options("max_num_seqs", [n for n in space.max_num_seqs if n <= enough])
     refill_options = options("refill_threshold", space.refill_thresholds if coroutine else (0.5,))
     staging_options = options("staging_fraction", space.staging_fractions if stream_host and coroutine else (0.25,))
@@ -173,7 +173,7 @@ def search(config: EngineConfig, curves: CostCurves, workload: WorkloadShape, sp
     searched = 0
     notes: list[str] = []
     for max_num_seqs, refill, staging in itertools.product(seqs_options, refill_options, staging_options):
-        if len(refill_options) > 1 and len(workload.prompt_lens) <= max_num_seqs and refill != 0.5:
+        if len(refill_options) > 1 and workload.sequences <= max_num_seqs and refill != 0.5:
             continue  # every prompt is admitted at once: the refill threshold never matters
         wanted = token_bytes * max(max_num_seqs * wanted_tokens, longest_tokens)
         device = config.kv_budget_bytes or min(limits.device_kv_bytes, wanted)

@@ -5,6 +5,8 @@ planned output length."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Iterator
 
 import torch
 
@@ -15,7 +17,7 @@ from batchgen.engine.planner.step_model import StepShape
 from batchgen.engine.planner.workload import WorkloadShape
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.scheduler import DecodePlan, Scheduler
-from batchgen.engine.sequence import Sequence
+from batchgen.engine.sequence import KVLocation, Sequence
 
 META = torch.device("meta")
 
@@ -36,15 +38,16 @@ def replay_schedule(config: EngineConfig, budget: KVBudget, spec: KVSpec, dtype:
     kv = KVManager(spec, config.page_size, dtype, budget, META, stream_host, prefix_caching=False, host_device=META)
     scheduler = Scheduler(config, kv)
     targets: dict[int, int] = {}
-    for i, (prompt, output) in enumerate(zip(workload.prompt_lens, workload.output_lens)):
-        seq = Sequence(seq_id=i, request_id=str(i), sample_index=0, prompt_ids=[0] * prompt,
-                       sampling=SamplingParams(max_tokens=output, ignore_eos=True), eos_token_ids=frozenset(),
+    ids = itertools.count()  # sequence ids and arrivals, as the engine numbers them: prompts, then forks
+    for i, (prompt, output, n) in enumerate(zip(workload.prompt_lens, workload.output_lens, workload.sample_counts)):
+        seq = Sequence(seq_id=next(ids), request_id=str(i), sample_index=0, prompt_ids=[0] * prompt,
+                       sampling=SamplingParams(max_tokens=output, ignore_eos=True, n=n), eos_token_ids=frozenset(),
                        arrival=i)
         try:
-            scheduler.check_fits(prompt + output, prompt, samples=1)
+            scheduler.check_fits(prompt + output, prompt, samples=n)
         except ValueError as exc:
             raise ReplayError(str(exc)) from None
-        targets[i] = output
+        targets[seq.seq_id] = output
         scheduler.admit(seq)
     steps: list[StepShape] = []
     while scheduler.has_work():
@@ -71,21 +74,50 @@ def replay_schedule(config: EngineConfig, budget: KVBudget, spec: KVSpec, dtype:
             migrated_bytes=kv.bytes_moved - moved,
             streams_host=stream_host,
         ))
+        completed = []
         for c in chunks:
             c.seq.kv_len = c.end
             if c.completes:
-                _accept(scheduler, c.seq, targets, decoding=False)
+                completed.append(c.seq)
+        for seq in _forked(scheduler, kv, completed, plan.prefill.location if plan.prefill else None, ids, targets):
+            _accept(scheduler, seq, targets, decoding=False)
         for seq in decode.seqs if decode else ():
             seq.kv_len += 1
             _accept(scheduler, seq, targets, decoding=True)
     return steps
 
 
+def _forked(scheduler: Scheduler, kv: KVManager, completed: list[Sequence], location, ids: Iterator[int],
+            targets: dict[int, int]) -> list[Sequence]:
+    """The prefilled sequences with the samples forked from each completed prompt, in the order the engine takes
+    their first tokens (Engine._first_tokens): a fork that finds no pages is prefilled again."""
+    out = []
+    for parent in completed:
+        out.append(parent)
+        if parent.recomputing:
+            continue
+        for index in range(1, parent.sampling.n):
+            sid = next(ids)
+            child = Sequence(seq_id=sid, request_id=parent.request_id, sample_index=index,
+                             prompt_ids=parent.prompt_ids, sampling=parent.sampling, eos_token_ids=frozenset(),
+                             arrival=sid)
+            where = scheduler.fork_location(parent, location)
+            if where is not None:
+                kv.fork(parent, child, where)
+            targets[child.seq_id] = targets[parent.seq_id]
+            out.append(child)
+    return out
+
+
 def _accept(scheduler: Scheduler, seq: Sequence, targets: dict[int, int], decoding: bool) -> None:
     """One more generated token; the sequence leaves when it has all of them (as Engine._accept_token)."""
     seq.generated.append(0)
     if len(seq.generated) < targets[seq.seq_id]:
-        if not decoding:
+        if decoding:
+            return
+        if seq.kv_location is KVLocation.NONE:  # a fork that found no pages
+            scheduler.recompute(seq)
+        else:
             scheduler.place_decoding(seq)
         return
     if decoding:

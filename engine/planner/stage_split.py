@@ -51,7 +51,8 @@ def simulate_disaggregated(workload: WorkloadShape, curves: CostCurves, config: 
     decoders = [_Decoder() for _ in range(decode_actors)]
     events: list[tuple[float, int, str, int]] = []  # (time, tie-break, kind, actor or prompt)
     order = itertools.count()
-    now, finished, total = 0.0, 0, len(workload.prompt_lens)
+    now, finished, total = 0.0, 0, workload.sequences
+    samples = workload.sample_counts
 
     def start_prefill(actor: int) -> None:
         batch, tokens = [], 0
@@ -73,9 +74,11 @@ def simulate_disaggregated(workload: WorkloadShape, curves: CostCurves, config: 
         if d.busy:  # arrivals join at the next step
             return
         d.seqs = [s for s in d.seqs if s[1] > 0]
-        while arrived and len(d.seqs) < config.max_num_seqs:
+        # a prompt's samples decode together (the engine takes a request's n sequences in at once)
+        while arrived and (not d.seqs or len(d.seqs) + samples[arrived[0]] <= config.max_num_seqs):
             i = arrived.popleft()
-            d.seqs.append([workload.prompt_lens[i] + 1, workload.output_lens[i] - 1])  # the first token: prefill's
+            for _ in range(samples[i]):  # the first token: prefill's
+                d.seqs.append([workload.prompt_lens[i] + 1, workload.output_lens[i] - 1])
         if not d.seqs:
             return
         shape = StepShape(prefill=(), resident=tuple(s[0] for s in d.seqs), staged=(), completed=0,
@@ -92,7 +95,7 @@ def simulate_disaggregated(workload: WorkloadShape, curves: CostCurves, config: 
             start_prefill(who)
         elif kind == "arrive":
             if workload.output_lens[who] <= 1:
-                finished += 1
+                finished += samples[who]
             else:
                 arrived.append(who)
         else:

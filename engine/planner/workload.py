@@ -10,7 +10,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class WorkloadShape:
     prompt_lens: tuple[int, ...]
-    output_lens: tuple[int, ...]  # tokens generated (max_tokens; a stop or EOS only shortens the job)
+    output_lens: tuple[int, ...]  # tokens each sample generates (max_tokens; a stop or EOS only shortens the job)
+    samples: tuple[int, ...] = ()  # each prompt's n (sequences forked from its prefill); () for one each
 
     def __post_init__(self) -> None:
         if not self.prompt_lens or len(self.prompt_lens) != len(self.output_lens):
@@ -18,6 +19,18 @@ class WorkloadShape:
                              f"and {len(self.output_lens)} output lengths")
         if min(self.prompt_lens) < 1 or min(self.output_lens) < 1:
             raise ValueError("prompt and output lengths must be at least 1")
+        if self.samples and (len(self.samples) != len(self.prompt_lens) or min(self.samples) < 1):
+            raise ValueError(f"a workload's samples need one count >= 1 per prompt, got {self.samples!r}")
+
+    @property
+    def sample_counts(self) -> tuple[int, ...]:
+        """Each prompt's n."""
+        return self.samples or (1,) * len(self.prompt_lens)
+
+    @property
+    def sequences(self) -> int:
+        """Sequences the engine runs: every prompt's samples."""
+        return sum(self.sample_counts)
 
     @property
     def max_context(self) -> int:
@@ -28,8 +41,11 @@ class WorkloadShape:
         return statistics.mean(p + o for p, o in zip(self.prompt_lens, self.output_lens))
 
     def describe(self) -> dict:
-        return {"prompts": len(self.prompt_lens), "mean_prompt": round(statistics.mean(self.prompt_lens), 1),
-                "mean_output": round(statistics.mean(self.output_lens), 1), "max_output": max(self.output_lens)}
+        described = {"prompts": len(self.prompt_lens), "mean_prompt": round(statistics.mean(self.prompt_lens), 1),
+                     "mean_output": round(statistics.mean(self.output_lens), 1), "max_output": max(self.output_lens)}
+        if self.sequences > len(self.prompt_lens):
+            described["sequences"] = self.sequences
+        return described
 
     @classmethod
     def synthetic(cls, num_prompts: int, prompt_len: tuple[int, int], mu: float, sigma: float, max_output: int,
@@ -52,11 +68,12 @@ class WorkloadShape:
         """The same workload with each prompt and output cut to fit a context of `max_model_len` tokens."""
         prompts = tuple(min(p, max(1, max_model_len // 2)) for p in self.prompt_lens)
         outputs = tuple(max(1, min(o, max_model_len - p)) for p, o in zip(prompts, self.output_lens))
-        return WorkloadShape(prompts, outputs)
+        return WorkloadShape(prompts, outputs, self.samples)
 
     def sample(self, count: int, seed: int = 0) -> WorkloadShape:
         """At most `count` prompts drawn at random (all of them if fewer), for planning a very large job."""
         if len(self.prompt_lens) <= count:
             return self
         picks = random.Random(seed).sample(range(len(self.prompt_lens)), count)
-        return WorkloadShape(tuple(self.prompt_lens[i] for i in picks), tuple(self.output_lens[i] for i in picks))
+        return WorkloadShape(tuple(self.prompt_lens[i] for i in picks), tuple(self.output_lens[i] for i in picks),
+                             tuple(self.samples[i] for i in picks) if self.samples else ())
