@@ -63,6 +63,10 @@ class EngineConfig:
     # running the Python around its kernels: the kernel calls on a CPU, a CUDA graph on a GPU
     # (engine/decode_graphs.py); False runs every step eagerly
     decode_graphs: bool = True
+    # every row's logits the same bits whatever else its step computes (batch size, chunking, other sequences):
+    # kernels that pick a path by row count keep the one whose sums run in a fixed order per row (slower prefill).
+    # CPU float32 engines of one process (the C kernels); vLLM's and SGLang's batch-invariant / deterministic modes
+    batch_invariant: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -83,7 +87,7 @@ class EngineConfig:
         if self.ep_size > 1 and self.tp_size > 1:
             raise ValueError(f"engine options ep_size ({self.ep_size}) and tp_size ({self.tp_size}): one engine is "
                              "either expert parallel or tensor parallel, not both")
-        for name in ("mixed_steps", "prefix_caching", "partition_stragglers", "decode_graphs"):
+        for name in ("mixed_steps", "prefix_caching", "partition_stragglers", "decode_graphs", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"engine option {name} must be true or false, got {getattr(self, name)!r}")
         if self.weight_streaming not in WEIGHT_STREAMING:
@@ -95,6 +99,9 @@ class EngineConfig:
         if self.device_memory_bytes is not None and self.stream_host_kv is False:
             raise ValueError("engine option device_memory_bytes streams host-resident KV through device staging "
                              "pages; stream_host_kv false (attending on host pages in place) cannot be combined")
+        if self.batch_invariant and (self.ranks > 1 or self.device_memory_bytes is not None):
+            raise ValueError("engine option batch_invariant runs one engine's kernels in one process on its own "
+                             "weights: it cannot be combined with ep_size, tp_size or device_memory_bytes")
         if self.stream_host_kv not in (None, True, False):
             raise ValueError(f"engine option stream_host_kv must be true, false or null, got {self.stream_host_kv!r}")
         for name in ("staging_fraction", "refill_threshold"):

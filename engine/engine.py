@@ -28,6 +28,7 @@ from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.migration import MigratedRequest, MigratedSample
 from batchgen.engine.model_runner import MicroBatchLimits, ModelRunner
 from batchgen.engine.models.loaded_model import LoadedModel
+from batchgen.engine.models.registry import model_family
 from batchgen.engine.offload.memory_constrained import place_as_engine
 from batchgen.engine.offload.phase_switch import PhaseSwitch
 from batchgen.engine.offload.weight_streamer import WeightStreamer
@@ -43,6 +44,7 @@ from batchgen.engine.scheduler import DecodePlan, PrefillPlan, Scheduler, StepPl
 from batchgen.engine.sequence import KVLocation, Phase, Sequence
 from batchgen.engine.stop_checker import finish_reason, output_text
 from batchgen.engine.wall_clock import from_wall, to_wall
+from batchgen.kernels.registry import invariance_refusal, invariant_batches
 
 _UNBOUNDED = 1 << 62
 
@@ -65,10 +67,16 @@ class Engine(Generates):
         rank's share of the experts (ep_size) or of the heads and columns (tp_size), and every step is taken
         together with the other ranks."""
         config = EngineConfig.from_kwargs(config, **overrides)
+        if config.batch_invariant:
+            refusal = (model_family(getattr(loaded.config, "model_type", None)).not_batch_invariant
+                       or invariance_refusal(loaded.device.type, loaded.dtype))
+            if refusal is not None:
+                raise ValueError(f"engine option batch_invariant: {refusal}")
         # before planning: the profile then times streamed weights
         self.streamer: WeightStreamer | None
         self.streamer, config = place_as_engine(loaded, config)
-        self.config = resolve_config(loaded, config, plan=group is None)
+        with invariant_batches(config.batch_invariant):  # the profile times the kernels' paths the engine takes
+            self.config = resolve_config(loaded, config, plan=group is None)
         self.loaded = loaded
         self.model = loaded.model.eval()
         self.device = loaded.device
@@ -415,7 +423,8 @@ class Engine(Generates):
                 self.stats.prompt_tokens += chunk.end - chunk.start
         self.stats.chunked_prefills += sum(1 for c in chunks if not c.completes)
         self.stats.decoding = decode is not None
-        logits = self._timed(self.runner.step, chunks, decode)
+        with invariant_batches(self.config.batch_invariant):
+            logits = self._timed(self.runner.step, chunks, decode)
         for chunk in chunks:  # their pages now hold the KV: index the whole prompt pages for sharers
             self.kv.cache_prompt(chunk.seq, chunk.end)
         self.stats.decoding = False

@@ -16,7 +16,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels import gemm_onednn
+from batchgen.kernels import gemm_onednn, registry
 from batchgen.kernels.c_library import DOT_PAIRS_SOURCE, CFunction
 
 # rows up to which this kernel beats oneDNN's GEMM (2 threads of the dev box, weights warm in cache: 512 x 512 52
@@ -98,10 +98,11 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     weight_bytes = out_features * dim * 4
     if count == 0 or not _float32_cpu(weight, bias):
         return F.linear(x, weight, bias)  # (a weight of another dtype or device: F.linear names the mismatch)
-    if count > SMALL_ROWS:
-        return gemm_onednn.linear(x, weight, bias)
-    if weight_bytes < MIN_WEIGHT_BYTES:
-        return F.linear(x, weight, bias)
+    if not registry.batch_invariant():  # else this kernel for any rows: each row's dot products in one order
+        if count > SMALL_ROWS:
+            return gemm_onednn.linear(x, weight, bias)
+        if weight_bytes < MIN_WEIGHT_BYTES:
+            return F.linear(x, weight, bias)
     if not rows.is_contiguous():
         rows = rows.contiguous()
     if weight.stride(1) != 1:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels import gemm_onednn, moe_crossover
+from batchgen.kernels import gemm_onednn, moe_crossover, registry
 from batchgen.kernels.c_library import DOT_PAIRS_SOURCE, EXP_NEG_SOURCE, CFunction
 from batchgen.kernels.capture import read_back
 from batchgen.kernels.moe_torch import RoutedRows
@@ -45,6 +45,7 @@ SMALL_ROWS = 64
 LANES = 16  # rows per vector of the blocked path
 FEW_TOKENS = 16  # tokens of a call up to which one kernel call groups and runs them (the dot path's row counts)
 THREAD_BYTES = 256 << 10  # bytes a pass of glue moves (row copies, silu, scatter): less is not worth a second thread
+INVARIANT_ROWS = 1 << 30  # batch-invariant calls: every expert's rows on the dot-product path, however many
 
 _SOURCE = r"""
 #include <math.h>
@@ -434,9 +435,9 @@ class GroupedCall:
 
 
 def grouped_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, dot_rows: int) -> GroupedCall:
-    """The C kernel on a whole call: the routing's rows grouped by expert and every expert of at most SMALL_ROWS rows
-    computed (those of at most `dot_rows` on the dot-product path, the others blocked), in one call that reads
+                    topk_ids: torch.Tensor, dot_rows: int, small_rows: int = SMALL_ROWS) -> GroupedCall:
+    """The C kernel on a whole call: the routing's rows grouped by expert and every expert of at most `small_rows`
+    rows computed (those of at most `dot_rows` on the dot-product path, the others blocked), in one call that reads
     nothing back to the host."""
     tokens, top_k = topk_ids.shape
     num_experts, dim, inter = w_gate_up.shape[0], x.shape[1], w_down.shape[2]
@@ -450,7 +451,7 @@ def grouped_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
                        layout=torch.empty(num_experts, SPAN, dtype=torch.int64),
                        experts=torch.empty(num_experts, dtype=torch.int64), large=0)
     call.large = _GROUPED(x.data_ptr(), tokens, top_k, ids.data_ptr(), weights.data_ptr(), num_experts,
-                          w_gate_up.data_ptr(), w_down.data_ptr(), strides.data_ptr(), dot_rows, SMALL_ROWS,
+                          w_gate_up.data_ptr(), w_down.data_ptr(), strides.data_ptr(), dot_rows, small_rows,
                           call.xs.data_ptr(), call.token_rows.data_ptr(), call.weights.data_ptr(),
                           call.starts.data_ptr(), call.layout.data_ptr(), call.experts.data_ptr(), call.out.data_ptr(),
                           dim, inter, torch.get_num_threads())
@@ -467,6 +468,9 @@ def fused_moe_cpu(
     """Same contract as kernels.ops.fused_moe, for float32 CPU tensors."""
     dim, inter = w_down.shape[1], w_down.shape[2]
     w_gate_up, w_down = (w if w.stride(-1) == 1 else w.contiguous() for w in (w_gate_up, w_down))
+    if registry.batch_invariant():  # every expert on the dot-product path: each row's sums in one order
+        call = grouped_experts(x, w_gate_up, w_down, topk_weights, topk_ids, INVARIANT_ROWS, INVARIANT_ROWS)
+        return call.out.to(x.dtype)
     # a few tokens: no expert can get more rows than there are tokens, all of them on the dot-product path
     dot_rows = SMALL_ROWS if x.shape[0] <= FEW_TOKENS else moe_crossover.dot_rows(dim, inter)
     call = grouped_experts(x, w_gate_up, w_down, topk_weights, topk_ids, dot_rows)

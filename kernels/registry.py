@@ -8,6 +8,7 @@ forcing a backend that cannot run raises BackendUnavailableError saying what is 
 """
 
 import contextlib
+import contextvars
 import importlib
 import importlib.util
 import logging
@@ -183,10 +184,45 @@ def set_backend(op: str, name: str | None) -> None:
     _state.generation += 1
 
 
-def configuration() -> tuple[int, str]:
-    """What decides the backends besides the tensors (the forced ones, the environment): recorded forwards made
-    under another configuration call other backends than it would pick now."""
-    return _state.generation, os.environ.get(ENV_VAR, "")
+def configuration() -> tuple[int, str, bool]:
+    """What decides the backends and their paths besides the tensors (the forced ones, the environment, batch
+    invariance): recorded forwards made under another configuration call other kernels than it would now."""
+    return _state.generation, os.environ.get(ENV_VAR, ""), batch_invariant()
+
+
+# Batch-invariant kernels (EngineConfig.batch_invariant): each row's result the same bits whatever else the call
+# holds. Set around an engine's forwards, on the thread that runs them.
+_INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar("batchgen_batch_invariant", default=False)
+INVARIANT_OPS = {"linear": "cpu_c", "fused_moe": "cpu_c"}  # the ops that choose a path by row count: backends that
+# can keep every row's sums in one order (the others' kernels compute each row, or each sequence, on its own)
+
+
+def batch_invariant() -> bool:
+    """Whether the kernels now run must give each row the same result whatever the rest of the batch."""
+    return _INVARIANT.get()
+
+
+def invariance_refusal(device_type: str, dtype: torch.dtype) -> str | None:
+    """Why an engine on (device_type, dtype) cannot run batch-invariant here, or None."""
+    for op, needed in INVARIANT_OPS.items():
+        try:
+            name, _ = resolve(op, device_type, dtype)
+        except BackendUnavailableError as exc:
+            return str(exc)
+        if name != needed:
+            return (f"batch-invariant kernels are the {needed} backend's for {op} (float32 CPU tensors); "
+                    f"{name} runs it here")
+    return None
+
+
+@contextlib.contextmanager
+def invariant_batches(on: bool) -> Iterator[None]:
+    """Run the kernels batch-invariant (`on`) inside the block."""
+    token = _INVARIANT.set(on)
+    try:
+        yield
+    finally:
+        _INVARIANT.reset(token)
 
 
 @contextlib.contextmanager

@@ -218,4 +218,6 @@ def _check_config(cfg) -> None:
 
 
 # The checkpoint names its shared experts `shared_experts`; SparseMoE calls the module `shared_expert`.
-FAMILY = ModelFamily(build_deepseek_v3, ((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),))
+FAMILY = ModelFamily(build_deepseek_v3, ((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),),
+                     not_batch_invariant="MLA's absorbed per-head products and the float32 router are torch matmuls "
+                                         "whose rounding follows the batch's rows")

@@ -24,6 +24,10 @@ class UnsupportedModelError(ValueError):
 class ModelFamily:
     build: Callable[..., nn.Module]  # hf_config -> model (the loader calls it on the meta device)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()  # regex substitutions before weight_names' mapping
+    # why its layers cannot run batch-invariant (EngineConfig.batch_invariant), or None: every product whose
+    # rounding depends on the row count goes through the registry's linear and fused_moe ops, and every elementwise
+    # op sees rows whose length is a multiple of the vector width (a row then never straddles torch's tail loop)
+    not_batch_invariant: str | None = None
 
 
 def _common(c) -> dict:
@@ -100,8 +104,9 @@ def qwen3_moe(c) -> DecoderConfig:
                          moe=moe, moe_layers=_qwen_moe_layers(c))
 
 
-def _decoder_family(to_decoder_config: Callable, renames: tuple[tuple[str, str], ...] = ()) -> ModelFamily:
-    return ModelFamily(lambda c: build_decoder(to_decoder_config(c), c), renames)
+def _decoder_family(to_decoder_config: Callable, renames: tuple[tuple[str, str], ...] = (),
+                    not_batch_invariant: str | None = None) -> ModelFamily:
+    return ModelFamily(lambda c: build_decoder(to_decoder_config(c), c), renames, not_batch_invariant)
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -109,7 +114,9 @@ FAMILIES: dict[str, ModelFamily] = {
     "qwen2": _decoder_family(qwen2),
     "qwen3": _decoder_family(qwen3),
     "mixtral": _decoder_family(mixtral, ((r"\.block_sparse_moe\.", ".mlp."),)),
-    "qwen2_moe": _decoder_family(qwen2_moe),
+    "qwen2_moe": _decoder_family(qwen2_moe, not_batch_invariant=(
+        "its shared expert's sigmoid gate is one value a row: torch rounds the rows in its vector loop and those in "
+        "its tail apart, and which rows those are follows the batch")),
     "qwen3_moe": _decoder_family(qwen3_moe),
 }
 # Families living in their own module, which defines `FAMILY: ModelFamily`; imported on first use.

@@ -58,8 +58,8 @@ HOST_REPEATS = 2
 
 def profile_key(loaded: LoadedModel) -> str:
     """What the measurements depend on: device (on a CPU its model and threads), model shape, dtype, weight placement,
-    versions, the sources that run a step and the kernel backends chosen (a changed kernel or layer costs
-    differently: its curves are measured anew)."""
+    versions, the sources that run a step, the kernel backends chosen and batch invariance (a changed kernel or
+    layer costs differently: its curves are measured anew)."""
     device = loaded.device
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
@@ -69,7 +69,7 @@ def profile_key(loaded: LoadedModel) -> str:
     shape = {k: v for k, v in sorted(config.items()) if isinstance(v, (int, str, bool, list, tuple))
              and not k.endswith(IGNORED_SUFFIXES) and k not in ("_name_or_path", "transformers_version", "dtype")}
     text = json.dumps([where, shape, str(loaded.dtype), loaded.weight_placement, torch.__version__, PROFILE_VERSION,
-                       code_digest(), _backends(device.type, loaded.dtype)], sort_keys=True)
+                       code_digest(), _backends(device.type, loaded.dtype), registry.batch_invariant()], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 

@@ -1,0 +1,69 @@
+"""EngineConfig.batch_invariant: a sequence's logits are the same bits whatever else its steps compute (other
+sequences, chunked prefill, lockstep or coroutine schedules, a KV budget that moves it to the host tier), as vLLM's
+and SGLang's batch-invariant modes promise; without it the kernels' row-count paths round apart."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import prompts, save_tiny_checkpoint
+
+from batchgen.connectors.checkpoint import load_model
+from batchgen.engine import Engine, EngineConfig, Request, SamplingParams
+from batchgen.kernels import linear_cpu, moe_cpu, registry
+
+SAMPLING = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(autouse=True)
+def _c_kernels():
+    if linear_cpu.unavailable() or moe_cpu.unavailable():
+        pytest.skip(linear_cpu.unavailable() or moe_cpu.unavailable())
+
+
+def logprobs_of_first(loaded, batch, invariant: bool, **options) -> list:
+    """The first request's tokens and every logprob it was given, run beside the others of `batch`."""
+    engine = Engine(loaded, batch_invariant=invariant, page_size=8, **options)
+    results = engine.generate([Request(f"r{i}", prompt_token_ids=p, sampling=SAMPLING) for i, p in enumerate(batch)])
+    output = results[0].outputs[0]
+    return [(lp.token_id, lp.logprob, sorted(lp.top.items())) for lp in output.logprobs]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "llama", "qwen3"])
+def test_a_sequences_logits_are_the_same_bits_in_any_batch(arch, tmp_path):
+    save_tiny_checkpoint(arch, tmp_path)
+    loaded = load_model(str(tmp_path))
+    spec = loaded.model.kv_spec()
+    token_bytes = spec.num_layers * spec.num_kv_heads * (spec.k_dim + spec.v_dim) * 4
+    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=tuple(50 + 7 * i for i in range(40)))
+    runs = {  # the first prompt alone, then beside 39 others: one prefill of ~3,000 rows, chunks, schedules, tiers
+        "beside others": dict(),
+        "chunked prefill": dict(max_prefill_tokens=16),
+        "lockstep": dict(mode="lockstep"),
+        "host tier": dict(kv_budget_bytes=token_bytes * 256, host_kv_budget_bytes=token_bytes * 8192),
+        "four at a time": dict(max_num_seqs=4),
+    }
+    alone = logprobs_of_first(loaded, batch[:1], invariant=True)
+    for name, options in runs.items():
+        assert logprobs_of_first(loaded, batch, invariant=True, **options) == alone, name
+    # without it the kernels' paths by row count (oneDNN's GEMMs, the blocked MoE path) give other bits
+    default = logprobs_of_first(loaded, batch[:1], invariant=False)
+    assert any(logprobs_of_first(loaded, batch, invariant=False, **options) != default
+               for options in (runs["beside others"], runs["lockstep"]))
+
+
+def test_batch_invariance_is_refused_where_its_kernels_do_not_run(tmp_path):
+    save_tiny_checkpoint("mixtral", tmp_path)
+    loaded = load_model(str(tmp_path))
+    with registry.use_backend("linear", "torch"), pytest.raises(
+            ValueError, match="engine option batch_invariant: batch-invariant kernels are the cpu_c backend's for "
+                              "linear .*; torch runs it here"):
+        Engine(loaded, batch_invariant=True)
+    for arch, reason in (("deepseek_v3", "MLA's absorbed per-head products"),
+                         ("qwen2_moe", "its shared expert's sigmoid gate")):
+        save_tiny_checkpoint(arch, tmp_path / arch)
+        with pytest.raises(ValueError, match=f"engine option batch_invariant: {reason}"):
+            Engine(load_model(str(tmp_path / arch)), batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant runs one engine's kernels in one process"):
+        EngineConfig(batch_invariant=True, ep_size=2)
+    with pytest.raises(ValueError, match="batch_invariant must be true or false"):
+        EngineConfig(batch_invariant="yes")
