@@ -435,10 +435,10 @@ class GroupedCall:
 
 
 def grouped_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, dot_rows: int, small_rows: int = SMALL_ROWS) -> GroupedCall:
+                    topk_ids: torch.Tensor, dot_rows: int, small_rows: int | None = None) -> GroupedCall:
     """The C kernel on a whole call: the routing's rows grouped by expert and every expert of at most `small_rows`
-    rows computed (those of at most `dot_rows` on the dot-product path, the others blocked), in one call that reads
-    nothing back to the host."""
+    rows (None: SMALL_ROWS) computed (those of at most `dot_rows` on the dot-product path, the others blocked), in one
+    call that reads nothing back to the host."""
     tokens, top_k = topk_ids.shape
     num_experts, dim, inter = w_gate_up.shape[0], x.shape[1], w_down.shape[2]
     x, weights, ids = x.contiguous(), topk_weights.to(torch.float32).contiguous(), topk_ids.to(torch.int64).contiguous()
@@ -451,7 +451,8 @@ def grouped_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
                        layout=torch.empty(num_experts, SPAN, dtype=torch.int64),
                        experts=torch.empty(num_experts, dtype=torch.int64), large=0)
     call.large = _GROUPED(x.data_ptr(), tokens, top_k, ids.data_ptr(), weights.data_ptr(), num_experts,
-                          w_gate_up.data_ptr(), w_down.data_ptr(), strides.data_ptr(), dot_rows, small_rows,
+                          w_gate_up.data_ptr(), w_down.data_ptr(), strides.data_ptr(), dot_rows,
+                          SMALL_ROWS if small_rows is None else small_rows,
                           call.xs.data_ptr(), call.token_rows.data_ptr(), call.weights.data_ptr(),
                           call.starts.data_ptr(), call.layout.data_ptr(), call.experts.data_ptr(), call.out.data_ptr(),
                           dim, inter, torch.get_num_threads())
