@@ -403,17 +403,18 @@ def reference_probe(hf_model, prompts: list[list[int]]) -> Probe:
 def flip_pick(out, position: int, top_k: int) -> None:
     """A router's output with token `position`'s k-th expert replaced by its (k+1)-th, in place: on the logits (the
     caller picks the top k from them), or on the picks and their weights (transformers' router modules return
-    logits, weights and picks, the weights the renormalised softmax of the picks)."""
+    logits, weights and picks, the weights the softmax of the picks, renormalised where the router does)."""
     if isinstance(out, torch.Tensor):
         ranked = out[position].float().argsort(descending=True)
         kth, nxt = int(ranked[top_k - 1]), int(ranked[top_k])
         out[position, kth], out[position, nxt] = out[position, nxt].clone(), out[position, kth].clone()
         return
     logits, weights, picks = out[0].reshape(-1, out[0].shape[-1]), out[1], out[2]
+    renormalised = abs(float(weights[position].float().sum()) - 1) < 1e-4  # a router with norm_topk_prob, or not
     ranked = logits[position].float().argsort(descending=True)
     picks[position, picks[position] == ranked[top_k - 1]] = ranked[top_k]
     probs = logits[position].float().softmax(-1)[picks[position]]
-    weights[position] = (probs / probs.sum()).to(weights.dtype)
+    weights[position] = (probs / probs.sum() if renormalised else probs).to(weights.dtype)
 
 
 def lazy_reference_probe(model_dir: str, prompts: list[list[int]]) -> Probe:

@@ -75,8 +75,7 @@ class Engine(Generates):
         # before planning: the profile then times streamed weights
         self.streamer: WeightStreamer | None
         self.streamer, config = place_as_engine(loaded, config)
-        with invariant_batches(config.batch_invariant):  # the profile times the kernels' paths the engine takes
-            self.config = resolve_config(loaded, config, plan=group is None)
+        self.config = resolve_config(loaded, config, plan=group is None)
         self.loaded = loaded
         self.model = loaded.model.eval()
         self.device = loaded.device

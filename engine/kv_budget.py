@@ -63,8 +63,9 @@ def available_memory_bytes(device: torch.device) -> int:
     memory limit of this process's cgroup (a container's) still leaves."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch 2.6 and later
         return device_room_bytes(free, total, torch.cuda.memory_reserved(device),
-                                 torch.cuda.get_per_process_memory_fraction(device))
+                                 1.0 if fraction is None else fraction(device))
     try:
         with open("/proc/meminfo") as meminfo:
             available = meminfo_available_bytes(meminfo.read())

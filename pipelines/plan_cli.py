@@ -74,7 +74,7 @@ def run_plan(args: argparse.Namespace) -> int:
         check_curves_fit(curves, loaded)
     if curves is None:
         _streamer, config = place_as_engine(loaded, config)  # kept while the profile times the streamed weights
-        curves = curves_for(loaded, progress=None if args.json else True)
+        curves = curves_for(loaded, progress=None if args.json else True, batch_invariant=config.batch_invariant)
         if args.save_curves:
             with open(args.save_curves, "w") as f:
                 f.write(curves.to_json())

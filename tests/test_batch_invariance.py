@@ -20,12 +20,13 @@ def _c_kernels():
         pytest.skip(linear_cpu.unavailable() or moe_cpu.unavailable())
 
 
-def logprobs_of_first(loaded, batch, invariant: bool, **options) -> list:
-    """The first request's tokens and every logprob it was given, run beside the others of `batch`."""
+def logprobs_of_first(loaded, batch, invariant: bool, **options) -> tuple[list, dict]:
+    """The first request's tokens and every logprob it was given, run beside the others of `batch`, and the
+    engine's metrics."""
     engine = Engine(loaded, batch_invariant=invariant, page_size=8, **options)
     results = engine.generate([Request(f"r{i}", prompt_token_ids=p, sampling=SAMPLING) for i, p in enumerate(batch)])
     output = results[0].outputs[0]
-    return [(lp.token_id, lp.logprob, sorted(lp.top.items())) for lp in output.logprobs]
+    return [(lp.token_id, lp.logprob, sorted(lp.top.items())) for lp in output.logprobs], engine.metrics()
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "llama", "qwen3"])
@@ -42,12 +43,17 @@ def test_a_sequences_logits_are_the_same_bits_in_any_batch(arch, tmp_path):
         "host tier": dict(kv_budget_bytes=token_bytes * 256, host_kv_budget_bytes=token_bytes * 8192),
         "four at a time": dict(max_num_seqs=4),
     }
-    alone = logprobs_of_first(loaded, batch[:1], invariant=True)
+    alone, _ = logprobs_of_first(loaded, batch[:1], invariant=True)
     for name, options in runs.items():
-        assert logprobs_of_first(loaded, batch, invariant=True, **options) == alone, name
+        logprobs, metrics = logprobs_of_first(loaded, batch, invariant=True, **options)
+        assert logprobs == alone, name
+        if name == "host tier":  # sequences really went to host pages and came back
+            assert metrics["peak_suspended"] > 0 and metrics["restores"] > 0 and metrics["bytes_moved"] > 0, metrics
+        if name == "chunked prefill":
+            assert metrics["chunked_prefills"] > 0, metrics
     # without it the kernels' paths by row count (oneDNN's GEMMs, the blocked MoE path) give other bits
-    default = logprobs_of_first(loaded, batch[:1], invariant=False)
-    assert any(logprobs_of_first(loaded, batch, invariant=False, **options) != default
+    default, _ = logprobs_of_first(loaded, batch[:1], invariant=False)
+    assert any(logprobs_of_first(loaded, batch, invariant=False, **options)[0] != default
                for options in (runs["beside others"], runs["lockstep"]))
 
 

@@ -471,3 +471,25 @@ def test_a_disaggregated_job_whose_input_has_no_prompt_to_plan_for_is_planned_ge
     engine, split = job_planning._plan_on_engine_node(loaded.uri, {}, str(tmp_path / "in.parquet"), {},
                                                       {"max_tokens": 8}, 3)
     assert split.prefill_actors + split.decode_actors == 3 and set(engine) == set(PLANNED_FIELDS)
+
+
+def test_a_batch_invariant_engine_is_planned_on_curves_of_its_own_kernel_paths(loaded, monkeypatch):
+    """The planner priced a batch-invariant engine on the default paths' curves (oneDNN's GEMMs for prefill, which
+    such an engine never runs), in the job's planning task and `batchgen plan` alike."""
+    from batchgen.engine.planner import planner, profiler
+    from batchgen.kernels.registry import invariant_batches
+
+    with invariant_batches(True):
+        invariant_key = profiler.profile_key(loaded)
+    assert invariant_key != profiler.profile_key(loaded)  # cached apart
+    asked = []
+
+    def curves(model, progress=None, batch_invariant=False):
+        asked.append(batch_invariant)
+        raise RuntimeError("enough")
+
+    monkeypatch.setattr(planner, "curves_for", curves)
+    for invariant in (True, False):
+        with pytest.raises(RuntimeError, match="enough"):
+            plan_engine(loaded, EngineConfig(batch_invariant=invariant))
+    assert asked == [True, False]

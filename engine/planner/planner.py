@@ -35,6 +35,7 @@ from batchgen.engine.planner.schedule_replay import ReplayError, replay_schedule
 from batchgen.engine.planner.step_model import StepShape
 from batchgen.engine.planner.workload import WorkloadShape
 from batchgen.kernels.calibration import cache_root, disk_cached, measuring
+from batchgen.kernels.registry import invariant_batches
 
 PLANNED_FIELDS = ("max_num_seqs", "refill_threshold", "b_attn", "b_moe", "kv_budget_bytes", "host_kv_budget_bytes",
                   "staging_fraction")
@@ -84,17 +85,19 @@ class Plan:
                 "searched": self.searched, "notes": self.notes}
 
 
-def curves_for(loaded: LoadedModel, progress: bool | None = None) -> CostCurves:
-    """The model's cost curves on its device: from the on-disk cache, else profiled now and cached."""
-    return disk_cached(_cache_dir() / f"curves-{profile_key(loaded)}.json",
-                       lambda: profile_model(loaded, progress=progress), CostCurves.from_json, CostCurves.to_json)
+def curves_for(loaded: LoadedModel, progress: bool | None = None, batch_invariant: bool = False) -> CostCurves:
+    """The model's cost curves on its device, for an engine whose kernels run batch-invariant or not: from the
+    on-disk cache, else profiled now and cached."""
+    with invariant_batches(batch_invariant):  # the paths its kernels take, in the key and the timings
+        return disk_cached(_cache_dir() / f"curves-{profile_key(loaded)}.json",
+                           lambda: profile_model(loaded, progress=progress), CostCurves.from_json, CostCurves.to_json)
 
 
 def plan_engine(loaded: LoadedModel, config: EngineConfig, workload: WorkloadShape | None = None,
                 curves: CostCurves | None = None, limits: MemoryLimits | None = None,
                 progress: bool | None = None) -> Plan:
     """Search the unset planned fields of `config` for the shortest predicted BCT of `workload`."""
-    curves = curves or curves_for(loaded, progress)
+    curves = curves or curves_for(loaded, progress, config.batch_invariant)
     max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
     spec = loaded.model.kv_spec()
     if loaded.device.type == "meta":  # planning from cost curves measured elsewhere: their device's memory

@@ -267,7 +267,8 @@ def _host_cost(loaded: LoadedModel, model_curves: CostCurves, bar: tqdm) -> Line
     for prompts, output, b_attn in HOST_RUNS:
         config = EngineConfig(b_attn=b_attn, b_moe=8192, max_num_seqs=prompts, refill_threshold=0.5,
                               kv_budget_bytes=_bytes_for(loaded, prompts * 3 * PAGE), staging_fraction=0.25,
-                              host_kv_budget_bytes=_bytes_for(loaded, prompts * PAGE), prefix_caching=False)
+                              host_kv_budget_bytes=_bytes_for(loaded, prompts * PAGE), prefix_caching=False,
+                              batch_invariant=registry.batch_invariant())  # the kernels' paths the curves price
         runs = []
         for _ in range(HOST_REPEATS):  # a step's best time of the repeats: contention only ever adds time
             engine = Engine(loaded, config)
