@@ -27,6 +27,7 @@ from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.migration import MigratedRequest, MigratedSample
 from batchgen.engine.model_runner import MicroBatchLimits, ModelRunner
+from batchgen.engine.models.layers import uneven_rows
 from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.models.registry import model_family
 from batchgen.engine.offload.memory_constrained import place_as_engine
@@ -69,7 +70,7 @@ class Engine(Generates):
         config = EngineConfig.from_kwargs(config, **overrides)
         if config.batch_invariant:
             refusal = (model_family(getattr(loaded.config, "model_type", None)).not_batch_invariant
-                       or invariance_refusal(loaded.device.type, loaded.dtype))
+                       or uneven_rows(loaded.model) or invariance_refusal(loaded.device.type, loaded.dtype))
             if refusal is not None:
                 raise ValueError(f"engine option batch_invariant: {refusal}")
         # before planning: the profile then times streamed weights

@@ -16,7 +16,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchgen.engine.models.context import AttentionContext
-from batchgen.kernels import ops
+from batchgen.kernels import ops, registry
 from batchgen.kernels.capture import effect
 from batchgen.kernels.expert_parallel import LocalDispatcher
 
@@ -36,6 +36,21 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
+
+
+# floats a row of a transcendental elementwise op (silu, sigmoid) must fill for torch's vector loop alone to compute
+# it (two AVX-512 vectors a step): shorter rows straddle its scalar tail, whose rounding differs (batch invariance)
+INVARIANT_ROW = 32
+
+
+def uneven_rows(model: nn.Module) -> str | None:
+    """Why `model`'s MLPs cannot run batch-invariant (their silu rows not a multiple of INVARIANT_ROW), or None."""
+    widths = sorted({m.gate_proj.out_features for m in model.modules() if isinstance(m, GatedMLP)
+                     if m.gate_proj.out_features % INVARIANT_ROW})
+    if not widths:
+        return None
+    return (f"MLP intermediate sizes {widths} are not multiples of {INVARIANT_ROW}: torch's silu rounds the rows "
+            "its scalar tail computes apart")
 
 
 class Linear(nn.Linear):
@@ -238,9 +253,19 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+                shared = self._gate(x) * shared
             out = out + shared
         return out
+
+
+    def _gate(self, x: torch.Tensor) -> torch.Tensor:
+        """sigmoid(gate(x)), one value a row. Batch-invariant (kernels.registry): the C linear kernel, and each row's
+        value spread over INVARIANT_ROW lanes, so every row goes through torch's vector loop (its tail runs a scalar
+        sigmoid that rounds apart, on whichever rows the batch leaves there)."""
+        if not registry.batch_invariant():
+            return torch.sigmoid(self.shared_expert_gate(x))
+        gate = ops.linear(x, self.shared_expert_gate.weight, self.shared_expert_gate.bias)
+        return torch.sigmoid(gate.expand(-1, INVARIANT_ROW).contiguous())[:, :1]
 
 
 class AttentionBlock(nn.Module):

@@ -25,8 +25,8 @@ class ModelFamily:
     build: Callable[..., nn.Module]  # hf_config -> model (the loader calls it on the meta device)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()  # regex substitutions before weight_names' mapping
     # why its layers cannot run batch-invariant (EngineConfig.batch_invariant), or None: every product whose
-    # rounding depends on the row count goes through the registry's linear and fused_moe ops, and every elementwise
-    # op sees rows whose length is a multiple of the vector width (a row then never straddles torch's tail loop)
+    # rounding depends on the row count goes through the registry's linear and fused_moe ops, and every
+    # transcendental elementwise op sees rows of a multiple of layers.INVARIANT_ROW floats (engine.py checks the MLPs)
     not_batch_invariant: str | None = None
 
 
@@ -114,9 +114,7 @@ FAMILIES: dict[str, ModelFamily] = {
     "qwen2": _decoder_family(qwen2),
     "qwen3": _decoder_family(qwen3),
     "mixtral": _decoder_family(mixtral, ((r"\.block_sparse_moe\.", ".mlp."),)),
-    "qwen2_moe": _decoder_family(qwen2_moe, not_batch_invariant=(
-        "its shared expert's sigmoid gate is one value a row: torch rounds the rows in its vector loop and those in "
-        "its tail apart, and which rows those are follows the batch")),
+    "qwen2_moe": _decoder_family(qwen2_moe),
     "qwen3_moe": _decoder_family(qwen3_moe),
 }
 # Families living in their own module, which defines `FAMILY: ModelFamily`; imported on first use.
