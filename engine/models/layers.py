@@ -257,7 +257,6 @@ class SparseMoE(nn.Module):
             out = out + shared
         return out
 
-
     def _gate(self, x: torch.Tensor) -> torch.Tensor:
         """sigmoid(gate(x)), one value a row. Batch-invariant (kernels.registry): the C linear kernel, and each row's
         value spread over INVARIANT_ROW lanes, so every row goes through torch's vector loop (its tail runs a scalar
