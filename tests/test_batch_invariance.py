@@ -75,3 +75,22 @@ def test_batch_invariance_is_refused_where_its_kernels_do_not_run(tmp_path):
         EngineConfig(batch_invariant=True, ep_size=2)
     with pytest.raises(ValueError, match="batch_invariant must be true or false"):
         EngineConfig(batch_invariant="yes")
+
+
+def test_seeded_samples_are_the_same_in_any_batch(tmp_path):
+    """RL rollouts: a seeded request's sampled tokens (top-p, n = 2) and their logprobs reproduce alone, beside 39
+    others and in lockstep mode."""
+    save_tiny_checkpoint("mixtral", tmp_path)
+    loaded = load_model(str(tmp_path))
+    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=tuple(50 + 7 * i for i in range(40)))
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=16, ignore_eos=True, logprobs=1, n=2)
+
+    def samples(others: list, **options) -> list:
+        engine = Engine(loaded, batch_invariant=True, page_size=8, **options)
+        results = engine.generate([Request(f"r{i}", prompt_token_ids=p, sampling=sampling)
+                                   for i, p in enumerate([batch[0], *others])])
+        return [(c.token_ids, [lp.logprob for lp in c.logprobs]) for c in results[0].outputs]
+
+    alone = samples([])
+    assert len(alone) == 2 and alone[0][0] != alone[1][0]  # two different samples
+    assert samples(batch[1:]) == alone and samples(batch[1:], mode="lockstep") == alone
