@@ -450,6 +450,20 @@ def test_null_parameters_are_unset_whatever_they_are():
         _check_fields({**body, "reasoning_effort": "high"}, chat=True)
 
 
+def test_best_of_is_compared_with_n_as_it_resolves(engine):
+    """A client writing every optional field sends `"n": null` beside `best_of`: it was compared with None."""
+    from batchgen.engine import RequestNormalizer
+    from batchgen.engine.errors import InvalidRequestError
+    from batchgen.pipelines.openai_batch.wire_format import RequestBuilder
+
+    builder = RequestBuilder("/v1/completions", RequestNormalizer(None, engine.model.vocab_size, 64), {})
+    line = {"model": SERVED, "prompt": [3, 4]}
+    assert builder.build("r", {**line, "best_of": 1, "n": None}).sampling.n == 1
+    assert builder.build("r", {**line, "best_of": 2, "n": 2}).sampling.n == 2
+    with pytest.raises(InvalidRequestError, match="only best_of equal to n is supported"):
+        builder.build("r", {**line, "best_of": 2, "n": None})
+
+
 def test_logprobs_on_a_model_without_a_tokenizer_are_refused_per_line(engine):
     """The line ran and its result could not be written (its tokens' text needs the tokenizer)."""
     from batchgen.engine import RequestNormalizer

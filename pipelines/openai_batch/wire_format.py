@@ -177,13 +177,13 @@ class RequestBuilder:
             if values["structured_outputs"] is not None:
                 raise InvalidRequestError("give one of 'response_format' and 'structured_outputs', not both")
             values["structured_outputs"] = structured
-        best_of = body.get("best_of")
-        if best_of is not None and best_of != body.get("n", 1):
-            raise InvalidRequestError("unsupported parameter 'best_of': only best_of equal to n is supported")
         prompt_ids = self.normalizer.prompt_ids(**_prompt(body, chat))
         if chat and values["max_tokens"] is None and not self.default_max_tokens:
             values["max_tokens"] = max(1, self.normalizer.max_model_len - len(prompt_ids))
         sampling = sampling_params(values, self.defaults)
+        best_of = body.get("best_of")
+        if best_of is not None and best_of != sampling.n:  # n as it resolved: a null n is the default
+            raise InvalidRequestError("unsupported parameter 'best_of': only best_of equal to n is supported")
         own = {k: v for k, v in sampling.to_dict().items() if values.get(k) is not None}
         return LineRequest(prompt_ids, own, sampling)
 
