@@ -105,7 +105,8 @@ def sampling_params(values: Any, defaults: SamplingParams | None = None) -> Samp
 
 
 def chat_turns(messages: Any) -> list[dict[str, str]]:
-    """Chat messages as [{role, content}] text turns (OpenAI's content parts joined; developer -> system)."""
+    """Chat messages as [{role, content}] text turns (OpenAI's content parts joined; developer -> system), with a
+    message's `name` and a tool message's `tool_call_id` kept for the template, as vLLM passes them."""
     messages = plain(messages, "messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError(f"messages: expected a non-empty list of {{role, content}}, got {describe(messages)}")
@@ -116,8 +117,15 @@ def chat_turns(messages: Any) -> list[dict[str, str]]:
         if message.get("tool_calls") or message.get("function_call"):
             raise InvalidRequestError(f"messages[{i}]: tool calls are not supported")
         role = "system" if message["role"] == "developer" else message["role"]
-        turns.append({"role": role, "content": _message_text(message.get("content"), i, role)})
+        turn = {"role": role, "content": _message_text(message.get("content"), i, role)}
+        for key in TURN_FIELDS:
+            if message.get(key) is not None:
+                turn[key] = text_value(message[key], f"messages[{i}].{key}")
+        turns.append(turn)
     return turns
+
+
+TURN_FIELDS = ("name", "tool_call_id")  # a message's fields besides role and content that reach the chat template
 
 
 def _message_text(content: Any, i: int, role: str) -> str:

@@ -157,6 +157,22 @@ def test_a_tokenizer_with_named_chat_templates_renders_its_default(demo):
     assert render_chat(tokenizer, turns, chat_template="{{ 'x' }}") == tokenizer.encode("x", add_special_tokens=False)
 
 
+def test_a_messages_name_and_tool_call_id_reach_the_chat_template(demo):
+    """Only role and content were kept: a template that writes the speaker's name, or needs a tool message's call
+    id, rendered without them (or rejected the messages)."""
+    from batchgen.engine import RequestNormalizer
+
+    template = ("{% for m in messages %}{{ m.role }}{% if m.name %}({{ m.name }}){% endif %}: {{ m.content }}"
+                "{% if m.tool_call_id %} [{{ m.tool_call_id }}]{% endif %}{{ '\\n' }}{% endfor %}")
+    normalizer = RequestNormalizer(demo.tokenizer, demo.model.vocab_size, 4096, chat_template=template)
+    messages = [{"role": "user", "name": "bob", "content": "hi"},
+                {"role": "tool", "tool_call_id": "call_7", "content": "42", "name": None}]
+    want = "user(bob): hi\ntool: 42 [call_7]\n"
+    assert normalizer.prompt_ids(messages=messages) == demo.tokenizer.encode(want, add_special_tokens=False)
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.name: expected text"):
+        normalizer.prompt_ids(messages=[{"role": "user", "name": 3, "content": "hi"}])
+
+
 def test_samples_of_one_seeded_request_never_share_a_step_seed():
     """Sample i at step s + 7919 drew sample i + 1's numbers at step s: n > 1 outputs past 7,919 tokens correlated."""
     samples = [Sequence(i, "r", i, [1], SamplingParams(seed=7, n=4), frozenset(), i) for i in range(4)]
