@@ -87,8 +87,10 @@ class RowParser:
         self.list_outputs = list_outputs
 
     def parse(self, row: dict[str, Any]) -> ParsedRow | str:
-        for name in (SAMPLING_PARAMS, PROMPT_TOKEN_IDS, MESSAGES, PROMPT):
-            if isinstance(row.get(name), Undecodable):
+        # the sampling parameters, and the one prompt column used (the first given): another one's bytes do not matter
+        prompt = next((name for name in (PROMPT_TOKEN_IDS, MESSAGES, PROMPT) if row.get(name) is not None), None)
+        for name in (SAMPLING_PARAMS, prompt):
+            if name is not None and isinstance(row.get(name), Undecodable):
                 return f"{name}: undecodable text, not valid UTF-8 ({row[name].reason})"
         try:
             sampling = sampling_params(row.get(SAMPLING_PARAMS), self.defaults)

@@ -161,6 +161,11 @@ def test_wrong_types_are_row_errors(batchgen, prompts, expected):
     out = call(batchgen, pa.table({"messages": messages}))
     assert out.column("error")[0].as_py() is None
     assert "messages: undecodable text, not valid UTF-8" in out.column("error")[1].as_py()
+    # token ids win over text: a row's unused prompt text is not its error
+    ids = [batchgen.engine.normalizer.prompt_ids(prompt=p) for p in prompts[:2]]
+    out = call(batchgen, pa.table({"prompt_token_ids": ids, "prompt": undecodable}))
+    assert out.column("error").to_pylist() == [None, None]
+    assert out.column("generated_token_ids")[0].as_py() == expected[0]
 
 
 def test_n_samples_come_back_as_one_list_per_sample(tiny_moe_dir, batchgen, prompts):
