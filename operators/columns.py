@@ -88,7 +88,7 @@ class RowParser:
 
     def parse(self, row: dict[str, Any]) -> ParsedRow | str:
         # the sampling parameters, and the one prompt column used (the first given): another one's bytes do not matter
-        prompt = next((name for name in (PROMPT_TOKEN_IDS, MESSAGES, PROMPT) if row.get(name) is not None), None)
+        prompt = next((name for name in PROMPT_COLUMNS if row.get(name) is not None), None)  # in precedence order
         for name in (SAMPLING_PARAMS, prompt):
             if name is not None and isinstance(row.get(name), Undecodable):
                 return f"{name}: undecodable text, not valid UTF-8 ({row[name].reason})"

@@ -45,8 +45,8 @@ INVARIANT_ROW = 32
 
 def uneven_rows(model: nn.Module) -> str | None:
     """Why `model`'s MLPs cannot run batch-invariant (their silu rows not a multiple of INVARIANT_ROW), or None."""
-    widths = sorted({m.gate_proj.out_features for m in model.modules() if isinstance(m, GatedMLP)
-                     if m.gate_proj.out_features % INVARIANT_ROW})
+    widths = sorted({m.gate_proj.out_features for m in model.modules()
+                     if isinstance(m, GatedMLP) and m.gate_proj.out_features % INVARIANT_ROW})
     if not widths:
         return None
     return (f"MLP intermediate sizes {widths} are not multiples of {INVARIANT_ROW}: torch's silu rounds the rows "
