@@ -73,7 +73,7 @@ class Engine(Generates):
                        or uneven_rows(loaded.model) or invariance_refusal(loaded.device.type, loaded.dtype))
             if refusal is not None:
                 raise ValueError(f"engine option batch_invariant: {refusal}")
-        # before planning: the profile then times streamed weights
+        # before planning: the profile then times packed experts, streamed weights
         self.streamer: WeightStreamer | None
         self.streamer, config = place_as_engine(loaded, config)
         self.config = resolve_config(loaded, config, plan=group is None)

@@ -200,6 +200,62 @@ static inline void team_share(int64_t items, int64_t *first, int64_t *last) {
 """  # C source of the kernels that stream weight rows against a few token rows (needs string.h, omp.h, stdint.h)
 
 
+SILU_SOURCE = r"""
+/* exp_neg lane by lane (the same polynomial; the nearest integer power as the truncation of t - 1/2, t <= 0) */
+static inline v16 exp_neg_v(v16 x) {
+    const v16 zero = {0};
+    x = blend(x < zero - 87.f, zero - 87.f, x);
+    v16 t = x * 1.44269504f;
+    v16i n = __builtin_convertvector(t - 0.5f, v16i);
+    v16 f = t - __builtin_convertvector(n, v16);
+    v16i bits = (n + 127) << 23;
+    v16 scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return EXP2_TAYLOR(f) * scale;
+}
+
+/* silu(g) * u = g * sigmoid(g) * u, sigmoid from e^-|g| (no overflow either side) */
+static inline float silu_mul(float g, float u) {
+    float e = exp_neg(g < 0.f ? g : -g);
+    return g * (g < 0.f ? e : 1.f) / (1.f + e) * u;
+}
+
+static inline v16 silu_mul_v(v16 g, v16 u) {
+    const v16 zero = {0};
+    v16i negative = g < zero;
+    v16 e = exp_neg_v(blend(negative, g, zero - g));
+    return g * blend(negative, e, zero + 1.f) / (1.f + e) * u;
+}
+"""  # C source of the experts' silu(gate) * up, a float or sixteen (after EXP_NEG_SOURCE and VECTOR_SOURCE)
+
+
+ROUTE_ROWS_SOURCE = r"""
+/* The (token, k) pairs grouped by expert, as rows: a stable counting sort by id (the order of the torch path's
+   stable argsort, so the same sums in the same order) instead of a handful of torch calls per layer. ids < 0
+   (experts on another rank) are skipped, and so is any id past the last expert, so no input writes outside the
+   arrays. xs[r] = x[token[r]], copied over the team (THREAD_BYTES of copies a thread); starts [E + 1]: expert e's rows
+   are [starts[e], starts[e + 1]). */
+static void route_rows_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E, int D,
+                           float *xs, int64_t *token, float *weight, int64_t *starts, int threads) {
+    int64_t pairs = T * K, *next = malloc((E + 1) * sizeof(int64_t));
+    memset(starts, 0, (E + 1) * sizeof(int64_t));
+    for (int64_t p = 0; p < pairs; p++)
+        if (ids[p] >= 0 && ids[p] < E) starts[ids[p] + 1]++;
+    for (int e = 0; e < E; e++) { starts[e + 1] += starts[e]; next[e] = starts[e]; }
+    for (int64_t p = 0; p < pairs; p++) {
+        if (ids[p] < 0 || ids[p] >= E) continue;
+        int64_t r = next[ids[p]]++;
+        token[r] = p / K;
+        weight[r] = topk_weight[p];
+    }
+    free(next);
+    int64_t rows = starts[E];
+#pragma omp parallel for num_threads(threads) if (threads > 1 && rows * D * 4 >= THREAD_BYTES) schedule(static)
+    for (int64_t r = 0; r < rows; r++) memcpy(xs + r * D, x + token[r] * D, D * sizeof(float));
+}
+"""  # C source of the MoE kernels' grouping of rows by expert (needs stdlib.h, string.h, omp.h, THREAD_BYTES)
+
+
 def cache_dir() -> Path:
     return cache_root() / "kernels"
 

@@ -28,6 +28,27 @@ def check_moe_inputs(x, w_gate_up, w_down, topk_weights, topk_ids) -> None:
         op,
         lambda: f"w_down must be [E, D, I] = {[num_experts, dim, two_i // 2]}, got {_shape(w_down)}",
     )
+    _check_routing(op, x, w_gate_up, w_down, topk_weights, topk_ids)
+
+
+def check_packed_moe_inputs(x, w_gate_up, w_down, topk_weights, topk_ids) -> None:
+    op = "fused_moe_packed"
+    _require(x.dim() == 2, op, lambda: f"x must be [T, D], got {_shape(x)}")
+    _require(w_gate_up.dim() == 4 and w_gate_up.shape[3] == 32, op,
+             lambda: f"w_gate_up must be packed [E, I/16, D, 32], got {_shape(w_gate_up)}")
+    num_experts, blocks, dim, _ = w_gate_up.shape
+    _require(dim == x.shape[1], op, lambda: f"w_gate_up {_shape(w_gate_up)} does not match x {_shape(x)} in D")
+    _require(
+        dim % 32 == 0 and tuple(w_down.shape) == (num_experts, dim // 32, blocks * 16, 32),
+        op,
+        lambda: f"w_down must be packed [E, D/32, I, 32] = {[num_experts, dim // 32, blocks * 16, 32]}, "
+                f"got {_shape(w_down)}",
+    )
+    _require(w_gate_up.is_contiguous() and w_down.is_contiguous(), op, lambda: "packed weights must be contiguous")
+    _check_routing(op, x, w_gate_up, w_down, topk_weights, topk_ids)
+
+
+def _check_routing(op: str, x, w_gate_up, w_down, topk_weights, topk_ids) -> None:
     _require(
         topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0],
         op,

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.kernels import gemm_onednn, moe_crossover, registry
-from batchgen.kernels.c_library import DOT_PAIRS_SOURCE, EXP_NEG_SOURCE, CFunction
+from batchgen.kernels.c_library import DOT_PAIRS_SOURCE, EXP_NEG_SOURCE, ROUTE_ROWS_SOURCE, SILU_SOURCE, CFunction
 from batchgen.kernels.capture import read_back
 from batchgen.kernels.moe_torch import RoutedRows
 
@@ -80,31 +80,7 @@ EXP_NEG
 
 DOT_PAIRS
 
-/* exp_neg lane by lane (the same polynomial; the nearest integer power as the truncation of t - 1/2, t <= 0) */
-static inline v16 exp_neg_v(v16 x) {
-    const v16 zero = {0};
-    x = blend(x < zero - 87.f, zero - 87.f, x);
-    v16 t = x * 1.44269504f;
-    v16i n = __builtin_convertvector(t - 0.5f, v16i);
-    v16 f = t - __builtin_convertvector(n, v16);
-    v16i bits = (n + 127) << 23;
-    v16 scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return EXP2_TAYLOR(f) * scale;
-}
-
-/* silu(g) * u = g * sigmoid(g) * u, sigmoid from e^-|g| (no overflow either side) */
-static inline float silu_mul(float g, float u) {
-    float e = exp_neg(g < 0.f ? g : -g);
-    return g * (g < 0.f ? e : 1.f) / (1.f + e) * u;
-}
-
-static inline v16 silu_mul_v(v16 g, v16 u) {
-    const v16 zero = {0};
-    v16i negative = g < zero;
-    v16 e = exp_neg_v(blend(negative, g, zero - g));
-    return g * blend(negative, e, zero + 1.f) / (1.f + e) * u;
-}
+SILU
 
 /* The blocked path, for experts of more than a few rows: the rows sit transposed, sixteen to a vector (one lane per
    row), and every weight element is broadcast against the vector: g[c] += wg[c][k] * xt[k], no horizontal sums, each
@@ -317,28 +293,7 @@ void scatter_rows_f32(const float *y, const int64_t *token, const float *weight,
     }
 }
 
-/* The (token, k) pairs grouped by expert, as rows: a stable counting sort by id (the order of the torch path's
-   stable argsort, so the same sums in the same order) instead of a handful of torch calls per layer. ids < 0
-   (experts on another rank) are skipped, and so is any id past the last expert, so no input writes outside the
-   arrays. xs[r] = x[token[r]], copied over the team; starts [E + 1]: expert e's rows are [starts[e], starts[e + 1]). */
-static void route_rows_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E, int D,
-                           float *xs, int64_t *token, float *weight, int64_t *starts, int threads) {
-    int64_t pairs = T * K, *next = malloc((E + 1) * sizeof(int64_t));
-    memset(starts, 0, (E + 1) * sizeof(int64_t));
-    for (int64_t p = 0; p < pairs; p++)
-        if (ids[p] >= 0 && ids[p] < E) starts[ids[p] + 1]++;
-    for (int e = 0; e < E; e++) { starts[e + 1] += starts[e]; next[e] = starts[e]; }
-    for (int64_t p = 0; p < pairs; p++) {
-        if (ids[p] < 0 || ids[p] >= E) continue;
-        int64_t r = next[ids[p]]++;
-        token[r] = p / K;
-        weight[r] = topk_weight[p];
-    }
-    free(next);
-    int64_t rows = starts[E];
-#pragma omp parallel for num_threads(threads) if (threads > 1 && rows * D * 4 >= THREAD_BYTES) schedule(static)
-    for (int64_t r = 0; r < rows; r++) memcpy(xs + r * D, x + token[r] * D, D * sizeof(float));
-}
+ROUTE_ROWS
 
 /* An expert's rows on the blocked path: none up to dot_rows; past it whole blocks of LANES, and a last partial block
    too unless it has at most dot_rows rows (those take the dot-product path while the weights are in cache: a padded
@@ -389,7 +344,8 @@ int64_t grouped_experts_f32(const float *x, int64_t T, int K, const int64_t *ids
     }
     return large;
 }
-""".replace("EXP_NEG", EXP_NEG_SOURCE).replace("DOT_PAIRS", DOT_PAIRS_SOURCE).replace("@THREAD_BYTES@",
+""".replace("EXP_NEG", EXP_NEG_SOURCE).replace("DOT_PAIRS", DOT_PAIRS_SOURCE).replace("SILU", SILU_SOURCE).replace(
+    "ROUTE_ROWS", ROUTE_ROWS_SOURCE).replace("@THREAD_BYTES@",
                                                                                     str(THREAD_BYTES))
 
 

@@ -9,6 +9,7 @@ from batchgen.kernels.checks import (
     check_decode_inputs,
     check_linear_inputs,
     check_moe_inputs,
+    check_packed_moe_inputs,
     check_prefill_inputs,
     check_rms_norm_inputs,
     check_rotary_inputs,
@@ -32,6 +33,19 @@ def fused_moe(
     """
     check_moe_inputs(x, w_gate_up, w_down, topk_weights, topk_ids)
     return registry.dispatch("fused_moe", x)(x, w_gate_up, w_down, topk_weights, topk_ids)
+
+
+def fused_moe_packed(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """fused_moe on expert weights packed by kernels/moe_packed_cpu.py (float32 CPU tensors):
+    w_gate_up [E, I/16, D, 32]; w_down [E, D/32, I, 32]; the rest as fused_moe."""
+    check_packed_moe_inputs(x, w_gate_up, w_down, topk_weights, topk_ids)
+    return registry.dispatch("fused_moe_packed", x)(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
 def prefill_attention(

@@ -24,8 +24,8 @@ from batchgen.kernels import capture
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "BATCHGEN_KERNELS"
-OPS = ("fused_moe", "prefill_attention", "paged_decode_attention", "write_kv", "linear", "rms_norm", "rotary",
-       "argmax", "router_topk")
+OPS = ("fused_moe", "fused_moe_packed", "prefill_attention", "paged_decode_attention", "write_kv", "linear", "rms_norm",
+       "rotary", "argmax", "router_topk")
 HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
 # Backends whose work a recorded forward replays (kernels/capture.py): torch ops and the C kernels.
 REPLAYABLE = frozenset({"torch", "cpu_c"})
@@ -89,6 +89,9 @@ BACKENDS = (
     ),
     _c_kernel("fused_moe", "moe_cpu", "fused_moe_cpu"),
     Backend("fused_moe", "torch", f"{_PKG}.moe_torch:fused_moe_torch", _ANY),
+    # fused_moe on expert weights the engine packed for it (kernels/moe_packed_cpu.py): a model packed when
+    # fused_moe ran on cpu_c runs this whatever fused_moe is later forced to
+    _c_kernel("fused_moe_packed", "moe_packed_cpu", "fused_moe_packed_cpu"),
     Backend(
         "prefill_attention",
         "flash_attn",

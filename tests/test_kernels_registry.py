@@ -43,6 +43,7 @@ def test_auto_picks_cpu_backends_even_under_interpreter(monkeypatch):
         attention_cpu,
         linear_cpu,
         moe_cpu,
+        moe_packed_cpu,
         norm_cpu,
         prefill_cpu,
         rotary_cpu,
@@ -55,11 +56,16 @@ def test_auto_picks_cpu_backends_even_under_interpreter(monkeypatch):
                "rms_norm": norm_cpu, "rotary": rotary_cpu, "write_kv": write_kv_cpu, "prefill_attention": prefill_cpu,
                "argmax": argmax_cpu, "router_topk": router_cpu}
     expected = {op: "torch" if module.unavailable() else "cpu_c" for op, module in modules.items()}
-    assert set(modules) == set(registry.OPS)
-    for op in registry.OPS:
+    assert set(modules) | {"fused_moe_packed"} == set(registry.OPS)
+    for op in modules:
         assert registry.resolve(op, "cpu", torch.float32)[0] == expected[op]
     for op in expected:  # C kernels: fp32 only
         assert registry.resolve(op, "cpu", torch.float16)[0] == "torch"
+    # packed experts: the C kernel's layout, nothing else computes it
+    if not moe_packed_cpu.unavailable():
+        assert registry.resolve("fused_moe_packed", "cpu", torch.float32)[0] == "cpu_c"
+    with pytest.raises(registry.BackendUnavailableError, match="fused_moe_packed: no backend runs on cpu with"):
+        registry.resolve("fused_moe_packed", "cpu", torch.float16)
 
 
 def test_a_backend_whose_probe_fails_is_skipped_and_named_when_forced(monkeypatch):

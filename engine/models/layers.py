@@ -16,7 +16,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchgen.engine.models.context import AttentionContext
-from batchgen.kernels import ops, registry
+from batchgen.kernels import moe_packed_cpu, ops, registry
 from batchgen.kernels.capture import effect
 from batchgen.kernels.expert_parallel import LocalDispatcher
 
@@ -185,10 +185,11 @@ class SoftmaxTopKRouter(nn.Module):
 class FusedExperts(nn.Module):
     """The routed experts' weights in the transformers-5 fused layout, computed by kernels.ops.fused_moe.
 
-    gate_up_proj [E, 2I, D] (gate rows, then up rows); down_proj [E, D, I]. Under expert parallelism a rank
-    keeps only experts [first_expert, first_expert + E / ranks) (`keep_shard`, before the weights load) and its
-    dispatcher sends each token to the ranks holding its experts and sums their results back; on one rank the
-    dispatcher is the identity.
+    gate_up_proj [E, 2I, D] (gate rows, then up rows); down_proj [E, D, I], or both packed for the CPU kernel
+    (`pack_for_cpu`, kernels/moe_packed_cpu.py), which kernels.ops.fused_moe_packed computes. Under expert
+    parallelism a rank keeps only experts [first_expert, first_expert + E / ranks) (`keep_shard`, before the weights
+    load) and its dispatcher sends each token to the ranks holding its experts and sums their results back; on one
+    rank the dispatcher is the identity.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
@@ -200,6 +201,16 @@ class FusedExperts(nn.Module):
         self.dispatcher = LocalDispatcher(num_experts)
         # memory-constrained mode: computes the experts from weights streamed into device slots (engine/offload)
         self.streamed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def packed(self) -> bool:
+        """Whether the weights are in moe_packed_cpu's layout (4-D), not the checkpoint's."""
+        return self.gate_up_proj.dim() == 4
+
+    @property
+    def moe(self) -> Callable[..., torch.Tensor]:
+        """The op computing these experts from weights in their layout (each expert's, also a slot of them)."""
+        return ops.fused_moe_packed if self.packed else ops.fused_moe
 
     @property
     def num_local_experts(self) -> int:
@@ -215,12 +226,21 @@ class FusedExperts(nn.Module):
             full = getattr(self, name)
             setattr(self, name, nn.Parameter(full.new_empty((local, *full.shape[1:])), requires_grad=False))
 
+    def pack_for_cpu(self) -> None:
+        """Repack the weights, in their own storage, into the CPU kernel's layout (kernels/moe_packed_cpu.py)."""
+        if self.packed:
+            return
+        self.gate_up_proj = nn.Parameter(moe_packed_cpu.pack_in_place(self.gate_up_proj.data,
+                                                                      moe_packed_cpu.pack_gate_up), requires_grad=False)
+        self.down_proj = nn.Parameter(moe_packed_cpu.pack_in_place(self.down_proj.data, moe_packed_cpu.pack_down),
+                                      requires_grad=False)
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         sent = self.dispatcher.dispatch(x, topk_ids, topk_weights)
         if self.streamed is not None:
             y = self.streamed(sent.x, sent.topk_weights, sent.topk_ids)
         else:
-            y = ops.fused_moe(sent.x, self.gate_up_proj, self.down_proj, sent.topk_weights, sent.topk_ids)
+            y = self.moe(sent.x, self.gate_up_proj, self.down_proj, sent.topk_weights, sent.topk_ids)
         return self.dispatcher.combine(y, sent)
 
 

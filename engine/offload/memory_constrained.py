@@ -9,6 +9,7 @@ import torch
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_budget import activation_bytes_per_token
 from batchgen.engine.kv_pool import PoolGeometry
+from batchgen.engine.models.expert_packing import pack_experts
 from batchgen.engine.models.layers import SparseMoE
 from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.offload.offload_plan import OffloadPlan, plan_offload
@@ -51,9 +52,10 @@ def stream_weights(loaded: LoadedModel, config: EngineConfig, device: torch.devi
 
 
 def place_as_engine(loaded: LoadedModel, config: EngineConfig) -> tuple[WeightStreamer | None, EngineConfig]:
-    """`loaded` placed as an Engine with `config` places it (weights streamed for a device memory budget) and the
-    config that then holds: what a plan made outside an engine (a job's, `batchgen plan`) must profile and start
-    from, or the engines it plans for refuse its settings."""
+    """`loaded` placed as an Engine with `config` places it (its experts packed for the CPU kernel where it computes
+    them, weights streamed for a device memory budget) and the config that then holds: what a plan made outside an
+    engine (a job's, `batchgen plan`) must profile and start from, or the engines it plans for refuse its settings."""
+    pack_experts(loaded)  # before streaming: the slots take the layout the experts are in
     if config.device_memory_bytes is None:
         return None, config
     return stream_weights(loaded, config, config.torch_device())

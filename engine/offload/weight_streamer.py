@@ -19,7 +19,7 @@ from batchgen.engine.offload.offload_plan import OffloadPlan
 from batchgen.engine.offload.phase_switch import PhaseSwitch
 from batchgen.engine.offload.slot_copies import SlotCopies
 from batchgen.engine.offload.weight_units import ExpertLayer, ModuleUnit, WeightUnits, aligned_bytes
-from batchgen.kernels import ops, registry
+from batchgen.kernels import registry
 from batchgen.kernels.moe_torch import accumulate_moe
 
 
@@ -101,12 +101,13 @@ class ExpertRing:
 
     def run(self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor) -> torch.Tensor:
-        """ops.fused_moe over the layer's experts, each routed expert fetched at most once. Each window holds
-        consecutive experts in expert order and the windows' results are summed (before the rounding to the model's
-        dtype where the backend sums in float32: torch's). When a call's routed experts fit one window, or with the
-        torch backend and top-2 routing (in any window order), that is the resident computation exactly; with more
-        experts per token in another window the partial sums associate differently, and the CPU kernel fuses each
-        expert's multiply-add into its sum, so its windows' sums differ from one call's in the last bit."""
+        """The experts' op (ops.fused_moe, or fused_moe_packed on packed experts) over the layer's experts, each routed
+        expert fetched at most once. Each window holds consecutive experts in expert order and the windows' results are
+        summed (before the rounding to the model's dtype where the backend sums in float32: torch's). When a call's
+        routed experts fit one window, or with the torch backend and top-2 routing (in any window order), that is the
+        resident computation exactly; with more experts per token in another window the partial sums associate
+        differently, and the CPU kernel fuses each expert's multiply-add into its sum, so its windows' sums differ from
+        one call's in the last bit."""
         experts = layer.experts
         routed = torch.unique(topk_ids[topk_ids >= 0]).tolist()
         windows = [routed[i : i + self.window] for i in range(0, len(routed), self.window)]
@@ -128,7 +129,7 @@ class ExpertRing:
             if self.accumulate is not None:
                 self.accumulate(out, x, self.gate_up[start:end], self.down[start:end], topk_weights, ids)
             else:
-                part = ops.fused_moe(x, self.gate_up[start:end], self.down[start:end], topk_weights, ids)
+                part = experts.moe(x, self.gate_up[start:end], self.down[start:end], topk_weights, ids)
                 out = part if out is None else out + part
             for slot in range(start, end):
                 self.copies.release(slot)

@@ -1,0 +1,278 @@
+"""Routed experts for float32 CPU tensors, from expert weights repacked once for the kernel's register tiles.
+
+In the checkpoints' layout each weight row is one output column ([2I, D] gate and up rows, [D, I] down rows): a
+kernel either sums dot products along rows (horizontal sums at the end: moe_cpu's path for an expert's few rows)
+or broadcasts one weight element at a time against token rows transposed into vectors (17 loads to 16 FMAs: on the
+dev box ~30 % of the FMA peak in L1). Repacked so that the same input index of 32 neighbouring output columns is two
+vectors, a tile of up to ROWS token rows takes the two weight vectors and one broadcast input per row at each index,
+2 x ROWS FMAs into registers: the register tile of a GEMM micro-kernel, ~95 % of the FMA peak with the weights in
+L2 (a dev-box C loop: 198 of 208 GFLOP/s a core).
+
+Packed layouts (`pack_gate_up`, `pack_down`; in place, the same storage: `pack_in_place`):
+- gate_up [E, I / 16, D, 32]: block c of sixteen intermediate columns; at input index k, the gate columns 16c ..
+  16c + 15, then the same up columns (one tile's sums give silu(gate) * up of sixteen columns at once);
+- down [E, D / 32, I, 32]: block b of 32 output columns; at intermediate index i, those columns.
+Each block is a contiguous 2-4 KiB-per-index stream, read once per tile of rows (from memory for the first, L2 for
+the rest) while the next block is fetched into L2.
+
+Every output element is one accumulator summing its inputs in index order, whichever rows share its tile, and a
+token's experts are added into its output row in expert order by the one thread owning those columns: a row's
+result does not depend on the rest of the batch (batch invariant by construction, as the engine's option asks).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from batchgen.kernels.c_library import DOT_PAIRS_SOURCE, EXP_NEG_SOURCE, ROUTE_ROWS_SOURCE, SILU_SOURCE, CFunction
+
+GATE_COLUMNS = 16  # intermediate columns per gate_up block (their gate and up sums: 32 floats an index)
+DOWN_COLUMNS = 32  # output columns per down block
+ROWS = 12  # token rows per register tile: 2 x 12 accumulators, 2 weight vectors and a broadcast in 32 registers
+THREAD_BYTES = 256 << 10  # row copies a thread: less is not worth waking a second
+
+_SOURCE = r"""
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ROWS @ROWS@          /* moe_packed_cpu.ROWS */
+#define WIDE 32              /* floats a block holds per input index */
+#define GATE 16              /* intermediate columns per gate_up block */
+#define TILE_ROWS_COST 8     /* an item's weight in a thread's share: its rows plus the compute reading a block's
+                                weights from memory is worth (rows are the compute, the block's read is fixed) */
+#define THREAD_BYTES @THREAD_BYTES@
+
+EXP_NEG
+
+DOT_PAIRS
+
+SILU
+
+ROUTE_ROWS
+
+typedef struct {
+    const float *x;            /* [R, D] rows sorted by expert */
+    const int64_t *starts;     /* [E + 1] expert e's rows: [starts[e], starts[e + 1]) */
+    const int64_t *experts;    /* [A] the experts with rows, in order */
+    const float *wgu, *wd;     /* packed: [E, I / GATE, D, WIDE], [E, D / WIDE, I, WIDE] */
+    float *h;                  /* [R, I] silu(gate) * up */
+    const int64_t *token;      /* [R] output row of each row */
+    const float *weight;       /* [R] routing weight of each row */
+    float *out;                /* [T, D] accumulated */
+    int A, D, I;
+} Job;
+
+/* sums[2r], sums[2r + 1] = x_r . w[:, 0:16], x_r . w[:, 16:32] for the n (a constant after inlining) rows
+   x_r = x + r * stride, over the len indexes of the block w ([len, WIDE]): each sum one accumulator, in index order.
+   Meanwhile share `part` of `parts` of the next block (`next`, as long) is fetched into L2: a block's tiles of rows
+   fetch it in turn, so the memory reads go on through all of them. */
+static inline __attribute__((always_inline)) void tile(int n, const float *restrict w, const float *restrict x,
+                                                       int64_t stride, int len, v16 *sums, const float *next,
+                                                       int part, int parts) {
+    v16 acc[2 * ROWS];
+    for (int i = 0; i < 2 * n; i++) acc[i] = (v16){0};
+    for (int k = 0; k < len; k++) {
+        int64_t ahead = ((int64_t)part * len + k) / parts * WIDE;
+        __builtin_prefetch(next + ahead, 0, 2);
+        __builtin_prefetch(next + ahead + LANES, 0, 2);
+        if (n <= 4) {
+            __builtin_prefetch(w + (int64_t)(k + 16) * WIDE, 0, 3);
+            __builtin_prefetch(w + (int64_t)(k + 16) * WIDE + LANES, 0, 3);
+        }
+        v16 w0 = load(w + (int64_t)k * WIDE), w1 = load(w + (int64_t)k * WIDE + LANES);
+        for (int r = 0; r < n; r++) {
+            float xr = x[r * stride + k];
+            acc[2 * r] += xr * w0;
+            acc[2 * r + 1] += xr * w1;
+        }
+    }
+    for (int i = 0; i < 2 * n; i++) sums[i] = acc[i];
+}
+
+/* tile with n a compile-time constant in every case, so each keeps its sums in registers */
+static void tile_n(int n, const float *w, const float *x, int64_t stride, int len, v16 *sums, const float *next,
+                   int part, int parts) {
+    switch (n) {
+        case 1: tile(1, w, x, stride, len, sums, next, part, parts); break;
+        case 2: tile(2, w, x, stride, len, sums, next, part, parts); break;
+        case 3: tile(3, w, x, stride, len, sums, next, part, parts); break;
+        case 4: tile(4, w, x, stride, len, sums, next, part, parts); break;
+        case 5: tile(5, w, x, stride, len, sums, next, part, parts); break;
+        case 6: tile(6, w, x, stride, len, sums, next, part, parts); break;
+        case 7: tile(7, w, x, stride, len, sums, next, part, parts); break;
+        case 8: tile(8, w, x, stride, len, sums, next, part, parts); break;
+        case 9: tile(9, w, x, stride, len, sums, next, part, parts); break;
+        case 10: tile(10, w, x, stride, len, sums, next, part, parts); break;
+        case 11: tile(11, w, x, stride, len, sums, next, part, parts); break;
+        default: tile(ROWS, w, x, stride, len, sums, next, part, parts); break;
+    }
+}
+
+/* An expert's rows in tiles of at most ROWS, as even as they divide: tile t is [first + rows * t / tiles, ...) */
+static inline int64_t tiles_of(int64_t rows) { return (rows + ROWS - 1) / ROWS; }
+static inline int64_t tile_start(int64_t first, int64_t rows, int64_t t, int64_t tiles) {
+    return first + rows * t / tiles;
+}
+
+static inline int64_t rows_of(const Job *j, int a) {
+    return j->starts[j->experts[a] + 1] - j->starts[j->experts[a]];
+}
+
+/* The first of the A * blocks (expert, block) items whose items before weigh at least `target`, an item of expert a
+   weighing rows + TILE_ROWS_COST */
+static int64_t weighted_item(const Job *j, int64_t blocks, int64_t target) {
+    int64_t before = 0;
+    for (int a = 0; a < j->A; a++) {
+        int64_t each = rows_of(j, a) + TILE_ROWS_COST;
+        if (before + blocks * each >= target) {
+            int64_t m = (target - before + each - 1) / each;
+            return a * blocks + (m < 0 ? 0 : m);
+        }
+        before += blocks * each;
+    }
+    return j->A * blocks;
+}
+
+/* items: (expert, block of GATE intermediate columns), split over the team by weight (an expert's rows vary) */
+static void gate_up(const Job *j) {
+    int64_t blocks = j->I / GATE, total = 0;
+    for (int a = 0; a < j->A; a++) total += blocks * (rows_of(j, a) + TILE_ROWS_COST);
+    int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    int64_t first = weighted_item(j, blocks, total * t / n);
+    int64_t last = t + 1 == n ? j->A * blocks : weighted_item(j, blocks, total * (t + 1) / n);
+    for (int64_t item = first; item < last; item++) {
+        int a = (int)(item / blocks);
+        int64_t c = item % blocks, r0 = j->starts[j->experts[a]], rows = rows_of(j, a), tiles = tiles_of(rows);
+        const float *w = j->wgu + (j->experts[a] * blocks + c) * j->D * WIDE;
+        int64_t after = item + 1 < last ? item + 1 : item;
+        const float *next = j->wgu + (j->experts[after / blocks] * blocks + after % blocks) * j->D * WIDE;
+        for (int64_t s = 0; s < tiles; s++) {
+            int64_t r = tile_start(r0, rows, s, tiles), count = tile_start(r0, rows, s + 1, tiles) - r;
+            v16 sums[2 * ROWS];
+            tile_n((int)count, w, j->x + r * j->D, j->D, j->D, sums, next, (int)s, (int)tiles);
+            for (int64_t q = 0; q < count; q++)
+                store(j->h + (r + q) * j->I + c * GATE, silu_mul_v(sums[2 * q], sums[2 * q + 1]));
+        }
+    }
+}
+
+/* items: blocks of WIDE output columns, every expert in order (a token's sum over its experts in a fixed order;
+   threads own disjoint columns, so no two write the same element) */
+static void down(const Job *j) {
+    int64_t blocks = j->D / WIDE, t = omp_get_thread_num(), n = omp_get_num_threads();
+    int64_t first = blocks * t / n, last = blocks * (t + 1) / n;
+    for (int a = 0; a < j->A; a++) {
+        int64_t r0 = j->starts[j->experts[a]], rows = rows_of(j, a), tiles = tiles_of(rows);
+        for (int64_t b = first; b < last; b++) {
+            const float *w = j->wd + (j->experts[a] * blocks + b) * j->I * WIDE;
+            /* the next item: this expert's next block, else the next expert's first of this thread's */
+            const float *next = b + 1 < last ? w + (int64_t)j->I * WIDE
+                              : a + 1 < j->A ? j->wd + (j->experts[a + 1] * blocks + first) * j->I * WIDE : w;
+            for (int64_t s = 0; s < tiles; s++) {
+                int64_t r = tile_start(r0, rows, s, tiles), count = tile_start(r0, rows, s + 1, tiles) - r;
+                v16 sums[2 * ROWS];
+                tile_n((int)count, w, j->h + r * j->I, j->I, j->I, sums, next, (int)s, (int)tiles);
+                for (int64_t q = 0; q < count; q++) {
+                    float *o = j->out + j->token[r + q] * j->D + b * WIDE, wt = j->weight[r + q];
+                    store(o, load(o) + wt * sums[2 * q]);
+                    store(o + LANES, load(o + LANES) + wt * sums[2 * q + 1]);
+                }
+            }
+        }
+    }
+}
+
+/* A whole MoE call on packed weights: the (token, k) pairs grouped by expert (route_rows_f32), then every expert with
+   rows, gate_up then down, over `threads` threads of the OpenMP pool torch runs its own ops on; `out` is zeroed
+   first. Nothing is read back to the host, so a recorded forward (kernels/capture.py) can replay a call of any size.
+   I a multiple of GATE, D of WIDE. */
+void packed_experts_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E,
+                        const float *wgu, const float *wd, float *xs, int64_t *token, float *weight, int64_t *starts,
+                        int64_t *experts, float *out, int D, int I, int threads) {
+    memset(out, 0, T * D * sizeof(float));
+    route_rows_f32(x, T, K, ids, topk_weight, E, D, xs, token, weight, starts, threads);
+    int A = 0;
+    for (int e = 0; e < E; e++)
+        if (starts[e + 1] > starts[e]) experts[A++] = e;
+    if (!A) return;
+    float *h = malloc((starts[E] * (int64_t)I + 1) * sizeof(float));
+    Job job = {xs, starts, experts, wgu, wd, h, token, weight, out, A, D, I};
+    int team = threads < 1 ? 1 : threads;
+#pragma omp parallel num_threads(team)
+    {
+        gate_up(&job);
+#pragma omp barrier
+        down(&job);
+    }
+    free(h);
+}
+""".replace("EXP_NEG", EXP_NEG_SOURCE).replace("DOT_PAIRS", DOT_PAIRS_SOURCE).replace("SILU", SILU_SOURCE).replace(
+    "ROUTE_ROWS", ROUTE_ROWS_SOURCE).replace("@ROWS@", str(ROWS)).replace("@THREAD_BYTES@", str(THREAD_BYTES))
+
+_PACKED = CFunction("packed_experts", _SOURCE, "packed_experts_f32",
+                    (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, *[ctypes.c_void_p] * 2, ctypes.c_int,
+                     *[ctypes.c_void_p] * 8, *[ctypes.c_int] * 3))
+
+
+def unavailable() -> str | None:
+    """Why this backend cannot run here, or None (compiles the kernel on first call)."""
+    return _PACKED.unavailable()
+
+
+def packing_refusal(dim: int, inter: int) -> str | None:
+    """Why experts of hidden size `dim` and intermediate size `inter` cannot be packed, or None."""
+    if inter % GATE_COLUMNS or dim % DOWN_COLUMNS:
+        return (f"packed experts need the intermediate size a multiple of {GATE_COLUMNS} and the hidden size one of "
+                f"{DOWN_COLUMNS}, got {inter} and {dim}")
+    return None
+
+
+def pack_gate_up(w: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, D] (gate rows, then up rows) -> [E, I / 16, D, 32] (a new tensor)."""
+    experts, two_i, dim = w.shape
+    blocks = two_i // 2 // GATE_COLUMNS
+    return w.reshape(experts, 2, blocks, GATE_COLUMNS, dim).permute(0, 2, 4, 1, 3).reshape(
+        experts, blocks, dim, 2 * GATE_COLUMNS)
+
+
+def pack_down(w: torch.Tensor) -> torch.Tensor:
+    """[E, D, I] -> [E, D / 32, I, 32] (a new tensor)."""
+    experts, dim, inter = w.shape
+    return w.reshape(experts, dim // DOWN_COLUMNS, DOWN_COLUMNS, inter).permute(0, 1, 3, 2).contiguous()
+
+
+def pack_in_place(w: torch.Tensor, pack) -> torch.Tensor:
+    """`pack(w)` in w's own storage, one expert at a time (a buffer of one expert's weights, not a second copy of
+    them all); returns the packed view. w must be contiguous, and is garbage afterwards."""
+    if not w.is_contiguous():
+        raise ValueError("expert weights to pack in place must be contiguous")
+    flat = w.view(w.shape[0], -1)
+    shape = None
+    for expert in range(w.shape[0]):
+        packed = pack(w[expert:expert + 1])
+        shape = packed.shape[1:]
+        flat[expert].copy_(packed.reshape(-1))
+    return w.view(w.shape[0], *shape)
+
+
+def fused_moe_packed_cpu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+                         topk_ids: torch.Tensor) -> torch.Tensor:
+    """kernels.ops.fused_moe on packed weights (pack_gate_up's, pack_down's), float32 CPU tensors."""
+    tokens, top_k = topk_ids.shape
+    num_experts, blocks, dim, _ = w_gate_up.shape
+    x, weights, ids = x.contiguous(), topk_weights.to(torch.float32).contiguous(), topk_ids.to(torch.int64).contiguous()
+    out = torch.empty(tokens, dim, dtype=torch.float32)
+    xs = torch.empty(tokens * top_k, dim, dtype=torch.float32)
+    token_rows = torch.empty(tokens * top_k, dtype=torch.int64)
+    row_weights = torch.empty(tokens * top_k, dtype=torch.float32)
+    starts = torch.empty(num_experts + 1, dtype=torch.int64)
+    experts = torch.empty(num_experts, dtype=torch.int64)
+    _PACKED(x.data_ptr(), tokens, top_k, ids.data_ptr(), weights.data_ptr(), num_experts, w_gate_up.data_ptr(),
+            w_down.data_ptr(), xs.data_ptr(), token_rows.data_ptr(), row_weights.data_ptr(), starts.data_ptr(),
+            experts.data_ptr(), out.data_ptr(), dim, blocks * GATE_COLUMNS, torch.get_num_threads())
+    return out

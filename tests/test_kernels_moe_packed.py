@@ -1,0 +1,134 @@
+import pytest
+import torch
+from test_kernels_moe import make_moe, naive_moe
+
+from batchgen.kernels import moe_packed_cpu, ops, registry
+
+
+@pytest.fixture(autouse=True)
+def packed_kernel():
+    if moe_packed_cpu.unavailable():
+        pytest.skip(moe_packed_cpu.unavailable())
+
+
+def packed(w_gate_up, w_down):
+    return moe_packed_cpu.pack_gate_up(w_gate_up).contiguous(), moe_packed_cpu.pack_down(w_down)
+
+
+def test_packed_layouts_put_sixteen_gate_and_up_columns_and_thirty_two_down_columns_at_each_index():
+    _, w13, w2, _, _ = make_moe(1, 64, 48, 3, 1)
+    gate_up, down = packed(w13, w2)
+    assert gate_up.shape == (3, 3, 64, 32) and down.shape == (3, 2, 48, 32)
+    for expert, block, k, j in [(0, 0, 0, 0), (1, 2, 63, 15), (2, 1, 17, 16), (2, 2, 5, 31)]:
+        row = 16 * block + j if j < 16 else 48 + 16 * block + j - 16  # a gate row, else the same column's up row
+        assert gate_up[expert, block, k, j] == w13[expert, row, k]
+    for expert, block, i, j in [(0, 0, 0, 0), (1, 1, 47, 31), (2, 1, 3, 0)]:
+        assert down[expert, block, i, j] == w2[expert, 32 * block + j, i]
+
+
+def test_packing_in_place_keeps_the_storage_and_gives_the_packed_tensor():
+    _, w13, w2, _, _ = make_moe(1, 64, 48, 3, 1)
+    expected_gate_up, expected_down = packed(w13, w2)
+    storage = w13.data_ptr()
+    gate_up = moe_packed_cpu.pack_in_place(w13, moe_packed_cpu.pack_gate_up)
+    down = moe_packed_cpu.pack_in_place(w2, moe_packed_cpu.pack_down)
+    assert gate_up.data_ptr() == storage
+    assert torch.equal(gate_up, expected_gate_up) and torch.equal(down, expected_down)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        moe_packed_cpu.pack_in_place(torch.randn(2, 64, 32).transpose(1, 2), moe_packed_cpu.pack_gate_up)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("tokens,top_k", [(1, 1), (7, 2), (33, 4), (90, 2)])
+def test_packed_kernel_matches_naive(tokens, top_k, threads):
+    """Expert 5 is picked by (nearly) every token: up to 90 rows, in tiles of 12 and an uneven last few; some pairs
+    belong to experts of another rank (-1), and expert 2 gets no rows."""
+    x, w13, w2, _, _ = make_moe(tokens, 64, 48, 7, 1)
+    scores = torch.rand(tokens, 7, generator=torch.Generator().manual_seed(tokens))
+    scores[:, 5] += 1
+    scores[:, 2] -= 2
+    weights, ids = scores.topk(top_k, dim=1)
+    weights = weights / weights.sum(1, keepdim=True)
+    ids[1::5, -1] = -1
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = ops.fused_moe_packed(x, *packed(w13, w2), weights, ids)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+    assert registry.last_used("fused_moe_packed") == "cpu_c"
+
+
+def test_a_rows_result_is_the_same_bits_alone_and_in_any_batch():
+    """Each output element is one accumulator over its inputs in order, whichever rows share its tile, and a token's
+    experts are added in expert order: the batch does not change a row's bits (the default kernel's paths do)."""
+    x, w13, w2, weights, ids = make_moe(70, 128, 64, 4, 2, seed=3)
+    gate_up, down = packed(w13, w2)
+    full = ops.fused_moe_packed(x, gate_up, down, weights, ids)
+    for first, last in [(5, 6), (0, 13), (40, 70)]:
+        part = ops.fused_moe_packed(x[first:last], gate_up, down, weights[first:last], ids[first:last])
+        assert torch.equal(part, full[first:last])
+
+
+def test_packed_inputs_are_checked():
+    x, w13, w2, weights, ids = make_moe(4, 64, 48, 3, 2)
+    gate_up, down = packed(w13, w2)
+    with pytest.raises(ValueError, match=r"w_gate_up must be packed \[E, I/16, D, 32\], got \[3, 96, 64\]"):
+        ops.fused_moe_packed(x, w13, down, weights, ids)
+    with pytest.raises(ValueError, match=r"w_down must be packed \[E, D/32, I, 32\] = \[3, 2, 48, 32\]"):
+        ops.fused_moe_packed(x, gate_up, w2, weights, ids)
+    with pytest.raises(ValueError, match="does not match x"):
+        ops.fused_moe_packed(x[:, :32], gate_up, down, weights, ids)
+    assert moe_packed_cpu.packing_refusal(64, 48) is None
+    assert "multiple of 16" in moe_packed_cpu.packing_refusal(64, 40)
+    assert "hidden size one of 32" in moe_packed_cpu.packing_refusal(48, 48)
+
+
+def _greedy_requests(batch, max_tokens):
+    from batchgen.engine import Request, SamplingParams
+
+    return [Request(f"r{i}", p, sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+            for i, p in enumerate(batch)]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_an_engine_packs_its_experts_in_place_and_decodes_transformers_greedy_tokens(arch, tmp_path):
+    from tiny_models import hf_greedy_batch, prompts, save_tiny_checkpoint
+
+    from batchgen.connectors.checkpoint import load_model
+    from batchgen.engine import Engine
+    from batchgen.engine.models.layers import FusedExperts
+
+    hf_model = save_tiny_checkpoint(arch, tmp_path)
+    batch = prompts(lengths=(3, 9, 17, 30))
+    expected = hf_greedy_batch(hf_model, batch, 10)
+    loaded = load_model(str(tmp_path))
+    experts = [m for m in loaded.model.modules() if isinstance(m, FusedExperts)]
+    storage = [(m.gate_up_proj.data_ptr(), m.down_proj.data_ptr()) for m in experts]
+    registry.reset_usage()
+    results = Engine(loaded, kv_budget_bytes=8 << 20).generate(_greedy_requests(batch, 10))
+    assert [r.outputs[0].token_ids for r in results] == expected
+    assert all(m.packed and m.gate_up_proj.dim() == 4 for m in experts)
+    assert [(m.gate_up_proj.data_ptr(), m.down_proj.data_ptr()) for m in experts] == storage  # no second copy
+    counts = registry.usage_counts()
+    assert counts[("fused_moe_packed", "cpu_c")] > 0 and not any(op == "fused_moe" for op, _ in counts)
+
+
+def test_experts_stay_in_the_checkpoint_layout_when_fused_moe_runs_elsewhere(tmp_path):
+    from tiny_models import hf_greedy_batch, prompts, save_tiny_checkpoint
+
+    from batchgen.connectors.checkpoint import load_model
+    from batchgen.engine import Engine
+    from batchgen.engine.models.expert_packing import pack_experts, packing_refusal
+
+    hf_model = save_tiny_checkpoint("mixtral", tmp_path)
+    batch = prompts(lengths=(4, 11))
+    loaded = load_model(str(tmp_path))
+    with registry.use_backend("fused_moe", "torch"):
+        assert packing_refusal(loaded) == "fused_moe runs on the torch backend"
+        registry.reset_usage()
+        results = Engine(loaded, kv_budget_bytes=8 << 20).generate(_greedy_requests(batch, 6))
+        assert registry.usage_counts()[("fused_moe", "torch")] > 0
+    assert [r.outputs[0].token_ids for r in results] == hf_greedy_batch(hf_model, batch, 6)
+    assert pack_experts(loaded) == 2  # both MoE layers, once fused_moe is the C kernel's again
