@@ -60,6 +60,21 @@ def test_packed_kernel_matches_naive(tokens, top_k, threads):
     assert registry.last_used("fused_moe_packed") == "cpu_c"
 
 
+def test_an_expert_of_more_rows_than_a_panel_takes_runs_in_panels():
+    """At D = 512, I = 1024 a panel holds 192 rows: expert 0's 400 rows run as three panels, in expert order with the
+    others' rows of the same tokens."""
+    from batchgen.kernels.moe_torch import fused_moe_torch
+
+    x, w13, w2, weights, ids = make_moe(400, 512, 1024, 4, 2, seed=5)
+    ids[:, 0] = 0
+    ids[:, 1] = torch.where(ids[:, 1] == 0, 1, ids[:, 1])
+    assert moe_packed_cpu.PANEL_BYTES // (1024 * 4) == 192
+    out = ops.fused_moe_packed(x, *packed(w13, w2), weights, ids)
+    torch.testing.assert_close(out, fused_moe_torch(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
+    alone = ops.fused_moe_packed(x[390:], *packed(w13, w2), weights[390:], ids[390:])
+    assert torch.equal(alone, out[390:])
+
+
 def test_a_rows_result_is_the_same_bits_alone_and_in_any_batch():
     """Each output element is one accumulator over its inputs in order, whichever rows share its tile, and a token's
     experts are added in expert order: the batch does not change a row's bits (the default kernel's paths do)."""
