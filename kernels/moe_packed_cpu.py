@@ -81,8 +81,11 @@ static inline __attribute__((always_inline)) void tile(int n, const float *restr
                                                        int part, int parts) {
     v16 acc[2 * ROWS];
     for (int i = 0; i < 2 * n; i++) acc[i] = (v16){0};
+    /* (part * len + k) / parts without a division per index: times 2^32 / parts, rounded up (exact while
+       part * len + k < 2^32 / parts) */
+    uint64_t inverse = ((1ull << 32) + parts - 1) / parts, from = (uint64_t)part * len;
     for (int k = 0; k < len; k++) {
-        int64_t ahead = ((int64_t)part * len + k) / parts * WIDE;
+        int64_t ahead = (int64_t)(((from + k) * inverse) >> 32) * WIDE;
         __builtin_prefetch(next + ahead, 0, 2);
         __builtin_prefetch(next + ahead + LANES, 0, 2);
         if (n <= 4) {
