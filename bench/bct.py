@@ -451,9 +451,10 @@ def compare(reference: list[list[int]], other: list[list[int]], probe: Probe | N
     model's top-2 logit gap at the first differing position, how far each system's token trails the top logit
     and the other's rank there, and the smallest routing margin over the shared prefix. It is a tie (`tie_kind`)
     when both tokens trail the top by less than `tie_gap` ("logits"), or when the reference, with one of its routing
-    picks of margin under `routing_tie_gap` flipped, puts the other system's token within `tie_gap` of its top
-    ("routing", the flip in `flipped`): a near-tied pick somewhere in the prefix that does not explain the other's
-    token excuses nothing."""
+    picks of margin under `routing_tie_gap` flipped, puts the token it ranked below the top (the other system's, or
+    the reference system's own when its run routed apart from this forward) within `tie_gap` of its top ("routing",
+    the flip in `flipped`): a near-tied pick somewhere in the prefix that does not explain the token excuses
+    nothing."""
     prefixes, first, divergences = [], None, []
     for index, (a, b) in enumerate(zip(reference, other)):
         prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -474,14 +475,17 @@ def compare(reference: list[list[int]], other: list[list[int]], probe: Probe | N
             where["router_margin"] = judged.near_ties[0].margin if judged.near_ties else None
             # both picks within tie_gap of the top: a system far below it is wrong however near the other one is
             where["tie_kind"] = "logits" if max(where["other_gap"], where["reference_gap"]) < tie_gap else None
+            # the system whose token the reference forward ranks below the top: the other one, or the reference
+            # system itself (its own run took another route at a near-tie than this forward does)
+            behind = "other" if where["other_gap"] >= tie_gap else "reference"
             for tie in judged.near_ties if where["tie_kind"] is None else []:
                 if tie.margin >= routing_tie_gap:
                     break
                 flipped = probe(index, a[:prefix], tie).logits.float()
-                other_gap = float(flipped.max() - flipped[where["other"]])
-                if other_gap < tie_gap:
+                gap = float(flipped.max() - flipped[where[behind]])
+                if gap < tie_gap:
                     where["tie_kind"] = "routing"
-                    where["flipped"] = {**dataclasses.asdict(tie), "other_gap": other_gap}
+                    where["flipped"] = {**dataclasses.asdict(tie), f"{behind}_gap": gap}
                     break
             where["tie"] = where["tie_kind"] is not None
         divergences.append(where)

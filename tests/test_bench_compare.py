@@ -49,6 +49,25 @@ def test_a_routing_near_tie_excuses_a_divergence_only_when_flipping_it_gives_the
     assert report.ties == 1 and not report.all_match
 
 
+def test_a_routing_near_tie_explains_the_reference_systems_own_token_when_the_forward_gives_the_others(monkeypatch):
+    """The reference forward ranks the other system's token at the top and the reference system's own below: the
+    reference system's run routed apart at a near-tie. A flip giving its token is a routing tie; none, a divergence."""
+    bct = import_bench(monkeypatch, "bct")
+    near = bct.NearTie(3, 7, 2e-6)
+    flips_to = {0: torch.tensor([1.0, 4.0 + 1e-5, 4.0]), 1: torch.tensor([1.0, 4.0, 0.0])}
+
+    def probe(prompt, prefix, flip=None):
+        if flip is not None:
+            return bct.Judgement(flips_to[prompt], [])
+        return bct.Judgement(torch.tensor([1.0, 4.0, 0.0]), [near])
+
+    report = bct.compare([[1, 2]] * 2, [[1, 1]] * 2, probe, tie_gap=1e-4, routing_tie_gap=ROUTING_GAP)
+    first, second = report.divergences
+    assert first["other_gap"] == 0.0 and first["reference_gap"] == 4.0
+    assert first["tie_kind"] == "routing" and first["flipped"]["reference_gap"] == pytest.approx(1e-5, abs=1e-6)
+    assert second["tie_kind"] is None and report.ties == 1 and not report.all_match
+
+
 def test_the_probe_flips_one_routing_pick_of_the_reference_model(monkeypatch, tiny_moe_dir):
     bct = import_bench(monkeypatch, "bct")
     model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32).eval()
