@@ -2,8 +2,9 @@
 
     python bench/kernels.py [--json] [--dim 512] [--inter 1024] [--experts 8] [--dtype float32] [--cold]
 
-1. Expert GEMM versus tokens per expert: our grouped torch MoE (and the C kernel on CPU, the Triton kernel
-   on CUDA) against transformers' Mixtral experts module on the same weights and routing. Routing is balanced so every
+1. Expert GEMM versus tokens per expert: our grouped torch MoE (and on CPU the C kernels: the packed one the engine
+   runs, on the weights repacked for it, and the one on the checkpoint's layout; the Triton kernel on CUDA) against
+   transformers' Mixtral experts module on the same weights and routing. Routing is balanced so every
    expert sees exactly n tokens; FLOP/s counts the useful work only (6 * D * I per routed token). Each
    point also reports its weight-read bound (every expert's weights read once at the measured read
    bandwidth) and the time over that bound: at 1-8 tokens per expert a call should cost about one read
@@ -32,7 +33,7 @@ import torch
 from roofline import read_bandwidth
 
 from batchgen.engine.host_arena import host_arena
-from batchgen.kernels import moe_cpu, ops, registry
+from batchgen.kernels import moe_cpu, moe_packed_cpu, ops, registry
 from batchgen.kernels.cpu_identity import last_level_cache_bytes
 from batchgen.kernels.moe_torch import fused_moe_torch
 
@@ -77,6 +78,10 @@ def implementations(device: torch.device, w_gate_up, w_down) -> dict:
     }
     if device.type == "cpu" and w_gate_up.dtype == torch.float32 and not moe_cpu.unavailable():
         impls["batchgen_cpu_c"] = lambda x, ids, weights: moe_cpu.fused_moe_cpu(x, w_gate_up, w_down, weights, ids)
+    if (device.type == "cpu" and w_gate_up.dtype == torch.float32 and not moe_packed_cpu.unavailable()
+            and moe_packed_cpu.packing_refusal(w_down.shape[1], w_down.shape[2]) is None):
+        packed = moe_packed_cpu.pack_gate_up(w_gate_up).contiguous(), moe_packed_cpu.pack_down(w_down)
+        impls["batchgen_cpu_packed"] = lambda x, ids, weights: ops.fused_moe_packed(x, *packed, weights, ids)
     if device.type == "cuda":
         from batchgen.kernels.moe_triton import fused_moe_triton
 
