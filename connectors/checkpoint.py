@@ -108,7 +108,7 @@ def load_model(
         if store:
             store.commit()
     return LoadedModel(model.eval(), config, tokenizer, eos_token_ids, int(config.max_position_embeddings),
-                       torch_dtype, uri)
+                       torch_dtype, uri, host_weights_shared=store is not None)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:

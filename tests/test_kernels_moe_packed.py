@@ -147,3 +147,64 @@ def test_experts_stay_in_the_checkpoint_layout_when_fused_moe_runs_elsewhere(tmp
         assert registry.usage_counts()[("fused_moe", "torch")] > 0
     assert [r.outputs[0].token_ids for r in results] == hf_greedy_batch(hf_model, batch, 6)
     assert pack_experts(loaded) == 2  # both MoE layers, once fused_moe is the C kernel's again
+
+
+def test_shared_or_streamed_host_weights_are_never_packed(tmp_path, monkeypatch):
+    """A memory-constrained engine's host weights may be the node's shared file mapping: repacking them would write
+    the file every later load maps (or copy every page). Neither a resident engine on such weights nor a
+    memory-constrained one packs; the shared file keeps the checkpoint's bytes."""
+    import hashlib
+
+    from tiny_models import hf_greedy_batch, prompts, save_tiny_checkpoint
+
+    from batchgen.connectors.checkpoint import load_model
+    from batchgen.engine import Engine
+    from batchgen.engine.models.expert_packing import experts_packed, packing_refusal
+
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "cache"))
+    hf_model = save_tiny_checkpoint("mixtral", tmp_path / "ckpt")
+    batch = prompts(lengths=(4, 11))
+    expected = hf_greedy_batch(hf_model, batch, 6)
+    shared = load_model(str(tmp_path / "ckpt"), shared_host_weights=True)
+    (store,) = (tmp_path / "cache" / "host-weights").glob("*.bin")
+    written = hashlib.sha256(store.read_bytes()).hexdigest()
+    assert packing_refusal(shared) == "its weights are a file mapping the node's processes share"
+    results = Engine(shared, kv_budget_bytes=8 << 20).generate(_greedy_requests(batch, 6))
+    assert [r.outputs[0].token_ids for r in results] == expected and not experts_packed(shared)
+    assert hashlib.sha256(store.read_bytes()).hexdigest() == written
+    streamed = load_model(str(tmp_path / "ckpt"))
+    total = sum(p.numel() * p.element_size() for p in streamed.model.parameters())
+    engine = Engine(streamed, device_memory_bytes=int(total * 0.5), page_size=4, max_model_len=256)
+    assert [r.outputs[0].token_ids for r in engine.generate(_greedy_requests(batch, 6))] == expected
+    assert not experts_packed(streamed) and "placed for streaming" in packing_refusal(streamed)
+
+
+def test_a_memory_constrained_engine_streams_experts_an_earlier_engine_packed(tmp_path):
+    from tiny_models import hf_greedy_batch, prompts, save_tiny_checkpoint
+
+    from batchgen.connectors.checkpoint import load_model
+    from batchgen.engine import Engine
+    from batchgen.engine.models.expert_packing import experts_packed
+
+    hf_model = save_tiny_checkpoint("mixtral", tmp_path)
+    batch = prompts(lengths=(4, 11, 7))
+    expected = hf_greedy_batch(hf_model, batch, 6)
+    loaded = load_model(str(tmp_path))
+    assert [r.outputs[0].token_ids for r in Engine(loaded).generate(_greedy_requests(batch, 6))] == expected
+    assert experts_packed(loaded)
+    total = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    engine = Engine(loaded, device_memory_bytes=int(total * 0.5), page_size=4, max_model_len=256)
+    registry.reset_usage()
+    assert [r.outputs[0].token_ids for r in engine.generate(_greedy_requests(batch, 6))] == expected
+    assert registry.usage_counts()[("fused_moe_packed", "cpu_c")] > 0  # the slots hold packed experts
+
+
+def test_a_module_whose_weights_cannot_be_packed_in_place_is_left_as_it_was():
+    from batchgen.engine.models.layers import FusedExperts
+
+    module = FusedExperts(4, 64, 48)
+    module.down_proj = torch.nn.Parameter(torch.randn(4, 48, 64).transpose(1, 2), requires_grad=False)
+    before = module.gate_up_proj.detach().clone()
+    with pytest.raises(ValueError, match="must be contiguous"):
+        module.pack_for_cpu()
+    assert not module.packed and torch.equal(module.gate_up_proj, before)

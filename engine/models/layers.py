@@ -230,6 +230,8 @@ class FusedExperts(nn.Module):
         """Repack the weights, in their own storage, into the CPU kernel's layout (kernels/moe_packed_cpu.py)."""
         if self.packed:
             return
+        if not (self.gate_up_proj.is_contiguous() and self.down_proj.is_contiguous()):
+            raise ValueError("expert weights to pack in place must be contiguous")  # before either is packed
         self.gate_up_proj = nn.Parameter(moe_packed_cpu.pack_in_place(self.gate_up_proj.data,
                                                                       moe_packed_cpu.pack_gate_up), requires_grad=False)
         self.down_proj = nn.Parameter(moe_packed_cpu.pack_in_place(self.down_proj.data, moe_packed_cpu.pack_down),

@@ -25,6 +25,8 @@ class LoadedModel:
     # cost depends on, besides the device and the shape
     weight_placement: str = "resident"
     streamer: Any = None  # the WeightStreamer that placed them (engine/offload), None while resident
+    # the weights are a file mapping every process of the node shares (connectors/host_memory.py): never written
+    host_weights_shared: bool = False
 
     @property
     def device(self) -> torch.device:

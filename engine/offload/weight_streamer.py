@@ -97,7 +97,7 @@ class ExpertRing:
         # the torch backend sums in float32 and rounds once: its windows' sums are added before that rounding (each
         # window rounded apart, a bf16 model's output differed from the resident model's even with top-2 routing)
         backend = registry.resolve("fused_moe", device.type, first.gate_up_proj.dtype)[0]
-        self.accumulate = accumulate_moe if backend == "torch" else None
+        self.accumulate = accumulate_moe if backend == "torch" and not first.packed else None
 
     def run(self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor) -> torch.Tensor:
