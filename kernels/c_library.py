@@ -234,10 +234,11 @@ ROUTE_ROWS_SOURCE = r"""
    stable argsort, so the same sums in the same order) instead of a handful of torch calls per layer. ids < 0
    (experts on another rank) are skipped, and so is any id past the last expert, so no input writes outside the
    arrays. xs[r] = x[token[r]], copied over the team (THREAD_BYTES of copies a thread); starts [E + 1]: expert e's rows
-   are [starts[e], starts[e + 1]). */
-static void route_rows_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E, int D,
-                           float *xs, int64_t *token, float *weight, int64_t *starts, int threads) {
+   are [starts[e], starts[e + 1]). Returns -1 when it cannot allocate its counters, else 0. */
+static int route_rows_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E, int D,
+                          float *xs, int64_t *token, float *weight, int64_t *starts, int threads) {
     int64_t pairs = T * K, *next = malloc((E + 1) * sizeof(int64_t));
+    if (!next) return -1;
     memset(starts, 0, (E + 1) * sizeof(int64_t));
     for (int64_t p = 0; p < pairs; p++)
         if (ids[p] >= 0 && ids[p] < E) starts[ids[p] + 1]++;
@@ -252,6 +253,7 @@ static void route_rows_f32(const float *x, int64_t T, int K, const int64_t *ids,
     int64_t rows = starts[E];
 #pragma omp parallel for num_threads(threads) if (threads > 1 && rows * D * 4 >= THREAD_BYTES) schedule(static)
     for (int64_t r = 0; r < rows; r++) memcpy(xs + r * D, x + token[r] * D, D * sizeof(float));
+    return 0;
 }
 """  # C source of the MoE kernels' grouping of rows by expert (needs stdlib.h, string.h, omp.h, THREAD_BYTES)
 

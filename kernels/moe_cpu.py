@@ -309,13 +309,14 @@ static int64_t blocked_rows(int64_t count, int dot_rows) {
    paying its dispatch and the activations' trip between the cores). Nothing is read back to the host in between, so
    a recorded forward (kernels/capture.py) can replay a call of any size. Returns how many experts got more rows than
    small_rows: the GEMM path's, left for the caller in xs, token, weight and starts. spans [E, SPAN] and experts [E]
-   receive the layout of the experts run here (experts[a] = -1 past the last). */
+   receive the layout of the experts run here (experts[a] = -1 past the last). -1: its buffers could not be
+   allocated. */
 int64_t grouped_experts_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E,
                             const float *wgu, const float *wd, const int64_t *strides, int dot_rows, int small_rows,
                             float *xs, int64_t *token, float *weight, int64_t *starts, int64_t *spans,
                             int64_t *experts, float *out, int D, int I, int threads) {
     memset(out, 0, T * D * sizeof(float));
-    route_rows_f32(x, T, K, ids, topk_weight, E, D, xs, token, weight, starts, threads);
+    if (route_rows_f32(x, T, K, ids, topk_weight, E, D, xs, token, weight, starts, threads)) return -1;
     int64_t h_size = 0, xt_size = 0, large = 0;
     int A = 0;
     for (int e = 0; e < E; e++) {
@@ -336,6 +337,11 @@ int64_t grouped_experts_f32(const float *x, int64_t T, int K, const int64_t *ids
     for (int a = A; a < E; a++) experts[a] = -1;
     if (A) {
         float *h = malloc((h_size + 1) * sizeof(float)), *xt = malloc((xt_size + 1) * sizeof(float));
+        if (!h || !xt) {
+            free(h);
+            free(xt);
+            return -1;
+        }
         Job base = {xs, spans, experts, wgu, wd, strides[0], strides[1], strides[2], strides[3], h, xt, token, weight,
                     out, A, D, I, 0, 0};
         run(base, threads);
@@ -412,6 +418,8 @@ def grouped_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
                           call.xs.data_ptr(), call.token_rows.data_ptr(), call.weights.data_ptr(),
                           call.starts.data_ptr(), call.layout.data_ptr(), call.experts.data_ptr(), call.out.data_ptr(),
                           dim, inter, torch.get_num_threads())
+    if call.large < 0:
+        raise MemoryError(f"fused_moe: no memory for the buffers of {tokens * top_k} routed rows")
     return call
 
 

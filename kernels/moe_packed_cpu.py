@@ -199,16 +199,23 @@ static void down(const Job *j) {
 /* A whole MoE call on packed weights: the (token, k) pairs grouped by expert (route_rows_f32), then every expert with
    rows, in panels of at most PANEL_BYTES of rows, gate_up then down, over `threads` threads of the OpenMP pool torch
    runs its own ops on; `out` is zeroed first. Nothing is read back to the host, so a recorded forward
-   (kernels/capture.py) can replay a call of any size. I a multiple of GATE, D of WIDE. */
-void packed_experts_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E,
+   (kernels/capture.py) can replay a call of any size. I a multiple of GATE, D of WIDE. Returns -1 when its buffers
+   cannot be allocated, else 0. */
+int packed_experts_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E,
                         const float *wgu, const float *wd, float *xs, int64_t *token, float *weight, int64_t *starts,
                         float *out, int D, int I, int threads) {
     memset(out, 0, T * D * sizeof(float));
-    route_rows_f32(x, T, K, ids, topk_weight, E, D, xs, token, weight, starts, threads);
-    if (!starts[E]) return;
+    if (route_rows_f32(x, T, K, ids, topk_weight, E, D, xs, token, weight, starts, threads)) return -1;
+    if (!starts[E]) return 0;
     int64_t most = PANEL_BYTES / ((int64_t)(D > I ? D : I) * sizeof(float));  /* rows a panel takes */
     if (most < ROWS) most = ROWS;
     int64_t P = 0, *panels = malloc((E + starts[E] / most + 1) * PANEL * sizeof(int64_t));
+    float *h = malloc((starts[E] * (int64_t)I + 1) * sizeof(float));
+    if (!panels || !h) {
+        free(panels);
+        free(h);
+        return -1;
+    }
     for (int e = 0; e < E; e++) {
         int64_t rows = starts[e + 1] - starts[e], count = (rows + most - 1) / most;
         for (int64_t q = 0; q < count; q++, P++) {
@@ -217,7 +224,6 @@ void packed_experts_f32(const float *x, int64_t T, int K, const int64_t *ids, co
             panels[PANEL * P + 2] = starts[e] + rows * (q + 1) / count;
         }
     }
-    float *h = malloc((starts[E] * (int64_t)I + 1) * sizeof(float));
     Job job = {xs, panels, wgu, wd, h, token, weight, out, P, D, I};
     int team = threads < 1 ? 1 : threads;
 #pragma omp parallel num_threads(team)
@@ -228,6 +234,7 @@ void packed_experts_f32(const float *x, int64_t T, int K, const int64_t *ids, co
     }
     free(h);
     free(panels);
+    return 0;
 }
 """.replace("EXP_NEG", EXP_NEG_SOURCE).replace("DOT_PAIRS", DOT_PAIRS_SOURCE).replace("SILU", SILU_SOURCE).replace(
     "ROUTE_ROWS", ROUTE_ROWS_SOURCE).replace("@ROWS@", str(ROWS)).replace(
@@ -235,7 +242,7 @@ void packed_experts_f32(const float *x, int64_t T, int K, const int64_t *ids, co
 
 _PACKED = CFunction("packed_experts", _SOURCE, "packed_experts_f32",
                     (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, *[ctypes.c_void_p] * 2, ctypes.c_int,
-                     *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 3))
+                     *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 3), restype=ctypes.c_int)
 
 
 def unavailable() -> str | None:
@@ -256,7 +263,7 @@ def pack_gate_up(w: torch.Tensor) -> torch.Tensor:
     experts, two_i, dim = w.shape
     blocks = two_i // 2 // GATE_COLUMNS
     return w.reshape(experts, 2, blocks, GATE_COLUMNS, dim).permute(0, 2, 4, 1, 3).reshape(
-        experts, blocks, dim, 2 * GATE_COLUMNS)
+        experts, blocks, dim, 2 * GATE_COLUMNS).contiguous()
 
 
 def pack_down(w: torch.Tensor) -> torch.Tensor:
@@ -290,7 +297,9 @@ def fused_moe_packed_cpu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch
     token_rows = torch.empty(tokens * top_k, dtype=torch.int64)
     row_weights = torch.empty(tokens * top_k, dtype=torch.float32)
     starts = torch.empty(num_experts + 1, dtype=torch.int64)
-    _PACKED(x.data_ptr(), tokens, top_k, ids.data_ptr(), weights.data_ptr(), num_experts, w_gate_up.data_ptr(),
+    failed = _PACKED(x.data_ptr(), tokens, top_k, ids.data_ptr(), weights.data_ptr(), num_experts, w_gate_up.data_ptr(),
             w_down.data_ptr(), xs.data_ptr(), token_rows.data_ptr(), row_weights.data_ptr(), starts.data_ptr(),
             out.data_ptr(), dim, blocks * GATE_COLUMNS, torch.get_num_threads())
+    if failed:
+        raise MemoryError(f"fused_moe_packed: no memory for the buffers of {tokens * top_k} routed rows")
     return out
