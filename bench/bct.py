@@ -475,10 +475,12 @@ def compare(reference: list[list[int]], other: list[list[int]], probe: Probe | N
             where["router_margin"] = judged.near_ties[0].margin if judged.near_ties else None
             # both picks within tie_gap of the top: a system far below it is wrong however near the other one is
             where["tie_kind"] = "logits" if max(where["other_gap"], where["reference_gap"]) < tie_gap else None
-            # the system whose token the reference forward ranks below the top: the other one, or the reference
-            # system itself (its own run took another route at a near-tie than this forward does)
-            behind = "other" if where["other_gap"] >= tie_gap else "reference"
-            for tie in judged.near_ties if where["tie_kind"] is None else []:
+            # the system whose token the reference forward ranks below the top while the other's is there: the other
+            # one, or the reference system itself (its own run took another route at a near-tie than this forward
+            # does); when neither token is at the top, no flip of one pick explains both
+            behind = ("other" if where["reference_gap"] < tie_gap else
+                      "reference" if where["other_gap"] < tie_gap else None)
+            for tie in judged.near_ties if where["tie_kind"] is None and behind else []:
                 if tie.margin >= routing_tie_gap:
                     break
                 flipped = probe(index, a[:prefix], tie).logits.float()

@@ -68,6 +68,21 @@ def test_a_routing_near_tie_explains_the_reference_systems_own_token_when_the_fo
     assert second["tie_kind"] is None and report.ties == 1 and not report.all_match
 
 
+def test_no_flip_excuses_a_divergence_where_the_forward_puts_neither_token_at_its_top(monkeypatch):
+    bct = import_bench(monkeypatch, "bct")
+    near = bct.NearTie(3, 7, 2e-6)
+    tried = []
+
+    def probe(prompt, prefix, flip=None):
+        if flip is not None:
+            tried.append(flip)
+            return bct.Judgement(torch.tensor([1.0, 4.0, 0.0]), [])  # would put the other's token on top
+        return bct.Judgement(torch.tensor([5.0, 4.0, 0.0]), [near])  # token 0 on top: neither system's
+
+    report = bct.compare([[1, 2]], [[1, 1]], probe, tie_gap=1e-4, routing_tie_gap=ROUTING_GAP)
+    assert report.divergences[0]["tie_kind"] is None and tried == []
+
+
 def test_the_probe_flips_one_routing_pick_of_the_reference_model(monkeypatch, tiny_moe_dir):
     bct = import_bench(monkeypatch, "bct")
     model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32).eval()
