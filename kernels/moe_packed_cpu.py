@@ -88,7 +88,7 @@ static inline __attribute__((always_inline)) void tile(int n, const float *restr
         int64_t ahead = (int64_t)(((from + k) * inverse) >> 32) * WIDE;
         __builtin_prefetch(next + ahead, 0, 2);
         __builtin_prefetch(next + ahead + LANES, 0, 2);
-        if (n <= 4) {
+        if (n <= 8) {
             __builtin_prefetch(w + (int64_t)(k + 16) * WIDE, 0, 3);
             __builtin_prefetch(w + (int64_t)(k + 16) * WIDE + LANES, 0, 3);
         }
