@@ -135,7 +135,8 @@ def test_experts_stay_in_the_checkpoint_layout_when_fused_moe_runs_elsewhere(tmp
 
     from batchgen.connectors.checkpoint import load_model
     from batchgen.engine import Engine
-    from batchgen.engine.models.expert_packing import pack_experts, packing_refusal
+    from batchgen.engine.models.expert_packing import experts_packed, pack_experts, packing_refusal
+    from batchgen.engine.models.layers import FusedExperts
 
     hf_model = save_tiny_checkpoint("mixtral", tmp_path)
     batch = prompts(lengths=(4, 11))
@@ -146,7 +147,9 @@ def test_experts_stay_in_the_checkpoint_layout_when_fused_moe_runs_elsewhere(tmp
         results = Engine(loaded, kv_budget_bytes=8 << 20).generate(_greedy_requests(batch, 6))
         assert registry.usage_counts()[("fused_moe", "torch")] > 0
     assert [r.outputs[0].token_ids for r in results] == hf_greedy_batch(hf_model, batch, 6)
-    assert pack_experts(loaded) == 2  # both MoE layers, once fused_moe is the C kernel's again
+    assert not experts_packed(loaded)
+    pack_experts(loaded)  # once fused_moe is the C kernel's again: both MoE layers
+    assert [m.packed for m in loaded.model.modules() if isinstance(m, FusedExperts)] == [True, True]
 
 
 def test_shared_or_streamed_host_weights_are_never_packed(tmp_path, monkeypatch):

@@ -29,15 +29,14 @@ def packing_refusal(loaded: LoadedModel) -> str | None:
     return moe_packed_cpu.unavailable()
 
 
-def pack_experts(loaded: LoadedModel) -> int:
+def pack_experts(loaded: LoadedModel) -> None:
     """Pack the routed-expert modules of `loaded` (in place), all of them or, when one's widths do not divide the
-    kernel's blocks, none (the weight streamer's slots take one layout); returns how many are packed now."""
+    kernel's blocks, none (the weight streamer's slots take one layout)."""
     experts = [m for m in loaded.model.modules() if isinstance(m, FusedExperts)]
     widths = [(m.down_proj.shape[1], m.down_proj.shape[2]) for m in experts if not m.packed]
     if packing_refusal(loaded) is None and all(moe_packed_cpu.packing_refusal(*w) is None for w in widths):
         for module in experts:
             module.pack_for_cpu()
-    return sum(module.packed for module in experts)
 
 
 def experts_packed(loaded: LoadedModel) -> bool:
