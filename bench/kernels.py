@@ -80,7 +80,7 @@ def implementations(device: torch.device, w_gate_up, w_down) -> dict:
         impls["batchgen_cpu_c"] = lambda x, ids, weights: moe_cpu.fused_moe_cpu(x, w_gate_up, w_down, weights, ids)
     if (device.type == "cpu" and w_gate_up.dtype == torch.float32 and not moe_packed_cpu.unavailable()
             and moe_packed_cpu.packing_refusal(w_down.shape[1], w_down.shape[2]) is None):
-        packed = moe_packed_cpu.pack_gate_up(w_gate_up).contiguous(), moe_packed_cpu.pack_down(w_down)
+        packed = moe_packed_cpu.pack_gate_up(w_gate_up), moe_packed_cpu.pack_down(w_down)
         impls["batchgen_cpu_packed"] = lambda x, ids, weights: ops.fused_moe_packed(x, *packed, weights, ids)
     if device.type == "cuda":
         from batchgen.kernels.moe_triton import fused_moe_triton

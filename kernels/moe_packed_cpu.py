@@ -29,7 +29,7 @@ import torch
 from batchgen.kernels.c_library import DOT_PAIRS_SOURCE, EXP_NEG_SOURCE, ROUTE_ROWS_SOURCE, SILU_SOURCE, CFunction
 
 GATE_COLUMNS = 16  # intermediate columns per gate_up block (their gate and up sums: 32 floats an index)
-DOWN_COLUMNS = 32  # output columns per down block
+DOWN_COLUMNS = 2 * GATE_COLUMNS  # output columns per down block (as many floats an index as a gate_up block)
 ROWS = 12  # token rows per register tile: 2 x 12 accumulators, 2 weight vectors and a broadcast in 32 registers
 # an expert's rows per panel: as many as make this many bytes of its wider rows (x or h), which then stay in L2 while
 # the weights' blocks stream past (a layer of bench-moe's: 192 rows; 1.04-1.16x faster at 512-1024 rows per expert)
@@ -44,8 +44,8 @@ _SOURCE = r"""
 #include <string.h>
 
 #define ROWS @ROWS@          /* moe_packed_cpu.ROWS */
-#define WIDE 32              /* floats a block holds per input index */
-#define GATE 16              /* intermediate columns per gate_up block */
+#define WIDE @DOWN_COLUMNS@              /* floats a block holds per input index (DOWN_COLUMNS = 2 x GATE_COLUMNS) */
+#define GATE @GATE_COLUMNS@              /* intermediate columns per gate_up block */
 #define PANEL 3             /* int64s per panel */
 #define PANEL_BYTES @PANEL_BYTES@  /* moe_packed_cpu.PANEL_BYTES */
 #define TILE_ROWS_COST 8     /* an item's weight in a thread's share: its rows plus the compute reading a block's
@@ -238,6 +238,7 @@ int packed_experts_f32(const float *x, int64_t T, int K, const int64_t *ids, con
 }
 """.replace("EXP_NEG", EXP_NEG_SOURCE).replace("DOT_PAIRS", DOT_PAIRS_SOURCE).replace("SILU", SILU_SOURCE).replace(
     "ROUTE_ROWS", ROUTE_ROWS_SOURCE).replace("@ROWS@", str(ROWS)).replace(
+    "@DOWN_COLUMNS@", str(DOWN_COLUMNS)).replace("@GATE_COLUMNS@", str(GATE_COLUMNS)).replace(
     "@PANEL_BYTES@", str(PANEL_BYTES)).replace("@THREAD_BYTES@", str(THREAD_BYTES))
 
 _PACKED = CFunction("packed_experts", _SOURCE, "packed_experts_f32",
