@@ -1,11 +1,12 @@
-"""Large host buffers, zero-filled by the OS page by page as they are first written.
+"""Large host buffers, zero-filled by the OS page by page as they are first written, in transparent huge pages.
 
 What the weights and the KV pools of a CPU engine live in. Nothing is written at allocation, so a pool of
-gigabytes costs an engine's constructor nothing and memory only as its pages fill. Ordinary pages, not
-transparent huge pages: on a VM that hands free memory back to its host (free page reporting, as the dev box's
-Firecracker VM does) a huge page's first write waits for the host to back 2 MiB again, 5-10 ms each: bench-moe's
-608 MiB of weights took 2.4-5 s to copy in against 0.2-0.5 s in 4 KiB pages, while decode steps sweeping those
-weights ran level in either (bench/RESULTS.md, "Session 16").
+gigabytes costs an engine's constructor nothing and memory only as its pages fill. An arena of a huge page or more
+is aligned to 2 MiB and advised for transparent huge pages: every decode step sweeps the weights, and on a VM each
+4 KiB page's TLB miss walks two page tables. On the dev box's KVM guest a sum over 608 MiB read 29 GB/s in huge pages
+against 22.5 GB/s in 4 KiB ones, and bench-moe's BCT fell 5-10 % (bench/RESULTS.md, "Session 37"). The price is the
+first write: the kernel zeroes 2 MiB at a time, and a VM that hands free memory back to its host backs each huge page
+anew (0.9 s for 608 MiB on the KVM guest, 2.4-5 s on an earlier Firecracker VM, "Session 16"): once per load.
 """
 
 from __future__ import annotations
@@ -14,9 +15,20 @@ import mmap
 
 import torch
 
+HUGE_PAGE = 2 << 20  # bytes of an x86-64 / arm64 transparent huge page
+
 
 def host_arena(nbytes: int) -> torch.Tensor:
-    """`nbytes` of zero-filled host memory as a page-aligned uint8 tensor; the mapping lives as long as a view of
-    it does."""
-    mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
+    """`nbytes` of zero-filled host memory as a page-aligned uint8 tensor (2 MiB-aligned and in huge pages where the
+    kernel has them, from HUGE_PAGE bytes on); the mapping lives as long as a view of it does."""
+    huge = nbytes >= HUGE_PAGE
+    mapping = mmap.mmap(-1, max(nbytes, 1) + (HUGE_PAGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    if not huge:
+        return whole[:nbytes]
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # no MADV_HUGEPAGE here, or a kernel without transparent huge pages
+        pass
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start:start + nbytes]
