@@ -196,26 +196,37 @@ static void down(const Job *j) {
     }
 }
 
+/* The calling thread's buffer of at least `floats` floats (the rows grouped by expert, then `h`), kept from call to
+   call: a fresh one of a prefill's size (tens of MiB, so mmap-ed by malloc) would be faulted in page by page on every
+   call (5-6 % of a call of 3-8 thousand tokens on the dev box). NULL when it cannot be had. */
+static __thread float *scratch_buffer;
+static __thread int64_t scratch_floats;
+static float *scratch(int64_t floats) {
+    if (floats + 1 > scratch_floats) {
+        free(scratch_buffer);
+        scratch_buffer = malloc((floats + 1) * sizeof(float));
+        scratch_floats = scratch_buffer ? floats + 1 : 0;
+    }
+    return scratch_buffer;
+}
+
 /* A whole MoE call on packed weights: the (token, k) pairs grouped by expert (route_rows_f32), then every expert with
    rows, in panels of at most PANEL_BYTES of rows, gate_up then down, over `threads` threads of the OpenMP pool torch
    runs its own ops on; `out` is zeroed first. Nothing is read back to the host, so a recorded forward
    (kernels/capture.py) can replay a call of any size. I a multiple of GATE, D of WIDE. Returns -1 when its buffers
    cannot be allocated, else 0. */
 int packed_experts_f32(const float *x, int64_t T, int K, const int64_t *ids, const float *topk_weight, int E,
-                        const float *wgu, const float *wd, float *xs, int64_t *token, float *weight, int64_t *starts,
+                        const float *wgu, const float *wd, int64_t *token, float *weight, int64_t *starts,
                         float *out, int D, int I, int threads) {
     memset(out, 0, T * D * sizeof(float));
-    if (route_rows_f32(x, T, K, ids, topk_weight, E, D, xs, token, weight, starts, threads)) return -1;
+    float *xs = scratch(T * K * (int64_t)(D + I));
+    if (!xs || route_rows_f32(x, T, K, ids, topk_weight, E, D, xs, token, weight, starts, threads)) return -1;
     if (!starts[E]) return 0;
     int64_t most = PANEL_BYTES / ((int64_t)(D > I ? D : I) * sizeof(float));  /* rows a panel takes */
     if (most < ROWS) most = ROWS;
     int64_t P = 0, *panels = malloc((E + starts[E] / most + 1) * PANEL * sizeof(int64_t));
-    float *h = malloc((starts[E] * (int64_t)I + 1) * sizeof(float));
-    if (!panels || !h) {
-        free(panels);
-        free(h);
-        return -1;
-    }
+    float *h = xs + starts[E] * (int64_t)D;
+    if (!panels) return -1;
     for (int e = 0; e < E; e++) {
         int64_t rows = starts[e + 1] - starts[e], count = (rows + most - 1) / most;
         for (int64_t q = 0; q < count; q++, P++) {
@@ -232,7 +243,6 @@ int packed_experts_f32(const float *x, int64_t T, int K, const int64_t *ids, con
 #pragma omp barrier
         down(&job);
     }
-    free(h);
     free(panels);
     return 0;
 }
@@ -243,7 +253,7 @@ int packed_experts_f32(const float *x, int64_t T, int K, const int64_t *ids, con
 
 _PACKED = CFunction("packed_experts", _SOURCE, "packed_experts_f32",
                     (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, *[ctypes.c_void_p] * 2, ctypes.c_int,
-                     *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 3), restype=ctypes.c_int)
+                     *[ctypes.c_void_p] * 6, *[ctypes.c_int] * 3), restype=ctypes.c_int)
 
 
 def unavailable() -> str | None:
@@ -294,12 +304,11 @@ def fused_moe_packed_cpu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch
     num_experts, blocks, dim, _ = w_gate_up.shape
     x, weights, ids = x.contiguous(), topk_weights.to(torch.float32).contiguous(), topk_ids.to(torch.int64).contiguous()
     out = torch.empty(tokens, dim, dtype=torch.float32)
-    xs = torch.empty(tokens * top_k, dim, dtype=torch.float32)
     token_rows = torch.empty(tokens * top_k, dtype=torch.int64)
     row_weights = torch.empty(tokens * top_k, dtype=torch.float32)
     starts = torch.empty(num_experts + 1, dtype=torch.int64)
     failed = _PACKED(x.data_ptr(), tokens, top_k, ids.data_ptr(), weights.data_ptr(), num_experts, w_gate_up.data_ptr(),
-            w_down.data_ptr(), xs.data_ptr(), token_rows.data_ptr(), row_weights.data_ptr(), starts.data_ptr(),
+            w_down.data_ptr(), token_rows.data_ptr(), row_weights.data_ptr(), starts.data_ptr(),
             out.data_ptr(), dim, blocks * GATE_COLUMNS, torch.get_num_threads())
     if failed:
         raise MemoryError(f"fused_moe_packed: no memory for the buffers of {tokens * top_k} routed rows")
