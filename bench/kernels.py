@@ -126,6 +126,14 @@ DECODE_SHAPE = {"heads": 8, "kv_heads": 2, "head_dim": 64, "page_size": 64}
 DECODE_BATCHES = ((8, 256), (32, 256), (128, 192), (128, 1024))  # (sequences, mean context)
 
 
+def as_engine_holds(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor copied into a host arena, the memory (huge pages) a CPU engine's weights and KV pools live in
+    (engine/host_arena.py); a GPU tensor as it is."""
+    if tensor.device.type != "cpu":
+        return tensor
+    return host_arena(tensor.numel() * tensor.element_size()).view(tensor.dtype).view(tensor.shape).copy_(tensor)
+
+
 def decode_attention(device: torch.device, dtype: torch.dtype, bandwidth: float, min_time: float,
                      before=None) -> list[dict]:
     """Paged decode attention time per call against reading every cached K/V byte once."""
@@ -142,8 +150,8 @@ def decode_attention(device: torch.device, dtype: torch.dtype, bandwidth: float,
         for b, n in enumerate(pages_per_seq.tolist()):
             table[b, :n] = order[start : start + n].int()
             start += n
-        k_cache = torch.randn(total_pages, page, kv_heads, dim, generator=g).to(device, dtype)
-        v_cache = torch.randn(total_pages, page, kv_heads, dim, generator=g).to(device, dtype)
+        k_cache = as_engine_holds(torch.randn(total_pages, page, kv_heads, dim, generator=g).to(device, dtype))
+        v_cache = as_engine_holds(torch.randn(total_pages, page, kv_heads, dim, generator=g).to(device, dtype))
         q = torch.randn(batch, heads, dim, generator=g).to(device, dtype)
         args = (q, k_cache, v_cache, table.to(device), lens.int().to(device), dim**-0.5)
         seconds = seconds_per_call(lambda *a: ops.paged_decode_attention(*a), args, device, min_time, before=before)
@@ -166,7 +174,7 @@ def projections(device: torch.device, dtype: torch.dtype, bandwidth: float, min_
     g = torch.Generator().manual_seed(0)
     rows = []
     for out_features, dim in LINEAR_SHAPES:
-        weight = (torch.randn(out_features, dim, generator=g) / dim**0.5).to(device, dtype)
+        weight = as_engine_holds((torch.randn(out_features, dim, generator=g) / dim**0.5).to(device, dtype))
         bound = weight.numel() * weight.element_size() / bandwidth
         for count in LINEAR_ROWS:
             x = torch.randn(count, dim, generator=g).to(device, dtype)
@@ -192,9 +200,7 @@ def run(args) -> dict:
     w_down = (torch.randn(args.experts, args.dim, args.inter, generator=g) / args.inter**0.5).to(
         device, dtype
     )
-    if device.type == "cpu":  # in a host arena, as a CPU engine holds its weights (engine/host_arena.py)
-        w_gate_up, w_down = (host_arena(w.numel() * w.element_size()).view(dtype).view(w.shape).copy_(w)
-                             for w in (w_gate_up, w_down))
+    w_gate_up, w_down = as_engine_holds(w_gate_up), as_engine_holds(w_down)
     impls = implementations(device, w_gate_up, w_down)
     weight_bytes = (w_gate_up.numel() + w_down.numel()) * w_down.element_size()  # every expert is hit
     rows, skipped = [], {}
