@@ -39,6 +39,7 @@ THREAD_BYTES = 256 << 10  # row copies a thread: less is not worth waking a seco
 _SOURCE = r"""
 #include <math.h>
 #include <omp.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -198,16 +199,35 @@ static void down(const Job *j) {
 
 /* The calling thread's buffer of at least `floats` floats (the rows grouped by expert, then `h`), kept from call to
    call: a fresh one of a prefill's size (tens of MiB, so mmap-ed by malloc) would be faulted in page by page on every
-   call (5-6 % of a call of 3-8 thousand tokens on the dev box). NULL when it cannot be had. */
-static __thread float *scratch_buffer;
-static __thread int64_t scratch_floats;
+   call (5-10 % of a call of 3-8 thousand tokens on the dev box). Freed when the thread ends. NULL when it cannot be
+   had. */
+typedef struct {
+    float *data;
+    int64_t floats;
+} Scratch;
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static void scratch_free(void *held) {
+    free(((Scratch *)held)->data);
+    free(held);
+}
+static void scratch_key_make(void) { pthread_key_create(&scratch_key, scratch_free); }
 static float *scratch(int64_t floats) {
-    if (floats + 1 > scratch_floats) {
-        free(scratch_buffer);
-        scratch_buffer = malloc((floats + 1) * sizeof(float));
-        scratch_floats = scratch_buffer ? floats + 1 : 0;
+    pthread_once(&scratch_once, scratch_key_make);
+    Scratch *held = pthread_getspecific(scratch_key);
+    if (!held) {
+        if (!(held = calloc(1, sizeof *held))) return NULL;
+        if (pthread_setspecific(scratch_key, held)) {
+            free(held);
+            return NULL;
+        }
     }
-    return scratch_buffer;
+    if (floats + 1 > held->floats) {
+        free(held->data);
+        held->data = malloc((floats + 1) * sizeof(float));
+        held->floats = held->data ? floats + 1 : 0;
+    }
+    return held->data;
 }
 
 /* A whole MoE call on packed weights: the (token, k) pairs grouped by expert (route_rows_f32), then every expert with

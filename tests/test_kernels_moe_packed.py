@@ -211,3 +211,55 @@ def test_a_module_whose_weights_cannot_be_packed_in_place_is_left_as_it_was():
     with pytest.raises(ValueError, match="must be contiguous"):
         module.pack_for_cpu()
     assert not module.packed and torch.equal(module.gate_up_proj, before)
+
+
+def _moe_call(tokens: int, seed: int):
+    """An MoE call of `tokens` tokens (top-2 of 4 experts, 64 x 128): its inputs, packed weights and naive result."""
+    x, w13, w2, _, _ = make_moe(tokens, 64, 128, 4, seed)
+    weights, ids = torch.rand(tokens, 4, generator=torch.Generator().manual_seed(seed)).topk(2, dim=1)
+    weights = weights / weights.sum(1, keepdim=True)
+    return (x, *packed(w13, w2), weights, ids), naive_moe(x, w13, w2, weights, ids)
+
+
+def test_calls_from_threads_at_once_each_get_their_own_buffers():
+    """The grouped rows and h live in a buffer of the calling thread's: two threads calling at once, with calls of
+    different sizes in turn (so each grows its buffer while the other computes), both get their own results."""
+    import threading
+
+    calls = [_moe_call(tokens, seed) for seed, tokens in enumerate([400, 3, 1500, 64])]
+    failures = []
+
+    def run(order):
+        for i in order * 5:
+            args, expected = calls[i]
+            try:
+                torch.testing.assert_close(ops.fused_moe_packed(*args).double(), expected, rtol=1e-5, atol=1e-5)
+            except AssertionError as exc:
+                failures.append(exc)
+
+    threads = [threading.Thread(target=run, args=(order,)) for order in ([0, 1, 2, 3], [2, 3, 0, 1])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) << 10 for line in status if line.startswith("VmRSS:"))
+
+
+def test_a_threads_buffer_is_freed_when_the_thread_ends():
+    """Each of 100 short-lived threads makes a call whose buffer is ~4 MiB: kept past their end, they would hold
+    ~420 MiB."""
+    import threading
+
+    args, _ = _moe_call(2731, 0)
+    ops.fused_moe_packed(*args)
+    before = _resident_bytes()
+    for _ in range(100):
+        thread = threading.Thread(target=ops.fused_moe_packed, args=args)
+        thread.start()
+        thread.join()
+    assert _resident_bytes() - before < 150 << 20
