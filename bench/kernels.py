@@ -32,7 +32,7 @@ import time
 import torch
 from roofline import read_bandwidth
 
-from batchgen.engine.host_arena import host_arena
+from batchgen.engine.host_arena import HUGE_PAGE, host_arena
 from batchgen.kernels import moe_cpu, moe_packed_cpu, ops, registry
 from batchgen.kernels.cpu_identity import last_level_cache_bytes
 from batchgen.kernels.moe_torch import fused_moe_torch
@@ -80,7 +80,8 @@ def implementations(device: torch.device, w_gate_up, w_down) -> dict:
         impls["batchgen_cpu_c"] = lambda x, ids, weights: moe_cpu.fused_moe_cpu(x, w_gate_up, w_down, weights, ids)
     if (device.type == "cpu" and w_gate_up.dtype == torch.float32 and not moe_packed_cpu.unavailable()
             and moe_packed_cpu.packing_refusal(w_down.shape[1], w_down.shape[2]) is None):
-        packed = moe_packed_cpu.pack_gate_up(w_gate_up), moe_packed_cpu.pack_down(w_down)
+        packed = (as_engine_holds(moe_packed_cpu.pack_gate_up(w_gate_up)),
+                  as_engine_holds(moe_packed_cpu.pack_down(w_down)))
         impls["batchgen_cpu_packed"] = lambda x, ids, weights: ops.fused_moe_packed(x, *packed, weights, ids)
     if device.type == "cuda":
         from batchgen.kernels.moe_triton import fused_moe_triton
@@ -127,11 +128,13 @@ DECODE_BATCHES = ((8, 256), (32, 256), (128, 192), (128, 1024))  # (sequences, m
 
 
 def as_engine_holds(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor copied into a host arena, the memory (huge pages) a CPU engine's weights and KV pools live in
-    (engine/host_arena.py); a GPU tensor as it is."""
+    """A CPU tensor copied into huge pages, as a CPU engine holds its weights and KV pools (each in one arena of
+    far more than a huge page: engine/host_arena.py), small tensors included; a GPU tensor as it is."""
     if tensor.device.type != "cpu":
         return tensor
-    return host_arena(tensor.numel() * tensor.element_size()).view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    nbytes = tensor.numel() * tensor.element_size()
+    arena = host_arena(max(nbytes, HUGE_PAGE))[:nbytes]
+    return arena.view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
 
 def decode_attention(device: torch.device, dtype: torch.dtype, bandwidth: float, min_time: float,

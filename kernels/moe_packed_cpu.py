@@ -199,8 +199,8 @@ static void down(const Job *j) {
 
 /* The calling thread's buffer of at least `floats` floats (the rows grouped by expert, then `h`), kept from call to
    call: a fresh one of a prefill's size (tens of MiB, so mmap-ed by malloc) would be faulted in page by page on every
-   call (5-10 % of a call of 3-8 thousand tokens on the dev box). Freed when the thread ends. NULL when it cannot be
-   had. */
+   call (5-10 % of a call of 3-8 thousand tokens on the dev box). It keeps the largest call's size until the thread
+   ends (an engine's step thread: the engine's life), as the heap would keep it anyway. NULL when it cannot be had. */
 typedef struct {
     float *data;
     int64_t floats;
