@@ -198,9 +198,9 @@ static void down(const Job *j) {
 }
 
 /* The calling thread's buffer of at least `floats` floats (the rows grouped by expert, then `h`), kept from call to
-   call: a fresh one of a prefill's size (tens of MiB, so mmap-ed by malloc) would be faulted in page by page on every
-   call (5-10 % of a call of 3-8 thousand tokens on the dev box). It keeps the largest call's size until the thread
-   ends (an engine's step thread: the engine's life), as the heap would keep it anyway. NULL when it cannot be had. */
+   call: a prefill's (over the 32 MiB glibc serves from its heap, engine/process_heap.py) would be a fresh mapping,
+   faulted in page by page on every call (5-10 % of a call of 3-8 thousand tokens on the dev box). It keeps the largest
+   call's size until the thread ends (an engine's step thread: the engine's life). NULL when it cannot be had. */
 typedef struct {
     float *data;
     int64_t floats;
