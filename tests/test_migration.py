@@ -306,9 +306,9 @@ def test_a_request_moved_again_to_the_loop_already_running_it_runs_once(demo):
         exported = {}
         for owner, tag in ((first_owner, "first"), (rerun_owner, "rerun")):
             owner.submit([r.request_id for r in requests], lambda engine, i: engine.add_request(requests[i]))
-            while owner.load.requests < 2:
-                time.sleep(0.01)
-            [exported[tag]] = owner.export(24).result()  # the oldest's 24 output tokens: request "0"
+            # queued behind the submission, before any step (a poll for the load could come after both requests
+            # finished): the oldest waiting prompt, request "0"
+            [exported[tag]] = owner.export(24).result(timeout=60)
             assert exported[tag].request.request_id == "0"
         # the second arrives while the holder runs the first (queued together: the first cannot finish between)
         adopted = [holder.adopt([exported[tag]], lambda result, tag=tag: delivered.append((tag, result)))
