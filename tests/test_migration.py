@@ -40,6 +40,13 @@ def workload() -> list[Request]:
             for i, (p, kind) in enumerate(zip(PROMPTS, kinds))]
 
 
+def admitted(loop: EngineLoop) -> None:
+    """Wait until the loop's engine has taken every request submitted so far: a command queued behind them (an
+    export of nothing) has run, and the load is recounted after each command. A poll of `load` for the full count
+    could miss it for good: short requests finish, and a running engine recounts its load every 50 ms."""
+    assert loop.export(0).result(timeout=60) == []
+
+
 class Remote:
     """A balancer actor's method, called in process: `await method.remote(*args)`."""
 
@@ -270,8 +277,7 @@ def test_engine_loops_move_requests_and_their_results_return_to_the_owner(demo):
     async def main():
         call = asyncio.ensure_future(owner.run([r.request_id for r in requests],
                                                lambda engine, i: engine.add_request(requests[i])))
-        while owner.load.requests < len(requests):  # admitted (the load is recounted after each command)
-            await asyncio.sleep(0.01)
+        assert await asyncio.wrap_future(owner.export(0)) == []  # admitted (see `admitted`)
         moved = await asyncio.wrap_future(owner.export(100))  # output tokens' worth: 2 to 5 of the 6 requests
         # (<=: the owner's engine keeps stepping meanwhile, and a short request may have finished already)
         assert 1 < len(moved) < len(requests) and owner.load.requests <= len(requests) - len(moved)
@@ -368,8 +374,7 @@ def test_requests_exported_for_a_move_that_could_not_be_sent_continue_on_their_o
     requests = workload()
     try:
         futures = loop.submit([r.request_id for r in requests], lambda engine, i: engine.add_request(requests[i]))
-        while loop.load.requests < len(requests):
-            time.sleep(0.01)
+        admitted(loop)
         with pytest.raises(ConnectionError):
             asyncio.run(agent._exchange())
         results = [future.result(timeout=120) for future in futures]
@@ -466,8 +471,7 @@ def test_an_aborted_request_running_elsewhere_does_not_run_again_when_its_holder
     requests = workload()
     futures = owner.submit([r.request_id for r in requests], lambda engine, i: engine.add_request(requests[i]))
     try:
-        while owner.load.requests < len(requests):
-            time.sleep(0.01)
+        admitted(owner)
         moved = [m.request.request_id for m in owner.export(100).result(timeout=60)]
         assert moved
         owner.abort(moved[:1])
@@ -487,8 +491,7 @@ def test_a_task_run_again_where_its_moved_request_runs_gets_that_requests_result
     requests = workload()
     owner.submit([r.request_id for r in requests], lambda engine, i: engine.add_request(requests[i]))
     try:
-        while owner.load.requests < len(requests):
-            time.sleep(0.01)
+        admitted(owner)
         moved = owner.export(100).result(timeout=60)
         rid, back, gate = moved[0].request.request_id, [], threading.Event()
 
