@@ -274,10 +274,16 @@ def test_engine_loops_move_requests_and_their_results_return_to_the_owner(demo):
     requests = workload()
     moved_ids: list[str] = []
 
+    added = threading.Event()
+
+    def add(engine, i):
+        engine.add_request(requests[i])
+        if i == len(requests) - 1:
+            added.set()  # all admitted (`run` submits after a hop to a thread: no command can be queued behind it)
+
     async def main():
-        call = asyncio.ensure_future(owner.run([r.request_id for r in requests],
-                                               lambda engine, i: engine.add_request(requests[i])))
-        assert await asyncio.wrap_future(owner.export(0)) == []  # admitted (see `admitted`)
+        call = asyncio.ensure_future(owner.run([r.request_id for r in requests], add))
+        assert await asyncio.to_thread(added.wait, 60)
         moved = await asyncio.wrap_future(owner.export(100))  # output tokens' worth: 2 to 5 of the 6 requests
         # (<=: the owner's engine keeps stepping meanwhile, and a short request may have finished already)
         assert 1 < len(moved) < len(requests) and owner.load.requests <= len(requests) - len(moved)
