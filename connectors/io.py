@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
 import uuid
 from typing import Any
@@ -76,6 +77,23 @@ def check_writable(uri: str, storage_options: dict[str, Any] | None = None) -> N
         raise
     except Exception as exc:  # botocore and friends raise their own types
         raise StorageError(f"output {uri!r} is not writable: {exc}") from exc
+
+
+def write_atomically(fs, path: str, data: bytes) -> None:
+    """`data` at `path`, written under a temporary name beside it, then moved over it: a reader sees the old file or
+    the new one, never a part (a local rename replaces at once; an object store's copy appears whole). Several
+    writers of one path each use a temporary name of their own."""
+    folder = posixpath.dirname(path)
+    temporary = posixpath.join(folder, f".{posixpath.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+    fs.makedirs(folder, exist_ok=True)
+    try:
+        with fs.open(temporary, "wb") as f:
+            f.write(data)
+        fs.mv(temporary, path)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the write's own error is the one to report
+            fs.rm(temporary)
+        raise
 
 
 def _visible_files(fs, folder: str) -> dict[str, dict]:

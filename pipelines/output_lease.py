@@ -27,7 +27,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from batchgen.connectors.io import filesystem
+from batchgen.connectors.io import filesystem, write_atomically
 from batchgen.engine.process_identity import pid_space, process_alive, process_start
 
 LEASE = "_batchgen_run.json"
@@ -146,4 +146,6 @@ class OutputLease:
             return None
 
     def _write(self) -> None:
-        self.fs.pipe_file(self.path, json.dumps(asdict(self.holder)).encode())
+        """Whole or not at all: a record rewritten in place (truncated, then written) read as empty by a run checking
+        the folder at that moment, which took it for free and claimed it beside this run."""
+        write_atomically(self.fs, self.path, json.dumps(asdict(self.holder)).encode())

@@ -130,15 +130,15 @@ def test_a_storage_error_of_any_kind_misses_a_heartbeat_and_the_next_one_refresh
     lease = OutputLease(str(tmp_path))
     lease.acquire()
     first = json.loads((tmp_path / LEASE).read_text())["heartbeat"]
-    write, failures = lease.fs.pipe_file, []
+    move, failures = lease.fs.mv, []
 
     def unreachable(*args, **kwargs):
         if len(failures) < 2:
             failures.append(1)
             raise RuntimeError("Could not connect to the endpoint URL")
-        return write(*args, **kwargs)
+        return move(*args, **kwargs)
 
-    monkeypatch.setattr(lease.fs, "pipe_file", unreachable)
+    monkeypatch.setattr(lease.fs, "mv", unreachable)
     deadline = time.monotonic() + 10
     while json.loads((tmp_path / LEASE).read_text())["heartbeat"] == first and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -146,3 +146,22 @@ def test_a_storage_error_of_any_kind_misses_a_heartbeat_and_the_next_one_refresh
     assert not lease.lost
     lease.release()
     assert not (tmp_path / LEASE).exists()
+    assert not list(tmp_path.glob(".*.tmp"))  # the failed writes' temporary files removed
+
+
+def test_a_heartbeat_replaces_the_lease_record_whole(tmp_path, monkeypatch):
+    """Rewritten in place (truncated, then written), the record read as empty by a run checking the folder at that
+    moment: that run took the folder for free and claimed it beside this one. Each write is a new file moved over
+    the record (a new inode), so a reader sees the old record or the new one."""
+    monkeypatch.setattr(output_lease, "HEARTBEAT_S", 0.05)
+    lease = OutputLease(str(tmp_path))
+    lease.acquire()
+    try:
+        first = (tmp_path / LEASE).stat().st_ino, json.loads((tmp_path / LEASE).read_text())["heartbeat"]
+        deadline = time.monotonic() + 10
+        while json.loads((tmp_path / LEASE).read_text())["heartbeat"] == first[1] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert (tmp_path / LEASE).stat().st_ino != first[0]
+    finally:
+        lease.release()
+    assert not list(tmp_path.glob(".*.tmp"))

@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 
 from batchgen.connectors.checkpoint_files import load_config, load_tokenizer
 from batchgen.connectors.indexed_parquet import written_parts
-from batchgen.connectors.io import filesystem
+from batchgen.connectors.io import filesystem, write_atomically
 from batchgen.engine import Completion, EngineConfig, InvalidRequestError, RequestNormalizer, Result, SamplingParams
 from batchgen.operators.columns import ERROR, PROMPT_TOKEN_IDS, SAMPLING_PARAMS
 from batchgen.operators.stage_columns import SAMPLING_TYPE
@@ -238,9 +238,9 @@ class RayBackend(BatchBackendBase):
         batch.recorded.update(r.index for r in rejected)
         if rows:  # the settings first: an input file means a prepared job
             settings = {"sampling_defaults": self.config.default_sampling}
-            self._write_atomically(f"{files.path}/{SETTINGS}", json.dumps(settings).encode())
+            write_atomically(self.fs, f"{files.path}/{SETTINGS}", json.dumps(settings).encode())
             table = pa.Table.from_pylist(rows, schema=_INPUT_SCHEMA)
-            self._write_atomically(input_path, _parquet_bytes(table, self.job.rows_per_block))
+            write_atomically(self.fs, input_path, _parquet_bytes(table, self.job.rows_per_block))
         return self.config.default_sampling, len(rows)
 
     def _record_parts(self, batch: RayBatch, files: JobFiles) -> None:
@@ -288,14 +288,6 @@ class RayBackend(BatchBackendBase):
             if record is None or record.status in TERMINAL:
                 self.fs.rm(path, recursive=True)
 
-    def _write_atomically(self, path: str, data: bytes) -> None:
-        """Under a temporary name, then moved: the file exists only once complete (a restart trusts it)."""
-        folder = posixpath.dirname(path)
-        temporary = f"{folder}/.{posixpath.basename(path)}.tmp"
-        self.fs.makedirs(folder, exist_ok=True)
-        with self.fs.open(temporary, "wb") as f:
-            f.write(data)
-        self.fs.mv(temporary, path)
 
 
 def _parquet_bytes(table: pa.Table, rows_per_group: int) -> bytes:
