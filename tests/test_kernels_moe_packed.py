@@ -205,7 +205,8 @@ def test_a_memory_constrained_engine_streams_experts_an_earlier_engine_packed(tm
 def test_a_module_whose_weights_cannot_be_packed_in_place_is_left_as_it_was():
     from batchgen.engine.models.layers import FusedExperts
 
-    module = FusedExperts(4, 64, 48)
+    module = FusedExperts(4, 64, 48)  # its parameters uninitialised (torch.empty: NaNs now and then, unequal to all)
+    module.gate_up_proj = torch.nn.Parameter(torch.randn(4, 96, 64), requires_grad=False)
     module.down_proj = torch.nn.Parameter(torch.randn(4, 48, 64).transpose(1, 2), requires_grad=False)
     before = module.gate_up_proj.detach().clone()
     with pytest.raises(ValueError, match="must be contiguous"):
