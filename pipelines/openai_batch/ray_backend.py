@@ -289,7 +289,6 @@ class RayBackend(BatchBackendBase):
                 self.fs.rm(path, recursive=True)
 
 
-
 def _parquet_bytes(table: pa.Table, rows_per_group: int) -> bytes:
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, row_group_size=rows_per_group)
