@@ -166,16 +166,6 @@ def check_linear_inputs(x, weight, bias) -> None:
              lambda: f"bias must be [{weight.shape[0]}], got {_shape(bias)}")
 
 
-def check_packed_linear_inputs(x, weight, bias) -> None:
-    op = "linear_packed"
-    _require(weight.dim() == 3 and weight.shape[2] == 32 and weight.is_contiguous(), op,
-             lambda: f"weight must be packed [O/32, D, 32] and contiguous, got {_shape(weight)}")
-    _require(x.dim() >= 1 and x.shape[-1] == weight.shape[1], op,
-             lambda: f"x {_shape(x)} does not match weight {_shape(weight)} in D")
-    _require(bias is None or tuple(bias.shape) == (weight.shape[0] * 32,), op,
-             lambda: f"bias must be [{weight.shape[0] * 32}], got {_shape(bias)}")
-
-
 def check_rms_norm_inputs(x, weight) -> None:
     op = "rms_norm"
     _require(weight.dim() == 1, op, lambda: f"weight must be [D], got {_shape(weight)}")

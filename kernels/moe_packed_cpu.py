@@ -4,10 +4,9 @@ In the checkpoints' layout each weight row is one output column ([2I, D] gate an
 kernel either sums dot products along rows (horizontal sums at the end: moe_cpu's path for an expert's few rows)
 or broadcasts one weight element at a time against token rows transposed into vectors (17 loads to 16 FMAs: on the
 dev box ~30 % of the FMA peak in L1). Repacked so that the same input index of 32 neighbouring output columns is two
-vectors, a tile of up to TILE_ROWS token rows takes the two weight vectors and one broadcast input per row at each
-index, 2 x TILE_ROWS FMAs into registers: the register tile of a GEMM micro-kernel (c_library.REGISTER_TILE_SOURCE,
-which the projections' kernel linear_packed_cpu.py shares), ~95 % of the FMA peak with the weights in L2 (a dev-box C
-loop: 198 of 208 GFLOP/s a core).
+vectors, a tile of up to ROWS token rows takes the two weight vectors and one broadcast input per row at each index,
+2 x ROWS FMAs into registers: the register tile of a GEMM micro-kernel, ~95 % of the FMA peak with the weights in
+L2 (a dev-box C loop: 198 of 208 GFLOP/s a core).
 
 Packed layouts (`pack_gate_up`, `pack_down`; in place, the same storage: `pack_in_place`):
 - gate_up [E, I / 16, D, 32]: block c of sixteen intermediate columns; at input index k, the gate columns 16c ..
@@ -27,18 +26,14 @@ import ctypes
 
 import torch
 
-from batchgen.kernels.c_library import (
-    DOT_PAIRS_SOURCE,
-    EXP_NEG_SOURCE,
-    REGISTER_TILE_SOURCE,
-    ROUTE_ROWS_SOURCE,
-    SILU_SOURCE,
-    TILE_COLUMNS,
-    CFunction,
-)
+from batchgen.kernels.c_library import DOT_PAIRS_SOURCE, EXP_NEG_SOURCE, ROUTE_ROWS_SOURCE, SILU_SOURCE, CFunction
 
-DOWN_COLUMNS = TILE_COLUMNS  # output columns per down block
-GATE_COLUMNS = TILE_COLUMNS // 2  # intermediate columns per gate_up block (their gate and up sums: a block's width)
+GATE_COLUMNS = 16  # intermediate columns per gate_up block (their gate and up sums: 32 floats an index)
+DOWN_COLUMNS = 2 * GATE_COLUMNS  # output columns per down block (as many floats an index as a gate_up block)
+ROWS = 12  # token rows per register tile: 2 x 12 accumulators, 2 weight vectors and a broadcast in 32 registers
+# an expert's rows per panel: as many as make this many bytes of its wider rows (x or h), which then stay in L2 while
+# the weights' blocks stream past (a layer of bench-moe's: 192 rows; 1.04-1.16x faster at 512-1024 rows per expert)
+PANEL_BYTES = 768 << 10
 THREAD_BYTES = 256 << 10  # row copies a thread: less is not worth waking a second
 
 _SOURCE = r"""
@@ -49,8 +44,11 @@ _SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
+#define ROWS @ROWS@          /* moe_packed_cpu.ROWS */
+#define WIDE @DOWN_COLUMNS@              /* floats a block holds per input index (DOWN_COLUMNS = 2 x GATE_COLUMNS) */
 #define GATE @GATE_COLUMNS@              /* intermediate columns per gate_up block */
 #define PANEL 3             /* int64s per panel */
+#define PANEL_BYTES @PANEL_BYTES@  /* moe_packed_cpu.PANEL_BYTES */
 #define TILE_ROWS_COST 8     /* an item's weight in a thread's share: its rows plus the compute reading a block's
                                 weights from memory is worth (rows are the compute, the block's read is fixed) */
 #define THREAD_BYTES @THREAD_BYTES@
@@ -63,8 +61,6 @@ SILU
 
 ROUTE_ROWS
 
-REGISTER_TILE
-
 typedef struct {
     const float *x;            /* [R, D] rows sorted by expert */
     const int64_t *panels;     /* [P, PANEL] each panel's expert, first row, end row: an expert's rows in order */
@@ -76,6 +72,61 @@ typedef struct {
     int64_t P;
     int D, I;
 } Job;
+
+/* sums[2r], sums[2r + 1] = x_r . w[:, 0:16], x_r . w[:, 16:32] for the n (a constant after inlining) rows
+   x_r = x + r * stride, over the len indexes of the block w ([len, WIDE]): each sum one accumulator, in index order.
+   Meanwhile share `part` of `parts` of the next block (`next`, as long) is fetched into L2: a block's tiles of rows
+   fetch it in turn, so the memory reads go on through all of them. */
+static inline __attribute__((always_inline)) void tile(int n, const float *restrict w, const float *restrict x,
+                                                       int64_t stride, int len, v16 *sums, const float *next,
+                                                       int part, int parts) {
+    v16 acc[2 * ROWS];
+    for (int i = 0; i < 2 * n; i++) acc[i] = (v16){0};
+    /* (part * len + k) / parts without a division per index: times 2^32 / parts, rounded up (exact while
+       part * len + k < 2^32 / parts) */
+    uint64_t inverse = ((1ull << 32) + parts - 1) / parts, from = (uint64_t)part * len;
+    for (int k = 0; k < len; k++) {
+        int64_t ahead = (int64_t)(((from + k) * inverse) >> 32) * WIDE;
+        __builtin_prefetch(next + ahead, 0, 2);
+        __builtin_prefetch(next + ahead + LANES, 0, 2);
+        if (n <= 8) {
+            __builtin_prefetch(w + (int64_t)(k + 16) * WIDE, 0, 3);
+            __builtin_prefetch(w + (int64_t)(k + 16) * WIDE + LANES, 0, 3);
+        }
+        v16 w0 = load(w + (int64_t)k * WIDE), w1 = load(w + (int64_t)k * WIDE + LANES);
+        for (int r = 0; r < n; r++) {
+            float xr = x[r * stride + k];
+            acc[2 * r] += xr * w0;
+            acc[2 * r + 1] += xr * w1;
+        }
+    }
+    for (int i = 0; i < 2 * n; i++) sums[i] = acc[i];
+}
+
+/* tile with n a compile-time constant in every case, so each keeps its sums in registers */
+static void tile_n(int n, const float *w, const float *x, int64_t stride, int len, v16 *sums, const float *next,
+                   int part, int parts) {
+    switch (n) {
+        case 1: tile(1, w, x, stride, len, sums, next, part, parts); break;
+        case 2: tile(2, w, x, stride, len, sums, next, part, parts); break;
+        case 3: tile(3, w, x, stride, len, sums, next, part, parts); break;
+        case 4: tile(4, w, x, stride, len, sums, next, part, parts); break;
+        case 5: tile(5, w, x, stride, len, sums, next, part, parts); break;
+        case 6: tile(6, w, x, stride, len, sums, next, part, parts); break;
+        case 7: tile(7, w, x, stride, len, sums, next, part, parts); break;
+        case 8: tile(8, w, x, stride, len, sums, next, part, parts); break;
+        case 9: tile(9, w, x, stride, len, sums, next, part, parts); break;
+        case 10: tile(10, w, x, stride, len, sums, next, part, parts); break;
+        case 11: tile(11, w, x, stride, len, sums, next, part, parts); break;
+        default: tile(ROWS, w, x, stride, len, sums, next, part, parts); break;
+    }
+}
+
+/* A panel's rows in tiles of at most ROWS, as even as they divide: tile t is [first + rows * t / tiles, ...) */
+static inline int64_t tiles_of(int64_t rows) { return (rows + ROWS - 1) / ROWS; }
+static inline int64_t tile_start(int64_t first, int64_t rows, int64_t t, int64_t tiles) {
+    return first + rows * t / tiles;
+}
 
 static inline int64_t panel_rows(const Job *j, int64_t q) {
     return j->panels[PANEL * q + 2] - j->panels[PANEL * q + 1];
@@ -216,8 +267,9 @@ int packed_experts_f32(const float *x, int64_t T, int K, const int64_t *ids, con
     return 0;
 }
 """.replace("EXP_NEG", EXP_NEG_SOURCE).replace("DOT_PAIRS", DOT_PAIRS_SOURCE).replace("SILU", SILU_SOURCE).replace(
-    "ROUTE_ROWS", ROUTE_ROWS_SOURCE).replace("REGISTER_TILE", REGISTER_TILE_SOURCE).replace(
-    "@GATE_COLUMNS@", str(GATE_COLUMNS)).replace("@THREAD_BYTES@", str(THREAD_BYTES))
+    "ROUTE_ROWS", ROUTE_ROWS_SOURCE).replace("@ROWS@", str(ROWS)).replace(
+    "@DOWN_COLUMNS@", str(DOWN_COLUMNS)).replace("@GATE_COLUMNS@", str(GATE_COLUMNS)).replace(
+    "@PANEL_BYTES@", str(PANEL_BYTES)).replace("@THREAD_BYTES@", str(THREAD_BYTES))
 
 _PACKED = CFunction("packed_experts", _SOURCE, "packed_experts_f32",
                     (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, *[ctypes.c_void_p] * 2, ctypes.c_int,

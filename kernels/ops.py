@@ -9,7 +9,6 @@ from batchgen.kernels.checks import (
     check_decode_inputs,
     check_linear_inputs,
     check_moe_inputs,
-    check_packed_linear_inputs,
     check_packed_moe_inputs,
     check_prefill_inputs,
     check_rms_norm_inputs,
@@ -103,13 +102,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Returns [..., O] in x.dtype."""
     check_linear_inputs(x, weight, bias)
     return registry.dispatch("linear", x)(x, weight, bias)
-
-
-def linear_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """linear on a weight packed by kernels/linear_packed_cpu.py (float32 CPU tensors): x [..., D]; weight
-    [O/32, D, 32]; bias [O] or None. Returns [..., O]."""
-    check_packed_linear_inputs(x, weight, bias)
-    return registry.dispatch("linear_packed", x)(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

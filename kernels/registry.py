@@ -24,8 +24,8 @@ from batchgen.kernels import capture
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "BATCHGEN_KERNELS"
-OPS = ("fused_moe", "fused_moe_packed", "prefill_attention", "paged_decode_attention", "write_kv", "linear",
-       "linear_packed", "rms_norm", "rotary", "argmax", "router_topk")
+OPS = ("fused_moe", "fused_moe_packed", "prefill_attention", "paged_decode_attention", "write_kv", "linear", "rms_norm",
+       "rotary", "argmax", "router_topk")
 HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
 # Backends whose work a recorded forward replays (kernels/capture.py): torch ops and the C kernels.
 REPLAYABLE = frozenset({"torch", "cpu_c"})
@@ -124,8 +124,6 @@ BACKENDS = (
     Backend("write_kv", "torch", f"{_PKG}.attention_torch:write_kv_torch", _ANY),
     _c_kernel("linear", "linear_cpu", "linear_cpu"),
     Backend("linear", "torch", "torch.nn.functional:linear", _ANY),
-    # linear on projection weights the engine packed for it (kernels/linear_packed_cpu.py), as fused_moe_packed
-    _c_kernel("linear_packed", "linear_packed_cpu", "linear_packed_cpu"),
     _c_kernel("rms_norm", "norm_cpu", "rms_norm_cpu"),
     Backend("rms_norm", "torch", f"{_PKG}.norm_torch:rms_norm_torch", _ANY),
     _c_kernel("rotary", "rotary_cpu", "rotary_cpu"),

@@ -183,15 +183,14 @@ def test_ops_linear_checks_shapes_and_picks_the_c_kernel_on_cpu():
 
 
 def test_engine_projections_run_on_the_kernel_with_transformers_greedy_tokens(tmp_path, kernel_calls, onednn_calls):
-    """A Mixtral wide enough that its projections take the C kernel (hidden 264: 272 KiB q_proj) decodes transformers'
-    own greedy tokens; its decode steps really called the kernel and its prefill (29 rows) oneDNN. (264 is no
-    multiple of 32: the engine leaves its attention's projections in the checkpoint layout, linear's to compute.)"""
+    """A Mixtral wide enough that its projections take the C kernel (hidden 256: 256 KiB q_proj) decodes transformers'
+    own greedy tokens; its decode steps really called the kernel and its prefill (29 rows) oneDNN."""
     from tiny_models import hf_greedy_batch, prompts, save_tiny_checkpoint
 
     from batchgen.connectors.checkpoint import load_model
     from batchgen.engine import Engine, Request, SamplingParams
 
-    hf_model = save_tiny_checkpoint("mixtral", tmp_path, hidden_size=264, intermediate_size=128)
+    hf_model = save_tiny_checkpoint("mixtral", tmp_path, hidden_size=256, intermediate_size=128)
     loaded = load_model(str(tmp_path))
     batch = prompts(lengths=(3, 9, 17))
     expected = hf_greedy_batch(hf_model, batch, 12)

@@ -2,7 +2,7 @@ import pytest
 import torch
 from test_kernels_moe import make_moe, naive_moe
 
-from batchgen.kernels import c_library, moe_packed_cpu, ops, registry
+from batchgen.kernels import moe_packed_cpu, ops, registry
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +68,7 @@ def test_an_expert_of_more_rows_than_a_panel_takes_runs_in_panels():
     x, w13, w2, weights, ids = make_moe(400, 512, 1024, 4, 2, seed=5)
     ids[:, 0] = 0
     ids[:, 1] = torch.where(ids[:, 1] == 0, 1, ids[:, 1])
-    assert c_library.PANEL_BYTES // (1024 * 4) == 192
+    assert moe_packed_cpu.PANEL_BYTES // (1024 * 4) == 192
     out = ops.fused_moe_packed(x, *packed(w13, w2), weights, ids)
     torch.testing.assert_close(out, fused_moe_torch(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
     alone = ops.fused_moe_packed(x[390:], *packed(w13, w2), weights[390:], ids[390:])
@@ -135,8 +135,8 @@ def test_experts_stay_in_the_checkpoint_layout_when_fused_moe_runs_elsewhere(tmp
 
     from batchgen.connectors.checkpoint import load_model
     from batchgen.engine import Engine
+    from batchgen.engine.models.expert_packing import experts_packed, pack_experts, packing_refusal
     from batchgen.engine.models.layers import FusedExperts
-    from batchgen.engine.models.weight_packing import experts_packed, pack_experts, packing_refusal
 
     hf_model = save_tiny_checkpoint("mixtral", tmp_path)
     batch = prompts(lengths=(4, 11))
@@ -162,7 +162,7 @@ def test_shared_or_streamed_host_weights_are_never_packed(tmp_path, monkeypatch)
 
     from batchgen.connectors.checkpoint import load_model
     from batchgen.engine import Engine
-    from batchgen.engine.models.weight_packing import experts_packed, packing_refusal
+    from batchgen.engine.models.expert_packing import experts_packed, packing_refusal
 
     monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "cache"))
     hf_model = save_tiny_checkpoint("mixtral", tmp_path / "ckpt")
@@ -187,7 +187,7 @@ def test_a_memory_constrained_engine_streams_experts_an_earlier_engine_packed(tm
 
     from batchgen.connectors.checkpoint import load_model
     from batchgen.engine import Engine
-    from batchgen.engine.models.weight_packing import experts_packed
+    from batchgen.engine.models.expert_packing import experts_packed
 
     hf_model = save_tiny_checkpoint("mixtral", tmp_path)
     batch = prompts(lengths=(4, 11, 7))

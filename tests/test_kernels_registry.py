@@ -42,7 +42,6 @@ def test_auto_picks_cpu_backends_even_under_interpreter(monkeypatch):
         argmax_cpu,
         attention_cpu,
         linear_cpu,
-        linear_packed_cpu,
         moe_cpu,
         moe_packed_cpu,
         norm_cpu,
@@ -57,7 +56,7 @@ def test_auto_picks_cpu_backends_even_under_interpreter(monkeypatch):
                "rms_norm": norm_cpu, "rotary": rotary_cpu, "write_kv": write_kv_cpu, "prefill_attention": prefill_cpu,
                "argmax": argmax_cpu, "router_topk": router_cpu}
     expected = {op: "torch" if module.unavailable() else "cpu_c" for op, module in modules.items()}
-    assert set(modules) | {"fused_moe_packed", "linear_packed"} == set(registry.OPS)
+    assert set(modules) | {"fused_moe_packed"} == set(registry.OPS)
     for op in modules:
         assert registry.resolve(op, "cpu", torch.float32)[0] == expected[op]
     for op in expected:  # C kernels: fp32 only
@@ -67,10 +66,6 @@ def test_auto_picks_cpu_backends_even_under_interpreter(monkeypatch):
         assert registry.resolve("fused_moe_packed", "cpu", torch.float32)[0] == "cpu_c"
     with pytest.raises(registry.BackendUnavailableError, match="fused_moe_packed: no backend runs on cpu with"):
         registry.resolve("fused_moe_packed", "cpu", torch.float16)
-    if not linear_packed_cpu.unavailable():  # packed projections likewise
-        assert registry.resolve("linear_packed", "cpu", torch.float32)[0] == "cpu_c"
-    with pytest.raises(registry.BackendUnavailableError, match="linear_packed: no backend runs on cpu with"):
-        registry.resolve("linear_packed", "cpu", torch.float16)
 
 
 def test_a_backend_whose_probe_fails_is_skipped_and_named_when_forced(monkeypatch):

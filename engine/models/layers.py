@@ -16,7 +16,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchgen.engine.models.context import AttentionContext
-from batchgen.kernels import linear_packed_cpu, moe_packed_cpu, ops, registry
+from batchgen.kernels import moe_packed_cpu, ops, registry
 from batchgen.kernels.capture import effect
 from batchgen.kernels.expert_parallel import LocalDispatcher
 
@@ -55,24 +55,10 @@ def uneven_rows(model: nn.Module) -> str | None:
 
 class Linear(nn.Linear):
     """nn.Linear computed by kernels.ops.linear: on CPU a decode step's few rows go through a C kernel that reads the
-    weight at memory speed (BLAS runs such GEMVs far slower); or, its weight packed for the CPU register tile
-    (`pack_for_cpu`), by kernels.ops.linear_packed."""
-
-    @property
-    def packed(self) -> bool:
-        """Whether the weight is in linear_packed_cpu's layout (3-D), not the checkpoint's."""
-        return self.weight.dim() == 3
-
-    def pack_for_cpu(self) -> None:
-        """Repack the weight, in its own storage, into the CPU kernel's layout (kernels/linear_packed_cpu.py)."""
-        if self.packed:
-            return
-        if not self.weight.is_contiguous():
-            raise ValueError("a projection's weight to pack in place must be contiguous")
-        self.weight = nn.Parameter(linear_packed_cpu.pack_linear_in_place(self.weight.data), requires_grad=False)
+    weight at memory speed (BLAS runs such GEMVs far slower)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (ops.linear_packed if self.packed else ops.linear)(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class RotaryEmbedding:

@@ -9,9 +9,9 @@ import torch
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_budget import activation_bytes_per_token
 from batchgen.engine.kv_pool import PoolGeometry
+from batchgen.engine.models.expert_packing import experts_packed, pack_experts
 from batchgen.engine.models.layers import SparseMoE
 from batchgen.engine.models.loaded_model import LoadedModel
-from batchgen.engine.models.weight_packing import experts_packed, pack_experts, pack_projections, projections_packed
 from batchgen.engine.offload.offload_plan import OffloadPlan, plan_offload
 from batchgen.engine.offload.weight_streamer import WeightStreamer
 from batchgen.engine.offload.weight_units import WeightUnits, weight_units
@@ -41,8 +41,8 @@ def stream_weights(loaded: LoadedModel, config: EngineConfig, device: torch.devi
     if loaded.weight_placement != "resident":
         raise ValueError(f"this loaded model's weights are already placed ({loaded.weight_placement}); load the "
                          "model again for another memory-constrained engine")
-    if device.type != "cpu" and (experts_packed(loaded) or projections_packed(loaded.model)):
-        raise ValueError(f"this loaded model's weights were packed for the CPU kernels by an engine on it; load the "
+    if device.type != "cpu" and experts_packed(loaded):
+        raise ValueError(f"this loaded model's experts were packed for the CPU kernel by an engine on it; load the "
                          f"model again for a memory-constrained engine on {device.type}")
     units, plan, per_token = offload_plan(loaded, config, device.type)
     streamer = WeightStreamer(units, plan, device, per_token)
@@ -55,15 +55,11 @@ def stream_weights(loaded: LoadedModel, config: EngineConfig, device: torch.devi
 
 
 def place_as_engine(loaded: LoadedModel, config: EngineConfig) -> tuple[WeightStreamer | None, EngineConfig]:
-    """`loaded` placed as an Engine with `config` places it (resident: its experts and projections packed for the CPU
-    kernels where they compute them, the projections by a single-rank engine only, as a rank's straggler partition
-    slices them and its engine borrows those slices of the rank's own; for a device memory budget: weights streamed
-    from host memory as they are, which the node's processes may share) and the config that then holds: what a plan
-    made outside an engine (a job's, `batchgen plan`) must profile and start from, or the engines it plans for refuse
-    its settings."""
+    """`loaded` placed as an Engine with `config` places it (resident: its experts packed for the CPU kernel where it
+    computes them; for a device memory budget: weights streamed from host memory as they are, which the node's
+    processes may share) and the config that then holds: what a plan made outside an engine (a job's, `batchgen
+    plan`) must profile and start from, or the engines it plans for refuse its settings."""
     if config.device_memory_bytes is None:
         pack_experts(loaded)
-        if config.ep_size == 1 and config.tp_size == 1:
-            pack_projections(loaded)
         return None, config
     return stream_weights(loaded, config, config.torch_device())

@@ -29,7 +29,6 @@ from batchgen.engine.kv_pool import PoolGeometry
 from batchgen.engine.migration import MigratedRequest, MigratedSample
 from batchgen.engine.models.layers import FusedExperts
 from batchgen.engine.models.tensor_parallel import keep_tensor_shard
-from batchgen.engine.models.weight_packing import projections_packed
 from batchgen.engine.parallel.rank_group import RankGroup
 from batchgen.engine.quantile_sketch import QuantileSketch
 from batchgen.kernels.expert_parallel import ExpertShareDispatcher, LocalDispatcher
@@ -60,9 +59,6 @@ def partition_model(model: nn.Module, group: RankGroup,
     expert, from the model `expert_columns()` loads (only its FusedExperts hold weights), else its own experts,
     each token's routes to them only. Raises ValueError when the heads or expert columns do not split over the
     ranks."""
-    if projections_packed(model):
-        raise ValueError("its projections were packed for the CPU kernel by a single-rank engine on this loaded model; "
-                         "load the model again for an expert-parallel engine")
     rank, ranks = group.rank, group.size
     view = module_view(model)
     keep_tensor_shard(view, rank, ranks, experts=False)
