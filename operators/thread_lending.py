@@ -174,8 +174,13 @@ def remove_ended_jobs(root: Path, keep: Path, now: float) -> list[Path]:
 
 
 def _ended(entry: os.DirEntry) -> bool:
-    """Whether a lending file names a process that ended (one that does not read as a lending file has not)."""
-    pid = entry.name.removesuffix(".tmp")
+    """Whether a lending file names a process that ended (one that does not read as a lending file has not). A
+    partial file (`.tmp`) is a `_publish` whose replace never came, its writer killed between the two (a live one
+    replaces it at once, and remove_ended_jobs looks only in directories untouched for ENDED_AGE_S): ended, whatever
+    it holds (an empty one, often: killed between creating and writing it)."""
+    if entry.name.endswith(".tmp"):
+        return True
+    pid = entry.name
     try:
         started = Path(entry.path).read_text().split()[2]
     except (OSError, IndexError):

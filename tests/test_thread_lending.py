@@ -122,13 +122,15 @@ def test_the_lending_directories_of_ended_jobs_are_removed(tmp_path, processes):
     live, ended = processes
     now = time.time()
 
-    def job(name, pids, age=2 * ENDED_AGE_S, text=None):
+    def job(name, pids, age=2 * ENDED_AGE_S, text=None, partial=None):
         directory = tmp_path / name
         directory.mkdir()
         for pid in pids:
             peer_file(directory, pid, 1, None)
         if text is not None:
             (directory / "7").write_text(text)
+        if partial is not None:  # an engine killed inside _publish, between creating its .tmp and replacing
+            (directory / f"{live}.tmp").write_text(partial)
         os.utime(directory, (now - age, now - age))
         return directory
 
@@ -139,8 +141,11 @@ def test_the_lending_directories_of_ended_jobs_are_removed(tmp_path, processes):
     unreadable = job(f"{PREFIX}05-a", [ended], text="being written")
     own = job(f"{PREFIX}06-a", [ended])
     other = job("someone-elses", [ended])
-    assert sorted(remove_ended_jobs(tmp_path, keep=own, now=now)) == [ended_job, ended_empty]
-    assert not ended_job.exists() and not ended_empty.exists()
+    killed_writing = job(f"{PREFIX}07-a", [ended], partial="")  # the .tmp's name is no matter: a live pid here
+    killed_half_way = job(f"{PREFIX}08-a", [], partial="2 -")
+    assert sorted(remove_ended_jobs(tmp_path, keep=own, now=now)) == [ended_job, ended_empty, killed_writing,
+                                                                        killed_half_way]
+    assert not any(d.exists() for d in (ended_job, ended_empty, killed_writing, killed_half_way))
     assert all(d.exists() for d in (running, recent, unreadable, own, other))
     assert len(list(running.iterdir())) == 2  # nothing removed from a directory that stays
 
