@@ -3,17 +3,16 @@
 In the tail of a batch a few sequences decode step after step at one batch size with nearly the same page table, and
 the forward's Python (module calls, input checks, backend dispatch, kernel arguments) repeats unchanged: ~4.5 ms of
 every bench-moe decode step on the dev box, a quarter of a step of three sequences (bench/RESULTS.md). A pure decode
-step of one resident micro-batch whose shape (rows, page-table width rounded up to a power of two, KV pool) is the
-previous step's records its forward; the later steps of that shape copy their inputs (token ids, positions, KV
-slots, page table, lengths) into the recorded tensors and replay it. A shape seen once runs eagerly.
+step of one resident micro-batch records its forward at its shape (rows, page-table width rounded up to a power of
+two, KV pool); the later steps of that shape copy their inputs (token ids, positions, KV slots, page table, lengths)
+into the recorded tensors and replay it.
 
-A batch of more than EXACT_SIZES sequences shrinks by a few sequences every few steps, so it would rarely meet its
-own shape again: its rows are padded up to a multiple of PAD_ROWS with copies of its first sequence (the same token,
-position and pages, and no KV slot: a copy writes no KV, so the first sequence's slot holds its own row's values,
-whatever the copies' rows, which the MoE kernel may sum in another order when they join its experts' rows: its path
-per expert follows the expert's row count), recorded on its first step, and the steps of a batch shrinking from 128
-to 17 sequences replay ~14 recordings. The counters a replay feeds (kernels/capture.py's effects) see the real rows
-only.
+A batch shrinks by a sequence or a few every few steps, so it would rarely meet its own size again: its rows are
+padded up to the next power of two up to SMALL_BATCH rows, to a multiple of PAD_ROWS above, and the steps of a batch
+shrinking from 128 sequences to one replay ~18 recordings (bench-moe). A padding row is a copy of the first sequence
+that costs little: it writes no KV (slot -1), attends to one key (length 1) and joins no expert (the MoE masks its
+routing through capture.padding(), which each replay marks): every expert sees the real rows only, as in an eager
+step, and so do the counters a replay feeds (kernels/capture.py's effects).
 
 What a recording refuses runs eagerly, and no batch of that size or larger is recorded again: the paths that read
 values back to the host (a MoE expert of more rows than the C kernel takes, the torch attention) are the larger
@@ -45,8 +44,8 @@ CAPACITY = 32  # recordings kept (least recently replayed dropped first)
 # memory the recordings may hold (their activations and logits, ~160 KB a row on bench-moe, tens of MB a row on a
 # large model): a recording past it alone is not kept, nor is any larger batch recorded again
 MAX_BYTES = 256 << 20
-EXACT_SIZES = 16  # batches of up to this many sequences are recorded at their own size (a tail's sizes repeat)
-PAD_ROWS = 8  # larger ones are padded up to a multiple of this many rows
+SMALL_BATCH = 16  # batches of up to this many sequences are padded to the next power of two
+PAD_ROWS = 8  # larger ones to a multiple of this many rows
 
 
 @dataclass
@@ -72,7 +71,6 @@ class DecodeGraphs:
     def __init__(self, stats: EngineMetrics):
         self.stats = stats  # counts captures, replays and refusals
         self._graphs: OrderedDict[tuple, DecodeGraph] = OrderedDict()
-        self._previous: tuple | None = None  # the last step's shape
         self._refused_from: int | None = None  # the smallest batch size whose recording was refused
         self._configuration = registry.configuration()
 
@@ -94,9 +92,7 @@ class DecodeGraphs:
         graph = self._graphs.get(key)
         if graph is not None:
             return self._replay(key, graph, batch, run)
-        repeated, self._previous = key == self._previous, key
-        # a padded shape is recorded on first sight: the next few steps of a shrinking batch share it
-        if not (repeated or rows > EXACT_SIZES) or (self._refused_from is not None and rows >= self._refused_from):
+        if self._refused_from is not None and rows >= self._refused_from:
             return run(batch)
         padded = _padded(batch, rows, key[1])
         try:
@@ -133,7 +129,7 @@ class DecodeGraphs:
         _fill(graph.batch.hidden, batch.hidden)
         _fill(recorded.positions, new.positions)
         _fill(recorded.slots, new.slots, padding=-1)
-        _fill(recorded.seq_lens, new.seq_lens)
+        _fill(recorded.seq_lens, new.seq_lens, padding=1)
         _fill(recorded.page_table[:, : new.page_table.shape[1]], new.page_table)
         try:
             graph.recording.replay(rows=size)
@@ -146,9 +142,8 @@ class DecodeGraphs:
 
 def padded_rows(size: int, max_rows: int) -> int:
     """The rows a batch of `size` sequences is recorded and replayed at."""
-    if size <= EXACT_SIZES:
-        return size
-    return max(size, min(-(-size // PAD_ROWS) * PAD_ROWS, max_rows))
+    rows = 1 << max(size - 1, 0).bit_length() if size <= SMALL_BATCH else -(-size // PAD_ROWS) * PAD_ROWS
+    return max(size, min(rows, max_rows))
 
 
 def _fill(recorded: torch.Tensor, new: torch.Tensor, padding: int | None = None) -> None:
@@ -162,13 +157,15 @@ def _fill(recorded: torch.Tensor, new: torch.Tensor, padding: int | None = None)
 
 def _padded(batch: CoroutineGroup, rows: int, width: int) -> CoroutineGroup:
     """The batch as a recording takes it: its page table `width` columns wide, its rows padded to `rows` with copies
-    of the first that write no KV (slot -1)."""
+    of the first that write no KV (slot -1) and attend to one key."""
     ctx = batch.ctx
-    index = torch.cat([torch.arange(len(batch.seqs)), torch.zeros(rows - len(batch.seqs), dtype=torch.int64)])
+    padding = rows - len(batch.seqs)
+    index = torch.cat([torch.arange(len(batch.seqs)), torch.zeros(padding, dtype=torch.int64)])
     index = index.to(batch.hidden.device)
-    slots = torch.cat([ctx.slots, ctx.slots.new_full((rows - len(batch.seqs),), -1)])
-    padded_ctx = dataclasses.replace(ctx, positions=ctx.positions[index], slots=slots,
-                                     seq_lens=ctx.seq_lens[index], page_table=_widened(ctx.page_table[index], width))
+    slots = torch.cat([ctx.slots, ctx.slots.new_full((padding,), -1)])
+    seq_lens = torch.cat([ctx.seq_lens, ctx.seq_lens.new_ones(padding)])
+    padded_ctx = dataclasses.replace(ctx, positions=ctx.positions[index], slots=slots, seq_lens=seq_lens,
+                                     page_table=_widened(ctx.page_table[index], width))
     seqs = batch.seqs + [batch.seqs[0]] * (rows - len(batch.seqs))
     return CoroutineGroup(seqs, batch.hidden[index], batch.point, padded_ctx)
 

@@ -13,7 +13,9 @@ What a recording cannot hold refuses it (CaptureRefused) while recording: a valu
 a data-dependent shape, `read_back`'s lists), whose Python decisions would be replayed frozen, and a kernel backend
 that runs outside both (Triton, flash-attn: kernels/registry.py asks `recording()`). A replayed C kernel that returns
 another status than it did when recorded (an error code) raises ReplayDiverged: the caller runs the step eagerly.
-Side effects a replay must repeat (engine counters) go through `effect`.
+Side effects a replay must repeat (engine counters) go through `effect`. A replay on fewer real rows than were recorded
+(the rest pad the inputs to the recorded shape) marks which rows pad in `padding()`, so the recorded function can
+spare them its costliest work.
 """
 
 from __future__ import annotations
@@ -61,10 +63,13 @@ class Recording:
     torch_ops: int = 0  # torch ops among `calls`
     rows: int | None = None  # the rows the recorded run computed (`record(rows=...)`), for replays on fewer
     nbytes: int = 0  # memory the recording holds of its own: the tensors its ops allocated or computed
+    padding: torch.Tensor | None = None  # [rows, 1] bool, True on the padding rows (`padding()`), or None
 
     def replay(self, rows: int | None = None) -> None:
         """The recorded calls again, then the effects. `rows`: only the first `rows` of the recorded rows are real
-        (the others pad the inputs to the recorded shape), so the effects see only those (see `effect`)."""
+        (the others pad the inputs to the recorded shape), so the effects see only those (see `effect`), and
+        `padding()` marks the others."""
+        mark_padding(self.padding, rows)
         for call in self.calls:
             call()
         self.run_effects(rows)
@@ -87,6 +92,32 @@ def recording_calls() -> bool:
 def refuse_if_recording(reason: str) -> None:
     if recording():
         raise CaptureRefused(reason)
+
+
+def padding() -> torch.Tensor | None:
+    """While recording rows of which a replay may pad some (`record(rows=...)`, `collect_effects(rows=...)`): a
+    [rows, 1] bool tensor, True on the padding rows of the run in progress and of every replay after it. A recorded
+    function masks with it what the padding rows would cost (their experts); None when nothing is recorded."""
+    capture = getattr(_state, "capture", None)
+    return None if capture is None else capture.recording.padding
+
+
+def padding_mask(rows: int | None, real_rows: int | None, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """The `padding()` tensor of a recording of `rows` rows, `real_rows` of them real in the recorded run. Made
+    before the capture starts: made inside it, its fill would be replayed too."""
+    if rows is None:
+        return None
+    mask = torch.empty(rows, 1, dtype=torch.bool, device=device)
+    mark_padding(mask, real_rows)
+    return mask
+
+
+def mark_padding(mask: torch.Tensor | None, real_rows: int | None) -> None:
+    """Mark the rows of `mask` past the first `real_rows` (all real when None) as padding."""
+    if mask is not None:
+        real = mask.shape[0] if real_rows is None else real_rows
+        mask[:real] = False
+        mask[real:] = True
 
 
 def read_back(tensor: torch.Tensor) -> list:
@@ -118,17 +149,19 @@ def record(rows: int | None = None, real_rows: int | None = None) -> Iterator[Re
     `real_rows`: how many of them are real in the recorded run itself (the effects run when it completes)."""
     recorder = _Recorder()
     recorder.recording.rows = rows
+    recorder.recording.padding = padding_mask(rows, real_rows)
     with _capturing(recorder), recorder, c_library.observe_calls(recorder.kernel_call):
         yield recorder.recording
     recorder.recording.run_effects(real_rows)
 
 
 @contextmanager
-def collect_effects(rows: int | None = None) -> Iterator[Recording]:
+def collect_effects(rows: int | None = None, padding: torch.Tensor | None = None) -> Iterator[Recording]:
     """Keep the effects of the block in the Recording yielded (its `effects` only) instead of running them: what a
     CUDA graph's capture needs (kernels/cuda_graph.py), whose kernels compute nothing until a replay. Values read back
-    to the host refuse it as they refuse `record` (a capture cannot wait for the device). `rows` as for `record`."""
-    collector = _EffectsCollector(Recording(rows=rows))
+    to the host refuse it as they refuse `record` (a capture cannot wait for the device). `rows` as for `record`;
+    `padding`: the `padding()` tensor (`padding_mask`, on the capture's device)."""
+    collector = _EffectsCollector(Recording(rows=rows, padding=padding))
     with _capturing(collector), collector:
         yield collector.recording
 

@@ -29,8 +29,9 @@ class CudaGraphRecording:
     nbytes: int  # device memory the graph's private pool took while capturing (its activations and output)
 
     def replay(self, rows: int | None = None) -> None:
-        """The captured kernels on the captured inputs' current values, then the effects on the first `rows`
-        rows (capture.Recording.replay)."""
+        """The captured kernels on the captured inputs' current values (the rows past the first `rows` marked as
+        padding first), then the effects on the first `rows` rows (capture.Recording.replay)."""
+        capture.mark_padding(self.effects.padding, rows)
         self.graph.replay()
         self.effects.run_effects(rows)
 
@@ -41,14 +42,15 @@ def record(fn: Callable[[], torch.Tensor], rows: int | None, real_rows: int | No
     replays write (the captured run's output) and this run's output (the eager one: a capture computes nothing).
     `rows` and `real_rows` as for capture.record: the eager run's effects see its `real_rows` real rows."""
     with torch.cuda.device(device):
-        return _record(fn, rows, real_rows, _capture_stream(torch.cuda.current_device()))
+        padding = capture.padding_mask(rows, real_rows, device)  # outside the capture: its replays mark it
+        return _record(fn, rows, real_rows, padding, _capture_stream(torch.cuda.current_device()))
 
 
-def _record(fn: Callable[[], torch.Tensor], rows: int | None, real_rows: int | None,
+def _record(fn: Callable[[], torch.Tensor], rows: int | None, real_rows: int | None, padding: torch.Tensor | None,
             stream: torch.cuda.Stream) -> tuple[CudaGraphRecording, torch.Tensor, torch.Tensor]:
     # the warm-up on the capture's stream: what a library sets up per stream (cuBLAS's workspace) exists before it
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), capture.collect_effects(rows) as warm_up:
+    with torch.cuda.stream(stream), capture.collect_effects(rows, padding) as warm_up:
         result = fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
@@ -57,7 +59,7 @@ def _record(fn: Callable[[], torch.Tensor], rows: int | None, real_rows: int | N
     graph = torch.cuda.CUDAGraph()
     try:
         # thread_local: another thread's CUDA calls (a KV copy, a Ray worker's) do not invalidate the capture
-        with (capture.collect_effects(rows) as effects,
+        with (capture.collect_effects(rows, padding) as effects,
               torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local")):
             output = fn()
     except capture.CaptureRefused:  # a value read back while capturing

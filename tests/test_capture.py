@@ -86,6 +86,24 @@ def test_a_replay_on_fewer_real_rows_gives_effects_those_rows_and_their_count():
     assert seen[-1][0].shape[0] == 4 and seen[-1][1] == 4
 
 
+def test_a_recorded_function_masks_the_rows_each_replay_pads():
+    """`padding()` marks the rows past the real ones, in the recorded run and in each replay (marked before its
+    calls run), so a recorded in-place mask follows every replay's real rows; None outside a recording."""
+    ids = torch.arange(8).reshape(4, 2)
+    assert capture.padding() is None
+    with capture.record(rows=4, real_rows=3) as recording:
+        masked = ids * 1
+        masked.masked_fill_(capture.padding(), -1)
+    assert masked.tolist() == [[0, 1], [2, 3], [4, 5], [-1, -1]]
+    recording.replay(rows=2)
+    assert masked.tolist() == [[0, 1], [2, 3], [-1, -1], [-1, -1]]
+    recording.replay(rows=4)
+    assert masked.tolist() == ids.tolist()
+    with capture.record() as unpadded:  # no row count: nothing to mask
+        assert capture.padding() is None
+    assert unpadded.padding is None
+
+
 def test_a_recording_counts_the_memory_it_holds_of_its_own():
     """What its ops allocated or computed, once per storage: not its inputs, views or in-place results."""
     x = torch.zeros(1000)

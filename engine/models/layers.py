@@ -16,8 +16,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchgen.engine.models.context import AttentionContext
-from batchgen.kernels import moe_packed_cpu, ops, registry
-from batchgen.kernels.capture import effect
+from batchgen.kernels import capture, moe_packed_cpu, ops, registry
 from batchgen.kernels.expert_parallel import LocalDispatcher
 
 # Rope types whose frequencies depend only on the config. "dynamic" and "longrope" re-derive them from
@@ -269,8 +268,11 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
+        padding = capture.padding()
+        if padding is not None and padding.shape[0] == topk_ids.shape[0]:
+            topk_ids.masked_fill_(padding, -1)  # a replay's padding rows join no expert (an id < 0 is skipped)
         if self.on_route is not None:
-            effect(self.on_route, topk_ids)  # counted again when a recorded forward replays
+            capture.effect(self.on_route, topk_ids)  # counted again when a recorded forward replays
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
