@@ -166,7 +166,7 @@ def _padded(batch: CoroutineGroup, rows: int, width: int) -> CoroutineGroup:
     seq_lens = torch.cat([ctx.seq_lens, ctx.seq_lens.new_ones(padding)])
     padded_ctx = dataclasses.replace(ctx, positions=ctx.positions[index], slots=slots, seq_lens=seq_lens,
                                      page_table=_widened(ctx.page_table[index], width))
-    seqs = batch.seqs + [batch.seqs[0]] * (rows - len(batch.seqs))
+    seqs = batch.seqs + [batch.seqs[0]] * padding
     return CoroutineGroup(seqs, batch.hidden[index], batch.point, padded_ctx)
 
 
