@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
+    "ChatOptions": "batchgen.engine.chat",
     "Completion": "batchgen.engine.request",
     "Engine": "batchgen.engine.engine",
     "EngineConfig": "batchgen.engine.config",

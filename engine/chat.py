@@ -1,20 +1,100 @@
-"""Chat messages to prompt token ids through the model's chat template (shared by every front end)."""
+"""Chat messages to prompt token ids through the model's chat template (shared by every front end), and the
+per-request options of that rendering that vLLM's chat API takes."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.engine.sampling_params import InvalidRequestError
 
+# apply_chat_template's own arguments: a template variable of one of these names would never reach the template
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
-def render_chat(tokenizer: Any, turns: list[dict[str, str]], chat_template: str | None = None) -> list[int]:
-    """Apply the chat template (or an override) with a generation prompt, then tokenize the text. A tokenizer
-    with several named templates (a dict) picks its "default" itself, as transformers does."""
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a request's turns become its prompt: with the template's generation prompt after the last turn (the
+    default), or with the last turn left open for the model to continue (a prefilled answer); and extra
+    variables the template reads, such as Qwen3's `enable_thinking`."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_values(cls, add_generation_prompt: Any = None, continue_final_message: Any = None,
+                    template_kwargs: Any = None) -> ChatOptions:
+        """The options as a request gives them (None: unset). add_generation_prompt defaults to the opposite of
+        continue_final_message; setting both true is refused, as vLLM and transformers refuse it. Raises
+        InvalidRequestError naming the field."""
+        if add_generation_prompt is None and continue_final_message is None and template_kwargs is None:
+            return DEFAULT_CHAT  # a row or line that sets none of them: the common case
+        continuing = _flag(continue_final_message, "continue_final_message", False)
+        generation = _flag(add_generation_prompt, "add_generation_prompt", not continuing)
+        if generation and continuing:
+            raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be true: one "
+                                      "opens a new assistant turn, the other continues the last message")
+        return cls(generation, continuing, _template_kwargs(template_kwargs))
+
+    @property
+    def is_default(self) -> bool:
+        return self == DEFAULT_CHAT
+
+
+DEFAULT_CHAT = ChatOptions()
+
+
+def render_chat(tokenizer: Any, turns: list[dict[str, str]], chat_template: str | None = None,
+                options: ChatOptions = DEFAULT_CHAT) -> list[int]:
+    """Apply the chat template (or an override) as `options` say, then tokenize the text. A tokenizer with
+    several named templates (a dict) picks its "default" itself, as transformers does."""
     if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise InvalidRequestError("messages: the model's tokenizer has no chat template; give prompt text instead")
     try:
         text = tokenizer.apply_chat_template(turns, chat_template=chat_template, tokenize=False,
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=options.add_generation_prompt,
+                                             continue_final_message=options.continue_final_message,
+                                             **options.template_kwargs)
     except Exception as exc:  # a template's raise_exception() names what it rejects
         raise InvalidRequestError(f"messages: the chat template rejected them: {exc}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _flag(value: Any, name: str, default: bool) -> bool:
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"{name}: expected true or false, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _template_kwargs(value: Any) -> dict[str, Any]:
+    """A mapping (or a JSON object's text) of template variables; null entries count as unset, as a struct
+    column's missing fields arrive."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as exc:
+            raise InvalidRequestError(f"chat_template_kwargs: not a JSON object: {exc}") from None
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(f"chat_template_kwargs: expected an object of template variables, got "
+                                  f"{type(value).__name__}")
+    kwargs = {}
+    for key, item in value.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise InvalidRequestError(f"chat_template_kwargs: {key!r} is not a template variable name")
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise InvalidRequestError(f"chat_template_kwargs: {key!r} is an argument of the rendering itself, not "
+                                      "a template variable" + (f"; set '{key}' on the request" if key in (
+                                          "add_generation_prompt", "continue_final_message") else ""))
+        if item is not None:
+            kwargs[key] = item
+    return kwargs

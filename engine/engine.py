@@ -380,7 +380,7 @@ class Engine(Generates):
         if request.request_id in self._requests:
             raise InvalidRequestError(f"duplicate request_id {request.request_id!r}")
         ids = self.normalizer.prompt_ids(prompt_token_ids=request.prompt_token_ids, messages=request.messages,
-                                         prompt=request.prompt)
+                                         prompt=request.prompt, chat=request.chat_options)
         self.normalizer.check_length(len(ids), request.sampling)
         self.normalizer.check_vocabulary(request.sampling)
         self._check_structured(request.sampling)

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from batchgen.engine.chat import DEFAULT_CHAT, ChatOptions
 from batchgen.engine.sampling_params import SamplingParams
 
 
 @dataclass
 class Request:
-    """One prompt, as token ids, chat turns or text (the first given wins; see RequestNormalizer)."""
+    """One prompt, as token ids, chat turns (rendered as `chat_options` say) or text (the first given wins; see
+    RequestNormalizer)."""
 
     request_id: str
     prompt_token_ids: list[int] | None = None
     prompt: str | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     messages: list[dict] | None = None
+    chat_options: ChatOptions = DEFAULT_CHAT
 
 
 @dataclass

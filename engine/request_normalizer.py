@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from batchgen.engine.chat import render_chat
+from batchgen.engine.chat import DEFAULT_CHAT, ChatOptions, render_chat
 from batchgen.engine.sampling_params import INT64, InvalidRequestError, SamplingParams
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -34,16 +34,22 @@ class RequestNormalizer:
         self.max_model_len = max_model_len
         self.chat_template = chat_template
 
-    def prompt_ids(self, *, prompt_token_ids: Any = None, messages: Any = None, prompt: Any = None) -> list[int]:
-        """The first given of token ids, chat turns, text, as checked token ids."""
-        if prompt_token_ids is not None:
-            ids = self._token_ids(prompt_token_ids)
-        elif messages is not None:
-            ids = render_chat(self.tokenizer, chat_turns(messages), self.chat_template)
-        elif prompt is not None:
-            ids = self._encode(text_value(prompt, "prompt"))
-        else:
+    def prompt_ids(self, *, prompt_token_ids: Any = None, messages: Any = None, prompt: Any = None,
+                   chat: ChatOptions = DEFAULT_CHAT) -> list[int]:
+        """The first given of token ids, chat turns (rendered as `chat` says), text, as checked token ids."""
+        given = next((name for name, value in (("prompt_token_ids", prompt_token_ids), ("messages", messages),
+                                               ("prompt", prompt)) if value is not None), None)
+        if given is None:
             raise InvalidRequestError("missing prompt: give prompt text, messages or prompt_token_ids")
+        if given != "messages" and not chat.is_default:
+            raise InvalidRequestError("add_generation_prompt, continue_final_message and chat_template_kwargs apply "
+                                      f"to messages; this prompt is given as {given}")
+        if given == "prompt_token_ids":
+            ids = self._token_ids(prompt_token_ids)
+        elif given == "messages":
+            ids = render_chat(self.tokenizer, chat_turns(messages), self.chat_template, chat)
+        else:
+            ids = self._encode(text_value(prompt, "prompt"))
         if not ids:
             raise InvalidRequestError("prompt is empty")
         return ids

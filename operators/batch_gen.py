@@ -31,8 +31,7 @@ from batchgen.operators.actor_ready import announce_ready
 from batchgen.operators.balancing import BalancingAgent, run_requests
 from batchgen.operators.blocks import Block, column_values, names, num_rows, rows, to_block, with_columns
 from batchgen.operators.columns import (
-    PROMPT_COLUMNS,
-    SAMPLING_PARAMS,
+    INPUT_COLUMNS,
     RowOutcome,
     RowParser,
     check_input_columns,
@@ -79,7 +78,7 @@ class BatchGen:
         requests: list[tuple[int, Request]] = []
         # a numbered row has the same request id when its task runs again: its checkpoint is found
         numbered = column_values(block, ROW_INDEX)  # all None without the column
-        for i, row in enumerate(rows(block, (*PROMPT_COLUMNS, SAMPLING_PARAMS))):
+        for i, row in enumerate(rows(block, INPUT_COLUMNS)):
             parsed = self.parser.parse(row)
             if isinstance(parsed, str):
                 outcomes[i].error = parsed

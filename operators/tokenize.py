@@ -15,7 +15,7 @@ from batchgen.connectors.checkpoint_files import load_tokenizer
 from batchgen.engine import RequestNormalizer, SamplingParams
 from batchgen.operators import stage_columns as sc
 from batchgen.operators.blocks import Block, names, rows, to_block, with_columns
-from batchgen.operators.columns import ERROR, PROMPT_COLUMNS, SAMPLING_PARAMS, RowParser, check_input_columns
+from batchgen.operators.columns import ERROR, INPUT_COLUMNS, RowParser, check_input_columns
 
 
 class Tokenize:
@@ -31,7 +31,7 @@ class Tokenize:
         block = to_block(batch)
         check_input_columns(names(block), "a batch given to Tokenize")  # as `batchgen run` checks its input
         request_ids, ids, sampling, errors = [], [], [], []
-        for row in rows(block, (*PROMPT_COLUMNS, SAMPLING_PARAMS)):
+        for row in rows(block, INPUT_COLUMNS):
             parsed = self.parser.parse(row)
             bad = isinstance(parsed, str)
             request_ids.append(None if bad else next(self._ids))

@@ -11,7 +11,7 @@ from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.planner import WorkloadShape
 from batchgen.engine.request_normalizer import RequestNormalizer
 from batchgen.engine.sampling_params import SamplingParams
-from batchgen.operators.columns import PROMPT_COLUMNS, SAMPLING_PARAMS, RowParser
+from batchgen.operators.columns import INPUT_COLUMNS, RowParser
 
 SAMPLED_ROWS = 2048  # input rows read to learn the workload's prompt and output lengths
 
@@ -31,7 +31,7 @@ def input_workload(uri: str, loaded: LoadedModel, defaults: SamplingParams, stor
     for file in files:
         with fs.open(file, "rb") as f:
             reader = pq.ParquetFile(f)
-            names = [c for c in (*PROMPT_COLUMNS, SAMPLING_PARAMS) if c in reader.schema_arrow.names]
+            names = [c for c in INPUT_COLUMNS if c in reader.schema_arrow.names]
             # the first rows only, of the columns parsed: not a multi-gigabyte file whole in the planning worker
             for batch in reader.iter_batches(batch_size=256, columns=names):
                 for row in batch.to_pylist():

@@ -38,7 +38,8 @@ from batchgen.pipelines.cli import build_parser
 from batchgen.pipelines.openai_batch.serve_cli import create_serve_app, open_store
 
 CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}[assistant]{% endif %}")
+                 "{% if add_generation_prompt %}[assistant]"
+                 "{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}{% endif %}")
 PROMPTS = ["the quick brown fox", "once upon a time", "hello world", "batch inference on a budget"]
 SERVED = "tiny-served"
 API_KEY = "sk-test-0123456789"
@@ -435,6 +436,41 @@ def test_chat_batch(client, engine, loop):
     assert [e["custom_id"] for e in errors] == ["image"]
     assert errors[0]["response"]["status_code"] == 400
     assert "only text parts" in errors[0]["response"]["body"]["error"]["message"]
+
+
+def test_chat_template_parameters_reach_the_template(client, engine, loop):
+    """vLLM's chat_template_kwargs, continue_final_message and add_generation_prompt on chat lines; a bad one fails
+    its line alone."""
+    turns = [{"role": "user", "content": PROMPTS[0]}]
+    open_answer = [*turns, {"role": "assistant", "content": "It jumps"}]
+    lines = [_line("no-think", {"messages": turns, "max_tokens": 4, "temperature": 0,
+                                "chat_template_kwargs": {"enable_thinking": False}}, url="/v1/chat/completions"),
+             _line("continue", {"messages": open_answer, "max_tokens": 4, "temperature": 0,
+                                "continue_final_message": True, "add_generation_prompt": False},
+                   url="/v1/chat/completions"),
+             _line("both", {"messages": open_answer, "continue_final_message": True, "add_generation_prompt": True},
+                   url="/v1/chat/completions"),
+             _line("reserved", {"messages": turns, "chat_template_kwargs": {"tools": []}}, url="/v1/chat/completions")]
+    batch = _wait(client, _submit(client, lines, endpoint="/v1/chat/completions").id)
+    assert _counts(batch) == (4, 2, 2)
+    texts = [f"[user] {PROMPTS[0]}\n[assistant] /no_think", f"[user] {PROMPTS[0]}\n[assistant] It jumps"]
+    prompts = [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    expected = _greedy(loop, prompts, max_tokens=4)
+    out = _read_lines(client, batch.output_file_id)
+    assert [x["custom_id"] for x in out] == ["no-think", "continue"]
+    for entry, reference, prompt in zip(out, expected, prompts):
+        body = entry["response"]["body"]
+        assert body["usage"]["prompt_tokens"] == len(prompt)
+        assert body["choices"][0]["message"]["content"] == reference.text
+    errors = {e["custom_id"]: e["response"]["body"]["error"]["message"]
+              for e in _read_lines(client, batch.error_file_id)}
+    assert "cannot both be true" in errors["both"]
+    assert "'tools' is an argument of the rendering itself" in errors["reserved"]
+    from batchgen.engine.errors import InvalidRequestError
+    from batchgen.pipelines.openai_batch.wire_format import _check_fields
+
+    with pytest.raises(InvalidRequestError, match="'chat_template_kwargs' belongs to /v1/chat/completions"):
+        _check_fields({"prompt": "x", "chat_template_kwargs": {"enable_thinking": False}}, chat=False)
 
 
 def test_null_parameters_are_unset_whatever_they_are():

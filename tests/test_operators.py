@@ -7,6 +7,7 @@ import json
 import pickle
 import threading
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -79,6 +80,25 @@ def test_messages_and_token_ids_are_the_same_prompt_as_text(tiny_moe_dir, batchg
     assert generated[0] == generated[1]
     # the default batch format (dict of numpy arrays) gives the same rows
     numpy_batch = {"messages": pd.Series([messages], dtype=object).to_numpy()}
+    assert call(batchgen, numpy_batch).column("generated_token_ids").to_pylist() == generated[:1]
+
+
+def test_a_row_continues_its_open_final_message_as_its_column_says(tiny_moe_dir, batchgen):
+    """The chat-option columns reach each row's rendering (tests/test_chat_options.py has the rest), in Ray's
+    default numpy batches too: a numpy bool is a bool."""
+    tokenizer = load_tokenizer(tiny_moe_dir)
+    messages = [{"role": "user", "content": "Tell me about the sea."}, {"role": "assistant", "content": "The sea"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    ids = tokenizer.encode(rendered[:rendered.rindex("The sea") + len("The sea")], add_special_tokens=False)
+    table = pa.table({"messages": [messages, None, messages], "prompt_token_ids": [None, ids, None],
+                      "continue_final_message": [True, None, False]})
+    out = call(batchgen, table)
+    generated = out.column("generated_token_ids").to_pylist()
+    assert out.column("error").to_pylist() == [None, None, None]
+    assert out.column("num_prompt_tokens").to_pylist()[:2] == [len(ids), len(ids)]
+    assert generated[0] == generated[1] and out.column("num_prompt_tokens").to_pylist()[2] != len(ids)
+    numpy_batch = {"messages": pd.Series([messages], dtype=object).to_numpy(),
+                   "continue_final_message": np.array([True])}
     assert call(batchgen, numpy_batch).column("generated_token_ids").to_pylist() == generated[:1]
 
 
