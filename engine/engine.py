@@ -29,7 +29,6 @@ from batchgen.engine.migration import MigratedRequest, MigratedSample
 from batchgen.engine.model_runner import MicroBatchLimits, ModelRunner
 from batchgen.engine.models.layers import uneven_rows
 from batchgen.engine.models.loaded_model import LoadedModel
-from batchgen.engine.models.registry import model_family
 from batchgen.engine.offload.memory_constrained import place_as_engine
 from batchgen.engine.offload.phase_switch import PhaseSwitch
 from batchgen.engine.offload.weight_streamer import WeightStreamer
@@ -69,8 +68,7 @@ class Engine(Generates):
         together with the other ranks."""
         config = EngineConfig.from_kwargs(config, **overrides)
         if config.batch_invariant:
-            refusal = (model_family(getattr(loaded.config, "model_type", None)).not_batch_invariant
-                       or uneven_rows(loaded.model) or invariance_refusal(loaded.device.type, loaded.dtype))
+            refusal = uneven_rows(loaded.model) or invariance_refusal(loaded.device.type, loaded.dtype)
             if refusal is not None:
                 raise ValueError(f"engine option batch_invariant: {refusal}")
         # before planning: the profile then times packed experts, streamed weights

@@ -27,9 +27,10 @@ from batchgen.engine.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     SparseMoE,
+    vector_rows,
 )
 from batchgen.engine.models.registry import ModelFamily, UnsupportedModelError
-from batchgen.kernels import ops
+from batchgen.kernels import ops, registry
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps.
 LORA_NORM_EPS = 1e-6
@@ -93,11 +94,11 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = self.kv_b_proj.weight.view(self.num_heads, -1, self.kv_lora_rank).split(
             [self.qk_nope_head_dim, self.v_head_dim], dim=1
         )
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        q_latent = per_head(q_nope, w_uk.transpose(1, 2))
         out = ctx.attend(
             self.layer, torch.cat((q_latent, q_pe), -1), torch.cat((latent, k_pe), -1), latent, self.scale
         )
-        out = torch.einsum("thr,hvr->thv", out, w_uv)
+        out = per_head(out, w_uv)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.v_head_dim))
 
     def _half_split(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,6 +107,16 @@ class MLAAttention(nn.Module):
         if not self.rope_interleave:
             return x
         return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def per_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, H, n] times each head's weight [H, o, n] transposed: [T, H, o]. One einsum, whose rounding follows the
+    batch's rows (BLAS blocks them); batch-invariant (kernels.registry), one C linear call per head, each row's
+    sums in one order."""
+    if not registry.batch_invariant():
+        return torch.einsum("thn,hon->tho", x, weight)
+    weight = weight.contiguous()  # [H, o, n]: each head's rows contiguous, as the kernel reads them
+    return torch.stack([ops.linear(x[:, h], weight[h]) for h in range(weight.shape[0])], dim=1)
 
 
 class GroupLimitedSigmoidRouter(nn.Module):
@@ -130,7 +141,10 @@ class GroupLimitedSigmoidRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> topk_weights [T, K] float32, topk_ids [T, K] int64."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        if registry.batch_invariant():  # the C linear kernel, each row's sigmoid on torch's vector loop
+            scores = vector_rows(torch.sigmoid, ops.linear(x.float(), self.weight.float()))
+        else:
+            scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         tokens, experts = choice.shape
         per_group = experts // self.num_groups
@@ -218,6 +232,4 @@ def _check_config(cfg) -> None:
 
 
 # The checkpoint names its shared experts `shared_experts`; SparseMoE calls the module `shared_expert`.
-FAMILY = ModelFamily(build_deepseek_v3, ((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),),
-                     not_batch_invariant="MLA's absorbed per-head products and the float32 router are torch matmuls "
-                                         "whose rounding follows the batch's rows")
+FAMILY = ModelFamily(build_deepseek_v3, ((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),))

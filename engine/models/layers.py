@@ -42,6 +42,14 @@ class RMSNorm(nn.Module):
 INVARIANT_ROW = 32
 
 
+def vector_rows(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """op (elementwise) on x's rows padded to a multiple of INVARIANT_ROW floats, so torch's vector loop computes
+    every element whatever the row count (batch invariance), then cut back to x's width."""
+    width = x.shape[-1]
+    padded = -(-width // INVARIANT_ROW) * INVARIANT_ROW
+    return op(F.pad(x, (0, padded - width)))[..., :width]
+
+
 def uneven_rows(model: nn.Module) -> str | None:
     """Why `model`'s MLPs cannot run batch-invariant (their silu rows not a multiple of INVARIANT_ROW), or None."""
     widths = sorted({m.gate_proj.out_features for m in model.modules()
@@ -282,13 +290,12 @@ class SparseMoE(nn.Module):
         return out
 
     def _gate(self, x: torch.Tensor) -> torch.Tensor:
-        """sigmoid(gate(x)), one value a row. Batch-invariant (kernels.registry): the C linear kernel, and each row's
-        value spread over INVARIANT_ROW lanes, so every row goes through torch's vector loop (its tail runs a scalar
-        sigmoid that rounds apart, on whichever rows the batch leaves there)."""
+        """sigmoid(gate(x)), one value a row. Batch-invariant (kernels.registry): the C linear kernel, and each row
+        padded to INVARIANT_ROW lanes, so every row goes through torch's vector loop (its tail runs a scalar sigmoid
+        that rounds apart, on whichever rows the batch leaves there)."""
         if not registry.batch_invariant():
             return torch.sigmoid(self.shared_expert_gate(x))
-        gate = ops.linear(x, self.shared_expert_gate.weight, self.shared_expert_gate.bias)
-        return torch.sigmoid(gate.expand(-1, INVARIANT_ROW).contiguous())[:, :1]
+        return vector_rows(torch.sigmoid, ops.linear(x, self.shared_expert_gate.weight, self.shared_expert_gate.bias))
 
 
 class AttentionBlock(nn.Module):

@@ -24,10 +24,6 @@ class UnsupportedModelError(ValueError):
 class ModelFamily:
     build: Callable[..., nn.Module]  # hf_config -> model (the loader calls it on the meta device)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()  # regex substitutions before weight_names' mapping
-    # why its layers cannot run batch-invariant (EngineConfig.batch_invariant), or None: every product whose
-    # rounding depends on the row count goes through the registry's linear and fused_moe ops, and every
-    # transcendental elementwise op sees rows of a multiple of layers.INVARIANT_ROW floats (engine.py checks the MLPs)
-    not_batch_invariant: str | None = None
 
 
 def _common(c) -> dict:
@@ -104,9 +100,8 @@ def qwen3_moe(c) -> DecoderConfig:
                          moe=moe, moe_layers=_qwen_moe_layers(c))
 
 
-def _decoder_family(to_decoder_config: Callable, renames: tuple[tuple[str, str], ...] = (),
-                    not_batch_invariant: str | None = None) -> ModelFamily:
-    return ModelFamily(lambda c: build_decoder(to_decoder_config(c), c), renames, not_batch_invariant)
+def _decoder_family(to_decoder_config: Callable, renames: tuple[tuple[str, str], ...] = ()) -> ModelFamily:
+    return ModelFamily(lambda c: build_decoder(to_decoder_config(c), c), renames)
 
 
 FAMILIES: dict[str, ModelFamily] = {
