@@ -34,6 +34,10 @@ class RequestNormalizer:
         self.max_model_len = max_model_len
         self.chat_template = chat_template
 
+    def with_chat_template(self, chat_template: str | None) -> RequestNormalizer:
+        """This normalizer, rendering messages with `chat_template` (None: the tokenizer's own)."""
+        return RequestNormalizer(self.tokenizer, self.vocab_size, self.max_model_len, chat_template)
+
     def prompt_ids(self, *, prompt_token_ids: Any = None, messages: Any = None, prompt: Any = None,
                    chat: ChatOptions = DEFAULT_CHAT) -> list[int]:
         """The first given of token ids, chat turns (rendered as `chat` says), text, as checked token ids."""

@@ -46,11 +46,13 @@ from batchgen.operators.thread_lending import lend_threads
 class BatchGen:
     def __init__(self, model: str, sampling_params: dict[str, Any] | None = None, *,
                  storage_options: dict[str, Any] | None = None, list_outputs: bool | None = None,
-                 progress: Any = None, balancer: Any = None, **engine_options: Any) -> None:
+                 chat_template: str | None = None, progress: Any = None, balancer: Any = None,
+                 **engine_options: Any) -> None:
         """
         model: a local checkpoint directory, an fsspec URI (s3://...) or a preset name ("tiny-moe").
         sampling_params: defaults for every row (SamplingParams fields); a row's own override them.
         list_outputs: one list entry per sample in the output columns (default: when n > 1).
+        chat_template: the Jinja template `messages` rows are rendered with (default: the tokenizer's own).
         progress: the job's tracker (pipelines/progress.py): told when this actor is ready
         (`actor_ready`) and about every batch as it leaves the engine (`add_finished(rows, tokens)`: how
         `batchgen run` shows progress before rows are written).
@@ -64,7 +66,7 @@ class BatchGen:
         self.loop = EngineLoop(lambda: load_engine(model, storage_options, **engine_options),
                                on_work=self.lending and self.lending.on_work)
         self.engine = self.loop.engine
-        self.parser = RowParser(self.engine.normalizer, defaults, self.list_outputs)
+        self.parser = RowParser(self.engine.normalizer.with_chat_template(chat_template), defaults, self.list_outputs)
         prefix = uuid.uuid4().hex[:12]  # once per actor: a uuid per row costs an os.urandom call
         self._ids = (f"{prefix}-{i}" for i in itertools.count())
         self.progress = progress

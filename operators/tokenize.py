@@ -20,11 +20,13 @@ from batchgen.operators.columns import ERROR, INPUT_COLUMNS, RowParser, check_in
 
 class Tokenize:
     def __init__(self, model: str, sampling_params: dict[str, Any] | None = None, *,
-                 storage_options: dict[str, Any] | None = None, list_outputs: bool | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, list_outputs: bool | None = None,
+                 chat_template: str | None = None) -> None:
         defaults = SamplingParams.from_dict(sampling_params)
         list_outputs = defaults.n > 1 if list_outputs is None else bool(list_outputs)
         # no weights here, so no vocabulary or context checks: the prefill engine runs those
-        self.parser = RowParser(RequestNormalizer(load_tokenizer(model, storage_options)), defaults, list_outputs)
+        self.parser = RowParser(RequestNormalizer(load_tokenizer(model, storage_options), chat_template=chat_template),
+                                defaults, list_outputs)
         self._ids = (f"{uuid.uuid4().hex[:12]}-{i}" for i in itertools.count())
 
     def __call__(self, batch: Any) -> Block:

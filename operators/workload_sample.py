@@ -20,13 +20,13 @@ class NoPromptToPlanFor(ValueError):
     """None of the sampled rows has a prompt the model can take (each such row gets its error when the job runs)."""
 
 
-def input_workload(uri: str, loaded: LoadedModel, defaults: SamplingParams, storage_options: dict[str, Any]
-                   ) -> WorkloadShape:
+def input_workload(uri: str, loaded: LoadedModel, defaults: SamplingParams, storage_options: dict[str, Any],
+                   chat_template: str | None = None) -> WorkloadShape:
     """The prompt lengths and max_tokens of the input's first rows, parsed as the pipeline parses them
     (rows it would reject are left out)."""
     fs, files = list_files(uri, ".parquet", storage_options)  # the files the job reads, in its order
-    parser = RowParser(RequestNormalizer(loaded.tokenizer, loaded.model.vocab_size, loaded.max_model_len), defaults,
-                       list_outputs=True)
+    normalizer = RequestNormalizer(loaded.tokenizer, loaded.model.vocab_size, loaded.max_model_len, chat_template)
+    parser = RowParser(normalizer, defaults, list_outputs=True)
     prompts, outputs, samples = [], [], []
     for file in files:
         with fs.open(file, "rb") as f:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from batchgen.operators.work_balancer import BalancerStats
-from batchgen.pipelines.cli_args import json_object, parse_json_object
+from batchgen.pipelines.cli_args import chat_template_text, json_object, parse_json_object
 from batchgen.pipelines.driver_priority import driver_yields_cpu
 from batchgen.pipelines.openai_batch.serve_cli import add_serve_parser, run_serve
 from batchgen.pipelines.pipeline import (
@@ -104,6 +104,8 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{stage}-resources", type=json_object,
                        help=f'custom Ray resources each {actors} engine actor asks for, to pin it to the nodes '
                             f'that offer them, as JSON, e.g. {{"{stage}_node": 1}}')
+    p.add_argument("--chat-template", help="Jinja chat template (a file or the template itself) for the `messages` "
+                                           "rows (default: the tokenizer's own)")
     p.add_argument("--rows-per-block", type=int, help="rows per block read from the input (default 256)")
     p.add_argument("--rows-per-file", type=int, help="rows gathered per output write (default: Ray's choice)")
     p.add_argument("--storage-options", type=json_object,
@@ -145,6 +147,8 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         raise UsageError(f"missing {', '.join(missing)} (on the command line or in --config)")
     try:
         values["storage_options"] = parse_json_object(values.get("storage_options"), "storage options")
+        if isinstance(values.get("chat_template"), str):  # a file's path, or the template itself
+            values["chat_template"] = chat_template_text(values["chat_template"])
         config = JobConfig(**values)
         config.validate()  # a bad value is a bad command line or config file, found before anything starts
     except (ValueError, JobError) as exc:

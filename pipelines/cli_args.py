@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 
@@ -30,3 +31,16 @@ def json_object(text: str) -> dict[str, Any]:
         return parse_json_object(text, "the value")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def chat_template_text(value: str) -> str:
+    """--chat-template: the template itself where it holds "{", "}" or a line break (vLLM's rule), else the path of
+    a file holding it, which must exist (a mistyped path was taken for the template, and every chat prompt became
+    its text; a long inline template was tested as a path and failed the server)."""
+    if any(mark in value for mark in "{}\n"):
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"--chat-template {value!r} is no template (it holds no '{{', '}}' or line break) and no "
+                         "file")
+    return path.read_text()

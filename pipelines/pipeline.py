@@ -97,6 +97,7 @@ class JobConfig:
     rows_per_block: int = 256
     rows_per_file: int | None = None  # rows gathered per write task; None: Ray's choice
     list_outputs: bool | None = None
+    chat_template: str | None = None  # the Jinja template of `messages` rows (None: the tokenizer's own)
     # MIGRATE requests from busy to idle engine actors (several of them: single, or the decode stage)
     migrate: bool = True
     # disaggregated: this many engine actors in all, split between prefill and decode by the planner (which
@@ -128,6 +129,8 @@ class JobConfig:
                     or self.engine_actors < 2:
                 raise JobError(f"engine_actors must be an integer >= 2 (a prefill and a decode actor at least), got "
                                f"{self.engine_actors!r}")
+        if self.chat_template is not None and not (isinstance(self.chat_template, str) and self.chat_template):
+            raise JobError(f"chat_template must be the template's text, got {self.chat_template!r}")
         if not isinstance(self.migrate, bool):
             raise JobError(f"migrate must be true or false, got {self.migrate!r}")
         for name in ("engine_resources", "prefill_resources", "decode_resources"):
@@ -296,12 +299,12 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource, progress: ray
                               compute=engine_actor_pool(config.concurrency), **engine_res(config.engine_resources),
                               fn_constructor_kwargs={
                                   "model": config.model, "sampling_params": config.sampling_params,
-                                  "list_outputs": config.samples_as_lists, **finishing, **engine_kwargs,
-                                  **balancing})
+                                  "list_outputs": config.samples_as_lists, "chat_template": config.chat_template,
+                                  **finishing, **engine_kwargs, **balancing})
     ds = ds.map_batches(Tokenize, batch_size=config.batch_size, batch_format="pyarrow",
                         compute=_pool(config.tokenize_concurrency), **cpu_res, fn_constructor_kwargs={
                             "model": config.model, "sampling_params": config.sampling_params,
-                            "list_outputs": config.samples_as_lists, **common})
+                            "list_outputs": config.samples_as_lists, "chat_template": config.chat_template, **common})
     ds = ds.map_batches(Prefill, batch_size=config.batch_size, batch_format="pyarrow",
                         compute=_pool(config.prefill_concurrency), **engine_res(config.prefill_resources),
                         fn_constructor_kwargs={"model": config.model, **finishing, **engine_kwargs})
@@ -427,7 +430,7 @@ def job_record(config: JobConfig, total_rows: int, input_digest: str) -> dict:
     return json.loads(json.dumps({"input": config.input, "input_digest": input_digest, "model": config.model,
                                   "total_rows": total_rows,
                                   "sampling_params": SamplingParams.from_dict(config.sampling_params).to_dict(),
-                                  "list_outputs": config.samples_as_lists}))
+                                  "list_outputs": config.samples_as_lists, "chat_template": config.chat_template}))
 
 
 def _summarise(config: JobConfig, progress: Progress) -> JobSummary:

@@ -3,7 +3,7 @@ the predicted step times and batch completion time, the runner-ups and, given a 
 how many of them should prefill in the disaggregated pipeline.
 
     batchgen plan --model URI [--input URI] [--engine-actors N] [--engine JSON] [--max-tokens N]
-                  [--curves FILE | --save-curves FILE] [--json]
+                  [--chat-template T] [--curves FILE | --save-curves FILE] [--json]
 
 Without --curves the model is loaded on the engine's device and one layer profiled (cached on disk);
 with --curves (written by --save-curves on the target machine) only the model's config is read, so a GPU
@@ -16,7 +16,7 @@ import argparse
 import json
 from typing import Any
 
-from batchgen.pipelines.cli_args import json_object
+from batchgen.pipelines.cli_args import chat_template_text, json_object
 
 
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -28,6 +28,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--engine-actors", type=int, help="total engine actors: also plan how many prefill")
     p.add_argument("--engine", type=json_object, default={}, help="EngineConfig fields as JSON; these are kept")
     p.add_argument("--max-tokens", type=int, help="output tokens per row when a row does not say (default 16)")
+    p.add_argument("--chat-template", help="the job's --chat-template, for the --input rows of messages")
     p.add_argument("--storage-options", type=json_object, default={}, help="fsspec options as JSON")
     p.add_argument("--curves", help="cost curves file to plan with instead of profiling this machine")
     p.add_argument("--save-curves", help="write the profiled cost curves to this file")
@@ -81,7 +82,8 @@ def run_plan(args: argparse.Namespace) -> int:
     workload = None
     if args.input:
         try:
-            workload = input_workload(args.input, loaded, defaults, args.storage_options)
+            template = None if args.chat_template is None else chat_template_text(args.chat_template)
+            workload = input_workload(args.input, loaded, defaults, args.storage_options, template)
         except (ValueError, StorageError) as exc:
             raise UsageError(str(exc)) from None
     plan = plan_engine(loaded, config, workload=workload, curves=curves)

@@ -47,11 +47,12 @@ def read_output(uri: str, storage_options: dict | None = None) -> pa.Table:
     return pa.concat_tables(tables)
 
 
-def engine_outputs(model: str, prompts: list[str], sampling: dict = SAMPLING) -> list[list[int]]:
-    """What the engine alone generates for `prompts` (the ground truth of the Ray runs)."""
+def engine_outputs(model: str, prompts: list[str] | list[list[int]], sampling: dict = SAMPLING) -> list[list[int]]:
+    """What the engine alone generates for `prompts`, texts or token ids (the ground truth of the Ray runs)."""
     engine = load_engine(model, **ENGINE)
     params = SamplingParams.from_dict(sampling)
-    results = engine.generate([Request(str(i), prompt=p, sampling=params) for i, p in enumerate(prompts)])
+    results = engine.generate([Request(str(i), **({"prompt_token_ids": p} if isinstance(p, list) else {"prompt": p}),
+                                       sampling=params) for i, p in enumerate(prompts)])
     assert all(r.error is None for r in results)
     return [r.outputs[0].token_ids for r in results]
 

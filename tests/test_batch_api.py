@@ -253,7 +253,7 @@ def _chat_ids(engine: Engine, messages: list[dict]) -> list[int]:
 def test_a_chat_template_option_is_the_template_itself_or_a_file_that_exists(template_file, tmp_path):
     """A real template is long: tested as a path first, one over 255 characters without a slash raised ENAMETOOLONG
     and failed the server; a mistyped path became the template, every chat prompt its text."""
-    from batchgen.pipelines.openai_batch.serve_cli import chat_template_text
+    from batchgen.pipelines.cli_args import chat_template_text
 
     inline = "{% for m in messages %}" + "{{ m['content'] }}" * 40 + "{% endfor %}"
     assert len(inline) > 255 and chat_template_text(inline) == inline

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from pipeline_helpers import SAMPLING, engine_outputs, read_output, workload, write_input
 
+from batchgen.connectors.checkpoint_files import load_tokenizer
 from batchgen.connectors.demo_data import demo_prompts
 from batchgen.pipelines.cli import UsageError, build_parser, job_config, main
 
@@ -114,6 +115,45 @@ def test_run_with_bad_rows_exits_zero_and_reports_them(ray_cluster, tiny_moe_dir
     assert table.column("id").to_pylist() == [0, 1, 2, 3, 4]
     assert "missing prompt" in table.column("error")[4].as_py()
     assert table.column("generated_token_ids").to_pylist()[:4] == engine_outputs(tiny_moe_dir, workload(4))
+
+
+def test_run_renders_messages_rows_with_the_jobs_chat_template(ray_cluster, tiny_moe_dir, tmp_path):
+    """--chat-template (a file) reaches the disaggregated pipeline's tokenize stage, and a row's
+    chat_template_kwargs that template."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant]"
+                        "{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}{% endif %}")
+    prompts = workload(3)
+    pq.write_table(pa.table({"messages": [[{"role": "user", "content": p}] for p in prompts],
+                             "chat_template_kwargs": [None, {"enable_thinking": False}, None]}),
+                   tmp_path / "in.parquet")
+    code = main(["run", "--model", tiny_moe_dir, "--input", str(tmp_path / "in.parquet"), "--output",
+                 str(tmp_path / "out"), "--sampling-params", json.dumps(SAMPLING), "--chat-template", str(template),
+                 "--no-progress"])
+    assert code == 0
+    tokenizer = load_tokenizer(tiny_moe_dir)
+    ids = [tokenizer.encode(f"[user] {p}\n[assistant]" + (" /no_think" if i == 1 else ""), add_special_tokens=False)
+           for i, p in enumerate(prompts)]
+    table = read_output(str(tmp_path / "out"))
+    assert table.column("error").to_pylist() == [None] * 3
+    assert table.column("num_prompt_tokens").to_pylist() == [len(x) for x in ids]
+    assert table.column("generated_token_ids").to_pylist() == engine_outputs(tiny_moe_dir, ids)
+
+
+def test_a_chat_template_option_is_a_file_or_the_template_and_a_missing_file_is_a_usage_error(tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    base = ["run", "--model", "m", "--input", "i", "--output", "o"]
+    assert job_config(build_parser().parse_args([*base, "--chat-template", str(template)])).chat_template == \
+        "{{ messages[0]['content'] }}"
+    assert job_config(build_parser().parse_args([*base, "--chat-template", "{{ 'x' }}"])).chat_template == "{{ 'x' }}"
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({"model": "m", "input": "i", "output": "o",
+                                                       "chat_template": str(template)}))
+    assert job_config(build_parser().parse_args(["run", "--config", str(tmp_path / "job.yaml")])).chat_template == \
+        "{{ messages[0]['content'] }}"
+    with pytest.raises(UsageError, match="--chat-template '.*missing.jinja' is no template"):
+        job_config(build_parser().parse_args([*base, "--chat-template", str(tmp_path / "missing.jinja")]))
 
 
 def test_demo_writes_its_prompts_runs_them_and_prints_a_summary(ray_cluster, tmp_path, capsys, monkeypatch):

@@ -23,20 +23,23 @@ def test_a_rerun_of_the_same_job_matches_its_record_whatever_json_makes_of_it(tm
         with pytest.raises(JobError, match=r"holds results of a different job \(differs in \['sampling_params'\]\)"):
             _claim_output(JobConfig(**{**config.__dict__, "sampling_params": other}), total_rows=10,
                           input_digest="d1")
+    with pytest.raises(JobError, match=r"differs in \['chat_template'\]"):  # other prompts from the same rows
+        _claim_output(JobConfig(**{**config.__dict__, "chat_template": "{{ 'x' }}"}), total_rows=10,
+                      input_digest="d1")
     with pytest.raises(JobError, match=r"differs in \['total_rows'\]"):
         _claim_output(config, total_rows=11, input_digest="d1")
     with pytest.raises(JobError, match=r"differs in \['input_digest'\]"):  # a file edited, same rows in all
         _claim_output(config, total_rows=10, input_digest="d2")
 
 
-def test_a_damaged_job_record_is_a_job_error_and_an_older_one_without_the_input_digest_resumes(tmp_path):
+def test_a_damaged_job_record_is_a_job_error_and_an_older_one_without_newer_fields_resumes(tmp_path):
     config = JobConfig(model="m", input="in", output=str(tmp_path))
     record = tmp_path / "_batchgen_job.json"
     record.write_text('{"input": "in", "mod')
     with pytest.raises(JobError, match="damaged job record"):
         _claim_output(config, total_rows=3, input_digest="d")
     older = job_record(config, 3, "d")
-    del older["input_digest"]
+    del older["input_digest"], older["chat_template"]
     record.write_text(json.dumps(older))
     _claim_output(config, total_rows=3, input_digest="d")
 

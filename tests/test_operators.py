@@ -102,6 +102,26 @@ def test_a_row_continues_its_open_final_message_as_its_column_says(tiny_moe_dir,
     assert call(batchgen, numpy_batch).column("generated_token_ids").to_pylist() == generated[:1]
 
 
+def test_a_jobs_chat_template_renders_messages_rows_in_each_operator_and_the_planners_sample(tiny_moe_dir, tmp_path):
+    """BatchGen (single mode), Tokenize (disaggregated) and the planner's sample of the input all render with it."""
+    from batchgen.operators import workload_sample
+
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}<reply>{% endif %}")
+    table = pa.table({"messages": [[{"role": "user", "content": "Tell me about the sea."}]]})
+    want = load_tokenizer(tiny_moe_dir).encode("<user>Tell me about the sea.<reply>", add_special_tokens=False)
+    op = BatchGen(tiny_moe_dir, SAMPLING, chat_template=template, max_model_len=MAX_MODEL_LEN, **ENGINE)
+    out = call(op, table)
+    assert out.column("num_prompt_tokens").to_pylist() == [len(want)]
+    assert out.column("generated_token_ids").to_pylist() == engine_outputs(tiny_moe_dir, [want])
+    assert call(Tokenize(tiny_moe_dir, SAMPLING, chat_template=template), table).column(sc.PROMPT_IDS).to_pylist() \
+        == [want]
+    pq.write_table(table, tmp_path / "a.parquet")
+    shape = workload_sample.input_workload(str(tmp_path), load_model(tiny_moe_dir), SamplingParams(max_tokens=7), {},
+                                           template)
+    assert shape.prompt_lens == (len(want),)
+
+
 def test_per_row_integer_overrides_survive_rays_default_numpy_batches(batchgen, prompts, expected):
     """Ray's default batch format makes floats of an integer struct field that is null in some row of the batch
     (3.0): every override was refused as not an integer."""

@@ -342,6 +342,29 @@ def test_stage_split_follows_the_work():
     assert eight.prefill_actors < one.prefill_actors and eight.predicted_bct_s > one.predicted_bct_s
 
 
+def test_batchgen_plan_samples_the_input_with_the_jobs_chat_template(loaded, tmp_path, capsys, monkeypatch):
+    """--chat-template reaches the input's sample (operators/workload_sample.py renders with it: test_operators)."""
+    from batchgen.operators import workload_sample
+
+    seen = []
+
+    def sample(uri, model, defaults, storage_options, chat_template=None):
+        seen.append(chat_template)
+        return WorkloadShape((30,) * 4, (10,) * 4)
+
+    monkeypatch.setattr(workload_sample, "input_workload", sample)
+    (tmp_path / "chat.jinja").write_text("{{ messages[0]['content'] }}")
+    curves = tmp_path / "curves.json"
+    curves.write_text(curves_for(loaded).to_json())
+    assert main(["plan", "--model", loaded.uri, "--input", str(tmp_path), "--curves", str(curves), "--chat-template",
+                 str(tmp_path / "chat.jinja"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["workload"]["mean_prompt"] == 30.0
+    assert seen == ["{{ messages[0]['content'] }}"]
+    assert main(["plan", "--model", loaded.uri, "--input", str(tmp_path), "--curves", str(curves), "--chat-template",
+                 str(tmp_path / "missing.jinja")]) == 2
+    assert "is no template" in capsys.readouterr().err
+
+
 def test_batchgen_plan_prints_the_plan_and_the_split(loaded, tmp_path, capsys):
     model_dir = loaded.uri
     rows = prompts(vocab_size=loaded.model.vocab_size, lengths=(20, 40, 60, 80) * 10)

@@ -6,11 +6,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchgen.engine.request_normalizer import sampling_params
-from batchgen.pipelines.cli_args import json_object
+from batchgen.pipelines.cli_args import chat_template_text, json_object
 
 if TYPE_CHECKING:  # the server's modules load only when `serve` runs
     from fastapi import FastAPI
@@ -21,7 +20,8 @@ if TYPE_CHECKING:  # the server's modules load only when `serve` runs
     from batchgen.pipelines.pipeline import JobConfig
 
 # JobConfig fields `serve` sets itself from its own options, or per batch
-_SET_BY_SERVE = ("model", "input", "output", "sampling_params", "engine", "storage_options", "list_outputs")
+_SET_BY_SERVE = ("model", "input", "output", "sampling_params", "engine", "storage_options", "list_outputs",
+                 "chat_template")
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -127,19 +127,6 @@ def create_serve_app(args: argparse.Namespace, loop: EngineLoop | None, store: B
     return create_app(store, _backend(args, loop, store, config), ServerConfig(
         served_model=served_model, api_key=args.api_key, max_upload_bytes=args.max_upload_bytes,
         allow_custom_completion_window=args.allow_custom_completion_window))
-
-
-def chat_template_text(value: str) -> str:
-    """--chat-template: the template itself where it holds "{", "}" or a line break (vLLM's rule), else the path of
-    a file holding it, which must exist (a mistyped path was taken for the template, and every chat prompt became
-    its text; a long inline template was tested as a path and failed the server)."""
-    if any(mark in value for mark in "{}\n"):
-        return value
-    path = Path(value)
-    if not path.is_file():
-        raise ValueError(f"--chat-template {value!r} is no template (it holds no '{{', '}}' or line break) and no "
-                         "file")
-    return path.read_text()
 
 
 def _backend(args: argparse.Namespace, loop: EngineLoop | None, store: BatchStore,
