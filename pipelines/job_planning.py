@@ -23,15 +23,15 @@ def plan_stages(config: JobConfig) -> tuple[JobConfig, StageSplit]:
     task = ray.remote(num_cpus=engine_actor_cpus(sized), num_gpus=config.engine_num_gpus,
                       resources=config.decode_resources, max_calls=1)(_plan_on_engine_node)
     engine, split = ray.get(task.remote(config.model, config.engine, config.input, config.storage_options,
-                                        config.sampling_params, config.chat_template, config.engine_actors))
+                                        config.sampling_params, config.engine_actors, config.chat_template))
     planned = dataclasses.replace(sized, engine={**config.engine, **engine}, prefill_concurrency=split.prefill_actors,
                                   decode_concurrency=split.decode_actors)
     return planned, split
 
 
 def _plan_on_engine_node(model: str, engine: dict[str, Any], input_uri: str, storage_options: dict[str, Any],
-                         sampling: dict[str, Any], chat_template: str | None,
-                         engine_actors: int) -> tuple[dict[str, Any], StageSplit]:
+                         sampling: dict[str, Any], engine_actors: int,
+                         chat_template: str | None = None) -> tuple[dict[str, Any], StageSplit]:
     """The planned engine settings and the stage split, as every engine actor will run them. A task given a
     fraction of a GPU plans within that share of it (prepare_engine_process), as each engine actor will run: two
     actors sharing a GPU each hold their own weights beside their pools."""
