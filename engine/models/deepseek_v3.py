@@ -115,7 +115,6 @@ def per_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     sums in one order."""
     if not registry.batch_invariant():
         return torch.einsum("thn,hon->tho", x, weight)
-    weight = weight.contiguous()  # [H, o, n]: each head's rows contiguous, as the kernel reads them
     return torch.stack([ops.linear(x[:, h], weight[h]) for h in range(weight.shape[0])], dim=1)
 
 
