@@ -21,25 +21,37 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 class ChatOptions:
     """How a request's turns become its prompt: with the template's generation prompt after the last turn (the
     default), or with the last turn left open for the model to continue (a prefilled answer); and extra
-    variables the template reads, such as Qwen3's `enable_thinking`."""
+    variables the template reads, such as Qwen3's `enable_thinking`. Checked when made: InvalidRequestError
+    names the field."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        for name in ("add_generation_prompt", "continue_final_message"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise InvalidRequestError(f"{name}: expected true or false, got {type(value).__name__} {value!r}")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be true: one "
+                                      "opens a new assistant turn, the other continues the last message")
+        if not isinstance(self.template_kwargs, Mapping):
+            raise InvalidRequestError(f"chat_template_kwargs: expected an object of template variables, got "
+                                      f"{type(self.template_kwargs).__name__}")
+        for key in self.template_kwargs:
+            _check_variable(key)
+
     @classmethod
     def from_values(cls, add_generation_prompt: Any = None, continue_final_message: Any = None,
                     template_kwargs: Any = None) -> ChatOptions:
-        """The options as a request gives them (None: unset). add_generation_prompt defaults to the opposite of
-        continue_final_message; setting both true is refused, as vLLM and transformers refuse it. Raises
-        InvalidRequestError naming the field."""
+        """The options as a request gives them, None (and a null template variable) counting as unset: the
+        generation prompt then defaults to the opposite of continue_final_message (both true is refused, as
+        vLLM and transformers refuse it); template_kwargs may be a JSON object's text."""
         if add_generation_prompt is None and continue_final_message is None and template_kwargs is None:
             return DEFAULT_CHAT  # a row or line that sets none of them: the common case
-        continuing = _flag(continue_final_message, "continue_final_message", False)
-        generation = _flag(add_generation_prompt, "add_generation_prompt", not continuing)
-        if generation and continuing:
-            raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be true: one "
-                                      "opens a new assistant turn, the other continues the last message")
+        continuing = False if continue_final_message is None else continue_final_message
+        generation = continuing is not True if add_generation_prompt is None else add_generation_prompt
         return cls(generation, continuing, _template_kwargs(template_kwargs))
 
     @property
@@ -66,17 +78,9 @@ def render_chat(tokenizer: Any, turns: list[dict[str, str]], chat_template: str 
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _flag(value: Any, name: str, default: bool) -> bool:
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidRequestError(f"{name}: expected true or false, got {type(value).__name__} {value!r}")
-    return value
-
-
 def _template_kwargs(value: Any) -> dict[str, Any]:
-    """A mapping (or a JSON object's text) of template variables; null entries count as unset, as a struct
-    column's missing fields arrive."""
+    """A mapping (or a JSON object's text) of template variables, without its null entries (a struct column's
+    missing fields arrive as nulls)."""
     if value is None:
         return {}
     if isinstance(value, str):
@@ -87,14 +91,13 @@ def _template_kwargs(value: Any) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise InvalidRequestError(f"chat_template_kwargs: expected an object of template variables, got "
                                   f"{type(value).__name__}")
-    kwargs = {}
-    for key, item in value.items():
-        if not isinstance(key, str) or not key.isidentifier():
-            raise InvalidRequestError(f"chat_template_kwargs: {key!r} is not a template variable name")
-        if key in RESERVED_TEMPLATE_KWARGS:
-            raise InvalidRequestError(f"chat_template_kwargs: {key!r} is an argument of the rendering itself, not "
-                                      "a template variable" + (f"; set '{key}' on the request" if key in (
-                                          "add_generation_prompt", "continue_final_message") else ""))
-        if item is not None:
-            kwargs[key] = item
-    return kwargs
+    return {key: item for key, item in value.items() if item is not None}
+
+
+def _check_variable(key: Any) -> None:
+    if not isinstance(key, str) or not key.isidentifier():
+        raise InvalidRequestError(f"chat_template_kwargs: {key!r} is not a template variable name")
+    if key in RESERVED_TEMPLATE_KWARGS:
+        where = f"; set '{key}' on the request" if key in ("add_generation_prompt", "continue_final_message") else ""
+        raise InvalidRequestError(f"chat_template_kwargs: {key!r} is an argument of the rendering itself, not a "
+                                  f"template variable{where}")

@@ -66,6 +66,15 @@ def test_bad_chat_options_are_named(values, message):
         ChatOptions.from_values(**values)
 
 
+def test_chat_options_made_directly_are_checked_too():
+    """Request(chat_options=ChatOptions(...)) in Python: the same checks as from_values."""
+    with pytest.raises(InvalidRequestError, match="cannot both be true"):
+        ChatOptions(continue_final_message=True)  # the generation prompt's default is not resolved here
+    with pytest.raises(InvalidRequestError, match="'tools' is an argument of the rendering itself"):
+        ChatOptions(template_kwargs={"tools": []})
+    assert ChatOptions(False, True).continue_final_message
+
+
 def test_chat_options_apply_to_messages_only_and_a_rejecting_template_is_named(demo, normalizer):
     continuing = ChatOptions.from_values(continue_final_message=True)
     with pytest.raises(InvalidRequestError, match="apply to messages; this prompt is given as prompt$"):
