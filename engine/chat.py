@@ -17,6 +17,10 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
+# the request fields (Batch API body fields, Parquet columns) that make a ChatOptions, in from_values' order
+CHAT_OPTION_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+
+
 @dataclass(frozen=True)
 class ChatOptions:
     """How a request's turns become its prompt: with the template's generation prompt after the last turn (the

@@ -29,15 +29,14 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.engine import InvalidRequestError, RequestNormalizer, Result, SamplingParams
-from batchgen.engine.chat import ChatOptions
+from batchgen.engine.chat import CHAT_OPTION_FIELDS, ChatOptions
 from batchgen.engine.request_normalizer import plain, sampling_params
 from batchgen.operators.blocks import Undecodable
 
 PROMPT, MESSAGES, PROMPT_TOKEN_IDS = "prompt", "messages", "prompt_token_ids"
 SAMPLING_PARAMS = "sampling_params"
 PROMPT_COLUMNS = (PROMPT_TOKEN_IDS, MESSAGES, PROMPT)
-CHAT_COLUMNS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")  # ChatOptions' order
-INPUT_COLUMNS = (*PROMPT_COLUMNS, SAMPLING_PARAMS, *CHAT_COLUMNS)  # what RowParser reads of a row
+INPUT_COLUMNS = (*PROMPT_COLUMNS, SAMPLING_PARAMS, *CHAT_OPTION_FIELDS)  # what RowParser reads of a row
 ERROR = "error"
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_prompt_tokens", "num_generated_tokens",
                   "finish_reason", "completion_time_s", ERROR)
@@ -94,7 +93,7 @@ class RowParser:
     def parse(self, row: dict[str, Any]) -> ParsedRow | str:
         # the sampling parameters, and the one prompt column used (the first given): another one's bytes do not matter
         prompt = next((name for name in PROMPT_COLUMNS if row.get(name) is not None), None)  # in precedence order
-        for name in (SAMPLING_PARAMS, *CHAT_COLUMNS, prompt):
+        for name in (SAMPLING_PARAMS, *CHAT_OPTION_FIELDS, prompt):
             if name is not None and isinstance(row.get(name), Undecodable):
                 return f"{name}: undecodable text, not valid UTF-8 ({row[name].reason})"
         try:
@@ -102,7 +101,7 @@ class RowParser:
             if sampling.n > 1 and not self.list_outputs:
                 raise InvalidRequestError(f"sampling_params: n={sampling.n} needs list outputs; build the operator "
                                           "with list_outputs=True or a default n > 1")
-            chat = ChatOptions.from_values(*(plain(row.get(name), name) for name in CHAT_COLUMNS))
+            chat = ChatOptions.from_values(*(plain(row.get(name), name) for name in CHAT_OPTION_FIELDS))
             ids = self.normalizer.prompt_ids(prompt_token_ids=row.get(PROMPT_TOKEN_IDS), messages=row.get(MESSAGES),
                                              prompt=row.get(PROMPT), chat=chat)
             return ParsedRow(ids, sampling)  # the engine checks the length, and the row keeps its token count

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.engine.chat import ChatOptions
+from batchgen.engine.chat import CHAT_OPTION_FIELDS, ChatOptions
 from batchgen.engine.request import Completion, Request, Result, TokenLogprob
 from batchgen.engine.request_normalizer import RequestNormalizer, sampling_params
 from batchgen.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -42,10 +42,8 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "suffix": (None, ""),
 }
-# vLLM's chat-template extensions: how the messages are rendered (engine/chat.py)
-_CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 _CHAT_ONLY = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "response_format",
-              "modalities", "parallel_tool_calls", "store", "metadata", "service_tier", *_CHAT_TEMPLATE_FIELDS)
+              "modalities", "parallel_tool_calls", "store", "metadata", "service_tier", *CHAT_OPTION_FIELDS)
 _COMPLETIONS_ONLY = ("prompt", "echo", "suffix", "best_of")
 
 
@@ -180,8 +178,7 @@ class RequestBuilder:
             if values["structured_outputs"] is not None:
                 raise InvalidRequestError("give one of 'response_format' and 'structured_outputs', not both")
             values["structured_outputs"] = structured
-        options = ChatOptions.from_values(body.get("add_generation_prompt"), body.get("continue_final_message"),
-                                          body.get("chat_template_kwargs"))
+        options = ChatOptions.from_values(*(body.get(name) for name in CHAT_OPTION_FIELDS))
         prompt_ids = self.normalizer.prompt_ids(**_prompt(body, chat), chat=options)
         if chat and values["max_tokens"] is None and not self.default_max_tokens:
             values["max_tokens"] = max(1, self.normalizer.max_model_len - len(prompt_ids))
@@ -207,7 +204,7 @@ def _check_fields(body: dict[str, Any], chat: bool) -> None:
             neutral = _NEUTRAL_VALUES[key][1]
             raise InvalidRequestError(f"unsupported parameter '{key}': only {neutral!r} is supported")
         known = (key in _SAMPLING_FIELDS or key in _IGNORED_FIELDS or key in _NEUTRAL_VALUES
-                 or key in _CHAT_TEMPLATE_FIELDS
+                 or key in CHAT_OPTION_FIELDS
                  or key in ("messages", "prompt", "max_tokens", "max_completion_tokens", "logprobs",
                             "top_logprobs", "best_of", "response_format"))
         if not known:
