@@ -15,6 +15,11 @@ Packed layouts (`pack_gate_up`, `pack_down`; in place, the same storage: `pack_i
 Each block is a contiguous 2-4 KiB-per-index stream, read once per tile of rows (from memory for the first, L2 for
 the rest) while the next block is fetched into L2.
 
+`h` (silu(gate) * up, the down pass's input) of a panel of few rows (decode) is chunk-major, [I / 16, rows, 16]: a
+gate_up block's sixteen columns of all the panel's rows are one contiguous run, and the down pass reads its rows'
+sixteen indexes from neighbouring lines, where row-major rows 4 KiB apart scatter the same data over as many pages
+and cache sets. Larger panels (prefill) keep it row-major, [rows, I], whose rows stream better there.
+
 Every output element is one accumulator summing its inputs in index order, whichever rows share its tile, and a
 token's experts are added into its output row in expert order by the one thread owning those columns: a row's
 result does not depend on the rest of the batch (batch invariant by construction, as the engine's option asks).
@@ -35,6 +40,9 @@ ROWS = 12  # token rows per register tile: 2 x 12 accumulators, 2 weight vectors
 # the weights' blocks stream past (a layer of bench-moe's: 192 rows; 1.04-1.16x faster at 512-1024 rows per expert)
 PANEL_BYTES = 768 << 10
 THREAD_BYTES = 256 << 10  # row copies a thread: less is not worth waking a second
+# panels of at most this many rows keep `h` chunk-major (below): bench-moe's six expert layers at 4-32 rows per expert
+# ran in 0.87-0.96x the time of row-major `h`, at 128-450 rows (prefill) in 1.04-1.05x (row-major streams better there)
+CHUNKED_ROWS = 32
 
 _SOURCE = r"""
 #include <math.h>
@@ -49,6 +57,7 @@ _SOURCE = r"""
 #define GATE @GATE_COLUMNS@              /* intermediate columns per gate_up block */
 #define PANEL 3             /* int64s per panel */
 #define PANEL_BYTES @PANEL_BYTES@  /* moe_packed_cpu.PANEL_BYTES */
+#define CHUNKED_ROWS @CHUNKED_ROWS@  /* moe_packed_cpu.CHUNKED_ROWS */
 #define TILE_ROWS_COST 8     /* an item's weight in a thread's share: its rows plus the compute reading a block's
                                 weights from memory is worth (rows are the compute, the block's read is fixed) */
 #define THREAD_BYTES @THREAD_BYTES@
@@ -65,7 +74,7 @@ typedef struct {
     const float *x;            /* [R, D] rows sorted by expert */
     const int64_t *panels;     /* [P, PANEL] each panel's expert, first row, end row: an expert's rows in order */
     const float *wgu, *wd;     /* packed: [E, I / GATE, D, WIDE], [E, D / WIDE, I, WIDE] */
-    float *h;                  /* [R, I] silu(gate) * up */
+    float *h;                  /* [R, I] silu(gate) * up: a panel's rows from h + first row * I, chunked or not */
     const int64_t *token;      /* [R] output row of each row */
     const float *weight;       /* [R] routing weight of each row */
     float *out;                /* [T, D] accumulated */
@@ -73,13 +82,14 @@ typedef struct {
     int D, I;
 } Job;
 
-/* sums[2r], sums[2r + 1] = x_r . w[:, 0:16], x_r . w[:, 16:32] for the n (a constant after inlining) rows
-   x_r = x + r * stride, over the len indexes of the block w ([len, WIDE]): each sum one accumulator, in index order.
+/* sums[2r], sums[2r + 1] = x_r . w[:, 0:16], x_r . w[:, 16:32] for the n (a constant after inlining) rows x_r, over
+   the len indexes of the block w ([len, WIDE]): each sum one accumulator, in index order. Rows are x + r * stride, or
+   with `chunked` (a constant too) chunk-major: index k of row r at x + (k / GATE) * stride + r * GATE + k % GATE.
    Meanwhile share `part` of `parts` of the next block (`next`, as long) is fetched into L2: a block's tiles of rows
    fetch it in turn, so the memory reads go on through all of them. */
-static inline __attribute__((always_inline)) void tile(int n, const float *restrict w, const float *restrict x,
-                                                       int64_t stride, int len, v16 *sums, const float *next,
-                                                       int part, int parts) {
+static inline __attribute__((always_inline)) void tile(int n, int chunked, const float *restrict w,
+                                                       const float *restrict x, int64_t stride, int len, v16 *sums,
+                                                       const float *next, int part, int parts) {
     v16 acc[2 * ROWS];
     for (int i = 0; i < 2 * n; i++) acc[i] = (v16){0};
     /* (part * len + k) / parts without a division per index: times 2^32 / parts, rounded up (exact while
@@ -95,7 +105,7 @@ static inline __attribute__((always_inline)) void tile(int n, const float *restr
         }
         v16 w0 = load(w + (int64_t)k * WIDE), w1 = load(w + (int64_t)k * WIDE + LANES);
         for (int r = 0; r < n; r++) {
-            float xr = x[r * stride + k];
+            float xr = chunked ? x[(k / GATE) * stride + r * GATE + k % GATE] : x[r * stride + k];
             acc[2 * r] += xr * w0;
             acc[2 * r + 1] += xr * w1;
         }
@@ -103,23 +113,29 @@ static inline __attribute__((always_inline)) void tile(int n, const float *restr
     for (int i = 0; i < 2 * n; i++) sums[i] = acc[i];
 }
 
-/* tile with n a compile-time constant in every case, so each keeps its sums in registers */
-static void tile_n(int n, const float *w, const float *x, int64_t stride, int len, v16 *sums, const float *next,
-                   int part, int parts) {
+/* tile with n and chunked compile-time constants in every case, so each keeps its sums in registers */
+static inline __attribute__((always_inline)) void tile_rows(int n, int chunked, const float *w, const float *x,
+                                                            int64_t stride, int len, v16 *sums, const float *next,
+                                                            int part, int parts) {
     switch (n) {
-        case 1: tile(1, w, x, stride, len, sums, next, part, parts); break;
-        case 2: tile(2, w, x, stride, len, sums, next, part, parts); break;
-        case 3: tile(3, w, x, stride, len, sums, next, part, parts); break;
-        case 4: tile(4, w, x, stride, len, sums, next, part, parts); break;
-        case 5: tile(5, w, x, stride, len, sums, next, part, parts); break;
-        case 6: tile(6, w, x, stride, len, sums, next, part, parts); break;
-        case 7: tile(7, w, x, stride, len, sums, next, part, parts); break;
-        case 8: tile(8, w, x, stride, len, sums, next, part, parts); break;
-        case 9: tile(9, w, x, stride, len, sums, next, part, parts); break;
-        case 10: tile(10, w, x, stride, len, sums, next, part, parts); break;
-        case 11: tile(11, w, x, stride, len, sums, next, part, parts); break;
-        default: tile(ROWS, w, x, stride, len, sums, next, part, parts); break;
+        case 1: tile(1, chunked, w, x, stride, len, sums, next, part, parts); break;
+        case 2: tile(2, chunked, w, x, stride, len, sums, next, part, parts); break;
+        case 3: tile(3, chunked, w, x, stride, len, sums, next, part, parts); break;
+        case 4: tile(4, chunked, w, x, stride, len, sums, next, part, parts); break;
+        case 5: tile(5, chunked, w, x, stride, len, sums, next, part, parts); break;
+        case 6: tile(6, chunked, w, x, stride, len, sums, next, part, parts); break;
+        case 7: tile(7, chunked, w, x, stride, len, sums, next, part, parts); break;
+        case 8: tile(8, chunked, w, x, stride, len, sums, next, part, parts); break;
+        case 9: tile(9, chunked, w, x, stride, len, sums, next, part, parts); break;
+        case 10: tile(10, chunked, w, x, stride, len, sums, next, part, parts); break;
+        case 11: tile(11, chunked, w, x, stride, len, sums, next, part, parts); break;
+        default: tile(ROWS, chunked, w, x, stride, len, sums, next, part, parts); break;
     }
+}
+static void tile_n(int n, int chunked, const float *w, const float *x, int64_t stride, int len, v16 *sums,
+                   const float *next, int part, int parts) {
+    if (chunked) tile_rows(n, 1, w, x, stride, len, sums, next, part, parts);
+    else tile_rows(n, 0, w, x, stride, len, sums, next, part, parts);
 }
 
 /* A panel's rows in tiles of at most ROWS, as even as they divide: tile t is [first + rows * t / tiles, ...) */
@@ -130,6 +146,11 @@ static inline int64_t tile_start(int64_t first, int64_t rows, int64_t t, int64_t
 
 static inline int64_t panel_rows(const Job *j, int64_t q) {
     return j->panels[PANEL * q + 2] - j->panels[PANEL * q + 1];
+}
+
+/* Where row r (from the panel's first) of h holds the sixteen columns of block c, in a panel of `rows` rows */
+static inline int64_t h_offset(int64_t rows, int64_t I, int64_t r, int64_t c) {
+    return rows <= CHUNKED_ROWS ? (c * rows + r) * GATE : r * I + c * GATE;
 }
 
 /* The first of the P * blocks (panel, block) items whose items before weigh at least `target`, an item of panel q
@@ -163,9 +184,9 @@ static void gate_up(const Job *j) {
         for (int64_t s = 0; s < tiles; s++) {
             int64_t r = tile_start(r0, rows, s, tiles), count = tile_start(r0, rows, s + 1, tiles) - r;
             v16 sums[2 * ROWS];
-            tile_n((int)count, w, j->x + r * j->D, j->D, j->D, sums, next, (int)s, (int)tiles);
+            tile_n((int)count, 0, w, j->x + r * j->D, j->D, j->D, sums, next, (int)s, (int)tiles);
             for (int64_t q = 0; q < count; q++)
-                store(j->h + (r + q) * j->I + c * GATE, silu_mul_v(sums[2 * q], sums[2 * q + 1]));
+                store(j->h + r0 * j->I + h_offset(rows, j->I, r + q - r0, c), silu_mul_v(sums[2 * q], sums[2 * q + 1]));
         }
     }
 }
@@ -178,6 +199,7 @@ static void down(const Job *j) {
     for (int64_t p = 0; p < j->P; p++) {
         const int64_t *panel = j->panels + PANEL * p;
         int64_t r0 = panel[1], rows = panel[2] - panel[1], tiles = tiles_of(rows);
+        int chunked = rows <= CHUNKED_ROWS;
         for (int64_t b = first; b < last; b++) {
             const float *w = j->wd + (panel[0] * blocks + b) * j->I * WIDE;
             /* the next item: this panel's next block, else the next panel's first of this thread's */
@@ -186,7 +208,8 @@ static void down(const Job *j) {
             for (int64_t s = 0; s < tiles; s++) {
                 int64_t r = tile_start(r0, rows, s, tiles), count = tile_start(r0, rows, s + 1, tiles) - r;
                 v16 sums[2 * ROWS];
-                tile_n((int)count, w, j->h + r * j->I, j->I, j->I, sums, next, (int)s, (int)tiles);
+                tile_n((int)count, chunked, w, j->h + r0 * j->I + h_offset(rows, j->I, r - r0, 0),
+                       chunked ? rows * GATE : j->I, j->I, sums, next, (int)s, (int)tiles);
                 for (int64_t q = 0; q < count; q++) {
                     float *o = j->out + j->token[r + q] * j->D + b * WIDE, wt = j->weight[r + q];
                     store(o, load(o) + wt * sums[2 * q]);
@@ -269,7 +292,8 @@ int packed_experts_f32(const float *x, int64_t T, int K, const int64_t *ids, con
 """.replace("EXP_NEG", EXP_NEG_SOURCE).replace("DOT_PAIRS", DOT_PAIRS_SOURCE).replace("SILU", SILU_SOURCE).replace(
     "ROUTE_ROWS", ROUTE_ROWS_SOURCE).replace("@ROWS@", str(ROWS)).replace(
     "@DOWN_COLUMNS@", str(DOWN_COLUMNS)).replace("@GATE_COLUMNS@", str(GATE_COLUMNS)).replace(
-    "@PANEL_BYTES@", str(PANEL_BYTES)).replace("@THREAD_BYTES@", str(THREAD_BYTES))
+    "@PANEL_BYTES@", str(PANEL_BYTES)).replace("@THREAD_BYTES@", str(THREAD_BYTES)).replace(
+    "@CHUNKED_ROWS@", str(CHUNKED_ROWS))
 
 _PACKED = CFunction("packed_experts", _SOURCE, "packed_experts_f32",
                     (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, *[ctypes.c_void_p] * 2, ctypes.c_int,

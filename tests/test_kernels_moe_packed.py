@@ -75,6 +75,18 @@ def test_an_expert_of_more_rows_than_a_panel_takes_runs_in_panels():
     assert torch.equal(alone, out[390:])
 
 
+@pytest.mark.parametrize("rows", [1, moe_packed_cpu.CHUNKED_ROWS, moe_packed_cpu.CHUNKED_ROWS + 1])
+def test_h_chunked_for_few_rows_and_row_major_for_more_gives_the_same_bits(rows):
+    """Expert 1 gets `rows` rows, its h chunk-major up to CHUNKED_ROWS and row-major past it; the first token's
+    output is the same bits as alone (one row: chunk-major) and matches the naive sum."""
+    x, w13, w2, weights, _ = make_moe(rows, 64, 48, 3, 2, seed=rows)
+    ids = torch.tensor([[1, 0]] * rows)
+    gate_up, down = packed(w13, w2)
+    out = ops.fused_moe_packed(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(out.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+    assert torch.equal(ops.fused_moe_packed(x[:1], gate_up, down, weights[:1], ids[:1]), out[:1])
+
+
 def test_a_rows_result_is_the_same_bits_alone_and_in_any_batch():
     """Each output element is one accumulator over its inputs in order, whichever rows share its tile, and a token's
     experts are added in expert order: the batch does not change a row's bits (the default kernel's paths do)."""
