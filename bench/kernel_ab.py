@@ -5,8 +5,9 @@
 On a shared 2-core box two runs of the same code differ by 10-30 % from one minute to the next, more than most kernel
 changes are worth; two builds alternated inside one process see the same moments. Every C kernel (kernels/*_cpu.py)
 is built a second time from its source at REV (and REV's shared C snippets, kernels/c_library.py), and the two builds
-take turns on the same inputs: the MoE kernel on random top-2 routings of 4-32 rows per expert (bench-moe's 16 experts
-of 512 x 1024; both at this tree's crossover, so only the kernel differs), warm (one layer's weights, in cache)
+take turns on the same inputs: the MoE kernels on random top-2 routings of 4-32 rows per expert (bench-moe's 16 experts
+of 512 x 1024; the grouped kernel at this tree's crossover, so only the kernel differs; the packed kernel a CPU engine
+runs, on packed weights in huge pages, and at prefill's ~450 rows per expert too), warm (one layer's weights, in cache)
 and cold (six layers' weights in turn, 600 MB: more than the caches, as a decode step reads them), prefill attention
 on a 4,096-token step of 32-256-token prompts and paged decode attention on 128 sequences of ~96-192 tokens
 (bench-moe's heads). `--engine`
@@ -34,12 +35,14 @@ from pathlib import Path
 
 import torch
 
+from batchgen.engine.host_arena import host_arena
 from batchgen.kernels import (
     argmax_cpu,
     attention_cpu,
     linear_cpu,
     moe_cpu,
     moe_crossover,
+    moe_packed_cpu,
     norm_cpu,
     prefill_cpu,
     rotary_cpu,
@@ -48,8 +51,8 @@ from batchgen.kernels import (
 )
 from batchgen.kernels.c_library import CFunction
 
-C_MODULES = (argmax_cpu, attention_cpu, linear_cpu, moe_cpu, norm_cpu, prefill_cpu, rotary_cpu, router_cpu,
-             write_kv_cpu)
+C_MODULES = (argmax_cpu, attention_cpu, linear_cpu, moe_cpu, moe_packed_cpu, norm_cpu, prefill_cpu, rotary_cpu,
+             router_cpu, write_kv_cpu)
 REPO = Path(__file__).resolve().parent.parent
 BASE_C_LIBRARY = "_kernel_ab_base_c_library"
 COLD_LAYERS = 6  # the MoE cases' calls per point; the cold ones read a different layer's 100 MB of weights in each
@@ -143,9 +146,11 @@ def kernel_cases() -> dict[str, Callable[[], torch.Tensor]]:
     experts, dim, inter = 16, 512, 1024
     layers = [(torch.randn(experts, 2 * inter, dim, generator=g) / dim**0.5,
                torch.randn(experts, dim, inter, generator=g) / inter**0.5) for _ in range(COLD_LAYERS)]
+    packed = [(_packed(w_gate_up, moe_packed_cpu.pack_gate_up), _packed(w_down, moe_packed_cpu.pack_down))
+              for w_gate_up, w_down in layers]
     dot_rows = moe_crossover.dot_rows(dim, inter)
     cases = {}
-    for mean in (4, 8, 16, 32):
+    for mean in (4, 8, 16, 32, 450):
         tokens = experts * mean // 2
         weights, ids = torch.randn(tokens, experts, generator=g).softmax(-1).topk(2)
         x = torch.randn(tokens, dim, generator=g)
@@ -154,8 +159,15 @@ def kernel_cases() -> dict[str, Callable[[], torch.Tensor]]:
             return torch.stack([moe_cpu.grouped_experts(x, w_gate_up, w_down, weights, ids, dot_rows).out
                                 for w_gate_up, w_down in layer_weights])
 
-        cases[f"moe_{mean}_rows_per_expert"] = functools.partial(moe, layers[:1] * COLD_LAYERS)
-        cases[f"moe_{mean}_rows_per_expert_cold"] = functools.partial(moe, layers)
+        def moe_packed(layer_weights: list, x=x, weights=weights, ids=ids) -> torch.Tensor:
+            return torch.stack([moe_packed_cpu.fused_moe_packed_cpu(x, w_gate_up, w_down, weights, ids)
+                                for w_gate_up, w_down in layer_weights])
+
+        if mean <= 32:  # decode sizes; the grouped kernel runs only there in an engine whose experts are packed
+            cases[f"moe_{mean}_rows_per_expert"] = functools.partial(moe, layers[:1] * COLD_LAYERS)
+            cases[f"moe_{mean}_rows_per_expert_cold"] = functools.partial(moe, layers)
+        cases[f"moe_packed_{mean}_rows_per_expert"] = functools.partial(moe_packed, packed[:1] * COLD_LAYERS)
+        cases[f"moe_packed_{mean}_rows_per_expert_cold"] = functools.partial(moe_packed, packed)
     heads, kv_heads, head_dim, page = 8, 2, 64, 64
     rng = random.Random(0)
     lens = []
@@ -173,6 +185,12 @@ def kernel_cases() -> dict[str, Callable[[], torch.Tensor]]:
     cases["decode_attention_128_seqs"] = lambda: attention_cpu.paged_decode_attention_cpu(
         queries, k_cache, v_cache, table, seq_lens, 0.125)
     return cases
+
+
+def _packed(weights: torch.Tensor, pack) -> torch.Tensor:
+    """`weights` packed for moe_packed_cpu in a huge-page arena, as a CPU engine holds its experts."""
+    held = host_arena(weights.numel() * weights.element_size()).view(weights.dtype).view(weights.shape)
+    return moe_packed_cpu.pack_in_place(held.copy_(weights), pack)
 
 
 def engine_case() -> dict[str, Callable[[], torch.Tensor]]:

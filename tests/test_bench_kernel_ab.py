@@ -50,7 +50,8 @@ def test_json_report_of_every_kernel_case(bench, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["base"] == "HEAD" and report["rounds"] == 1
     moe = {f"moe_{rows}_rows_per_expert{cold}" for rows in (4, 8, 16, 32) for cold in ("", "_cold")}
-    assert set(report["points"]) == moe | {"prefill_attention_4096_tokens", "decode_attention_128_seqs"}
+    packed = {f"moe_packed_{rows}_rows_per_expert{cold}" for rows in (4, 8, 16, 32, 450) for cold in ("", "_cold")}
+    assert set(report["points"]) == moe | packed | {"prefill_attention_4096_tokens", "decode_attention_128_seqs"}
     for point in report["points"].values():
         assert point["head_ms"] > 0 and point["base_ms"] > 0
         if not report["changed"]:  # the same sources build the same code: the same bits
