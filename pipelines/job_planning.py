@@ -1,5 +1,7 @@
 """Planning a disaggregated job: how many of its engine actors prefill, and the engine settings they all
-share, computed once where an engine actor would run (its device is the one profiled)."""
+share, computed once where a decode engine actor would run (its device is the one profiled). The KV budgets the
+plan sizes for that node's memory go to the decode actors alone: each prefill actor sizes its own where it runs, as
+prefill nodes may hold less memory than decode nodes."""
 
 from __future__ import annotations
 
@@ -10,12 +12,16 @@ import ray
 
 from batchgen.engine.planner.stage_split import StageSplit
 
+# the planned fields sized for the planning node's memory
+MEMORY_FIELDS = ("kv_budget_bytes", "host_kv_budget_bytes")
+
 if TYPE_CHECKING:
     from batchgen.pipelines.pipeline import JobConfig
 
 
-def plan_stages(config: JobConfig) -> tuple[JobConfig, StageSplit]:
-    """`config` with the prefill/decode split of its `engine_actors` and every planned engine field set."""
+def plan_stages(config: JobConfig) -> tuple[JobConfig, StageSplit, dict[str, Any]]:
+    """`config` with the prefill/decode split of its `engine_actors` and the planned engine fields every engine actor
+    shares set; and the planned KV budgets, for the decode actors alone (`stage_engines`)."""
     from batchgen.pipelines.pipeline import engine_actor_cpus
 
     sized = dataclasses.replace(config, prefill_concurrency=1, decode_concurrency=config.engine_actors - 1)
@@ -24,9 +30,18 @@ def plan_stages(config: JobConfig) -> tuple[JobConfig, StageSplit]:
                       resources=config.decode_resources, max_calls=1)(_plan_on_engine_node)
     engine, split = ray.get(task.remote(config.model, config.engine, config.input, config.storage_options,
                                         config.sampling_params, config.engine_actors, config.chat_template))
-    planned = dataclasses.replace(sized, engine={**config.engine, **engine}, prefill_concurrency=split.prefill_actors,
+    shared, decode_only = stage_engines(config.engine, engine)
+    planned = dataclasses.replace(sized, engine=shared, prefill_concurrency=split.prefill_actors,
                                   decode_concurrency=split.decode_actors)
-    return planned, split
+    return planned, split, decode_only
+
+
+def stage_engines(given: dict[str, Any], planned: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The engine settings of both stages (`given`, and the planned fields but the KV budgets the plan sized), and
+    the planned KV budgets for the decode actors alone. A budget the job gave is in `given`: both stages keep it."""
+    decode_only = {name: planned[name] for name in MEMORY_FIELDS if name in planned and name not in given}
+    shared = {**given, **{name: value for name, value in planned.items() if name not in decode_only}}
+    return shared, decode_only
 
 
 def _plan_on_engine_node(model: str, engine: dict[str, Any], input_uri: str, storage_options: dict[str, Any],

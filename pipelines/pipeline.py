@@ -244,14 +244,15 @@ def _run_planned(plan: JobPlan, on_progress: Callable[[Progress], None] | None, 
     config, source = plan.config, plan.source
     split = None
     progress = Progress(total_rows=source.num_rows, skipped_rows=source.skip.count)
+    decode_engine: dict[str, Any] = {}
     if config.engine_actors is not None and progress.skipped_rows < progress.total_rows:  # not a finished job's
-        config, split = plan_stages(config)
+        config, split, decode_engine = plan_stages(config)
     tracker = ProgressTracker.remote()
     started, started_at = time.perf_counter(), time.time()
     balancer = _work_balancer(config)
     try:
         if progress.skipped_rows < progress.total_rows:
-            ds = build_dataset(config, source, tracker, balancer)
+            ds = build_dataset(config, source, tracker, balancer, decode_engine)
             sink = OrderedParquetSink(config.output, config.storage_options, config.rows_per_file,
                                       on_written=ReportWritten(tracker, "num_generated_tokens", ERROR))
             _run_with_progress(lambda: ds.write_datasink(sink, ray_remote_args={"num_cpus": _CPU_STAGE_CPUS}),
@@ -278,10 +279,12 @@ _MIN_ENGINE_CPUS = 0.25  # the least an engine actor asks for (one torch thread)
 
 
 def build_dataset(config: JobConfig, source: IndexedParquetSource, progress: ray.actor.ActorHandle | None = None,
-                  balancer: ray.actor.ActorHandle | None = None) -> ray.data.Dataset:
+                  balancer: ray.actor.ActorHandle | None = None,
+                  decode_engine: dict[str, Any] | None = None) -> ray.data.Dataset:
     """The lazy dataset of the job's pipeline, from read to the last operator (no write). `progress`: a
     ProgressTracker the engine actors tell about every batch of rows they finish; `balancer`: the
-    WorkBalancer of the decoding stage's engine actors (`_work_balancer`)."""
+    WorkBalancer of the decoding stage's engine actors (`_work_balancer`); `decode_engine`: engine settings of the
+    decode actors alone, over `config.engine` (the KV budgets a stage plan sized on a decode node)."""
     common = {"storage_options": config.storage_options}
     engine_kwargs = {**common, **config.engine}
     finishing = {"progress": progress}  # engine actors report when ready; the last stage, rows as they leave it
@@ -311,7 +314,7 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource, progress: ray
     return ds.map_batches(Decode, batch_size=config.batch_size, batch_format="pyarrow",
                           compute=engine_actor_pool(config.decode_concurrency), **engine_res(config.decode_resources),
                           fn_constructor_kwargs={"model": config.model, "list_outputs": config.samples_as_lists,
-                                                 **finishing, **engine_kwargs, **balancing})
+                                                 **finishing, **engine_kwargs, **(decode_engine or {}), **balancing})
 
 
 def _work_balancer(config: JobConfig) -> ray.actor.ActorHandle | None:

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from batchgen.pipelines.job_planning import stage_engines
 from batchgen.pipelines.pipeline import JobConfig, JobError, _claim_output, _work_balancer, actor_cpu_share, job_record
 
 
@@ -113,3 +114,16 @@ def test_stage_sizes_beside_engine_actors_are_refused(given):
     with pytest.raises(JobError, match=f"engine_actors lets the planner split the engine actors: drop "
                                        f"{' and '.join(given)}"):
         config.validate()
+
+
+def test_a_stage_plan_gives_its_kv_budgets_to_the_decode_actors_alone():
+    """The plan runs on a decode node and sizes the KV budgets for its memory: prefill actors, maybe on smaller
+    devices, size their own; the schedule the plan picked is both stages'. Budgets the job gave stay both stages'."""
+    planned = {"max_num_seqs": 64, "b_attn": 64, "b_moe": 4096, "kv_budget_bytes": 1 << 30,
+               "host_kv_budget_bytes": 1 << 31, "staging_fraction": 0.25}
+    shared, decode_only = stage_engines({"dtype": "float32"}, planned)
+    assert decode_only == {"kv_budget_bytes": 1 << 30, "host_kv_budget_bytes": 1 << 31}
+    assert shared == {"dtype": "float32", "max_num_seqs": 64, "b_attn": 64, "b_moe": 4096, "staging_fraction": 0.25}
+    shared, decode_only = stage_engines({"kv_budget_bytes": 1 << 28}, {**planned, "kv_budget_bytes": 1 << 28})
+    assert decode_only == {"host_kv_budget_bytes": 1 << 31}
+    assert shared["kv_budget_bytes"] == 1 << 28 and "host_kv_budget_bytes" not in shared

@@ -253,6 +253,25 @@ def test_structured_rows_follow_their_spec_through_map_batches_and_the_split_pip
     assert again.progress.skipped_rows == 10 and again.progress.rows == 0 and again.stage_split is None
 
 
+def test_the_split_pipelines_decode_stage_alone_takes_the_stage_plans_kv_budgets(ray_cluster, tiny_moe_dir,
+                                                                                 input_dir, tmp_path):
+    """The KV budgets a stage plan sized on a decode node reach the decode actors only; the prefill actors get the
+    shared settings and size their own budgets where they run."""
+    from batchgen.connectors.indexed_parquet import IndexedParquetSource
+    from batchgen.pipelines.pipeline import build_dataset
+
+    config = JobConfig(model=tiny_moe_dir, input=input_dir, output=str(tmp_path / "out"), mode="disaggregated",
+                       engine={"max_num_seqs": 8})
+    budgets = {"kv_budget_bytes": 3 << 20, "host_kv_budget_bytes": 5 << 20}
+    ds = build_dataset(config, IndexedParquetSource(input_dir, {}), decode_engine=budgets)
+    stages, op = {}, ds._logical_plan.dag
+    while op.input_dependencies:
+        stages[getattr(op, "fn", None)] = op.fn_constructor_kwargs
+        op = op.input_dependencies[0]
+    assert {name: stages[Decode][name] for name in budgets} == budgets
+    assert not set(budgets) & set(stages[Prefill]) and stages[Prefill]["max_num_seqs"] == 8
+
+
 class Recorded:
     """Stands for an actor class or factory in the pipeline module: what it makes, kept for the test."""
 
