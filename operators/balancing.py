@@ -7,9 +7,9 @@ published after its last step (never waiting for a step); export what the balanc
 it on; adopt what was sent here (both between two engine steps); send the Results of
 adopted requests back towards their owners; complete this actor's own moved requests with the
 Results that came back, and rerun those whose holder died (from a checkpoint where that is faster).
-Every CHECKPOINT_S it hands the balancer snapshots of its suspended requests that have decoded
-CHECKPOINT_TOKENS more tokens since their last checkpoint; the balancer stores them as its own objects,
-so that they outlive this actor.
+Every checkpoint period (the balancer's `checkpoint_s`) it hands the balancer snapshots of its suspended
+requests that have decoded CHECKPOINT_TOKENS more tokens since their last checkpoint; the balancer stores
+them as its own objects, so that they outlive this actor.
 
 Ray Data does not know about moved requests: it scales an actor pool down by killing actors that have
 no task once the input is exhausted, which is exactly when the tail is left to balance. So an actor
@@ -38,7 +38,6 @@ from batchgen.operators.work_balancer import REPORT_S, incarnation
 log = logging.getLogger(__name__)
 
 LINGER_GRACE_S = 4 * REPORT_S  # a finished call waits this long for fresh loads before asking to stay
-CHECKPOINT_S = 2.0  # how often suspended requests are checkpointed
 CHECKPOINT_TOKENS = 16  # a request is checkpointed again once it decoded this many more tokens
 
 
@@ -69,6 +68,7 @@ class BalancingAgent:
         self._collected: list[str] = []
         self._copied_bytes, self._copy_s = 0, 0.0
         self._last_checkpoint = time.monotonic()
+        self._checkpoint_s: float | None = None  # the balancer's period, asked at the first exchange
         self._lock = threading.Lock()
         threading.Thread(target=asyncio.run, args=(self._cycle(),), name="batchgen-balancing", daemon=True).start()
 
@@ -192,7 +192,9 @@ class BalancingAgent:
                                     self.name, rid, exc_info=True)
             self.loop.rerun({rid: points.get(rid) for rid in lost})
         self._collected = [result.request_id for result in results] + list(lost)
-        if time.monotonic() - self._last_checkpoint > CHECKPOINT_S:
+        if self._checkpoint_s is None:
+            self._checkpoint_s = await self.balancer.checkpoint_period.remote()
+        if time.monotonic() - self._last_checkpoint > self._checkpoint_s:
             self._last_checkpoint = time.monotonic()
             await self._store_checkpoints(await asyncio.wrap_future(self.loop.snapshot(self._checkpoint_is_recent)))
         with self._lock:

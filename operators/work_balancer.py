@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 REPORT_S = 0.25  # how often an engine actor reports and exchanges moved requests and their Results
 STALE_S = 2.0  # an actor silent this long is checked for life
+CHECKPOINT_S = 2.0  # how often an engine actor checkpoints its suspended requests, by default (WorkBalancer)
 MIN_SHARE = 0.05  # a move of half the difference below this share of the busier load is left undone (loads within
 # 10 % of each other stay put: a move costs KV copies)
 
@@ -94,14 +95,22 @@ class BalancerStats:
 
 class WorkBalancer:
     def __init__(self, low_water: int | None = None, partition_below: int | None = None,
-                 min_share: float = MIN_SHARE) -> None:
+                 min_share: float = MIN_SHARE, checkpoint_s: float = CHECKPOINT_S) -> None:
         """`low_water` / `partition_below`: None takes each engine's own, as it reports them in its load (its
-        refill threshold in requests; the largest batch of any engine)."""
+        refill threshold in requests; the largest batch of any engine). `checkpoint_s`: how often each engine
+        actor hands over checkpoints of its suspended requests (more often: less rerun after a crash, more copies)."""
+        if not checkpoint_s > 0:
+            raise ValueError(f"checkpoint_s must be a positive number of seconds, got {checkpoint_s!r}")
         self.low_water, self.partition_below, self.min_share = low_water, partition_below, min_share
+        self.checkpoint_s = checkpoint_s
         self._workers: dict[str, _Worker] = {}
         self._checkpoints: dict[str, Checkpoint] = {}
         self._costs: RecoveryCosts | None = None
         self.stats = BalancerStats()
+
+    def checkpoint_period(self) -> float:
+        """Seconds between an engine actor's checkpoints (its agent asks once)."""
+        return self.checkpoint_s
 
     # ------------------------------------------------------------ loads and moves
     def report(self, worker: str, actor: tuple[str, int], load: EngineLoad, serving: bool,
@@ -305,9 +314,11 @@ def incarnation(actor_id: str) -> tuple[str, int]:
     return info.get("State", "UNKNOWN"), info.get("NumRestarts", -1)
 
 
-def start_work_balancer(low_water: int | None = None, partition_below: int | None = None) -> Any:
+def start_work_balancer(low_water: int | None = None, partition_below: int | None = None,
+                        checkpoint_s: float = CHECKPOINT_S) -> Any:
     """The job's WorkBalancer actor (no CPU of its own: it records loads and passes references); thresholds
-    as WorkBalancer takes them."""
-    balancer = ray.remote(num_cpus=0, max_concurrency=1000)(WorkBalancer).remote(low_water, partition_below)
+    and checkpoint period as WorkBalancer takes them."""
+    balancer = ray.remote(num_cpus=0, max_concurrency=1000)(WorkBalancer).remote(
+        low_water, partition_below, checkpoint_s=checkpoint_s)
     balancer.watch_workers.remote()
     return balancer

@@ -96,10 +96,10 @@ def test_a_dead_actors_checkpointed_requests_restore_from_kv_and_the_others_are_
     the others from their prompts. Every row's tokens are those of the engine alone."""
     ENGINE_MODEL[:] = [tiny_moe_dir]
     prompts = workload(12)
-    # 384 tokens each: the job outlasts the first checkpoints (240 finished before them on a faster box)
+    # 384 tokens each, checkpoints every 0.25 s: the job outlasts the first ones on any box
     blocks = [pa.table({ROW_INDEX: list(range(12)), "prompt": prompts, "sampling_params": [SEEDED] * 6 + [LONG] * 6})]
     expected = engine_outputs(tiny_moe_dir, prompts[:6], SEEDED) + engine_outputs(tiny_moe_dir, prompts[6:], LONG)
-    balancer = start_work_balancer(low_water=1, partition_below=0)
+    balancer = start_work_balancer(low_water=1, partition_below=0, checkpoint_s=0.25)
     marker = tmp_path / "crashed"
     tight = {**ENGINE, "kv_budget_bytes": 1 << 20, "page_size": 4, "b_attn": 2}  # 512 tokens: about 2 requests
     ds = ray.data.from_arrow(blocks).map_batches(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from batchgen.engine import EngineLoad, Result
 from batchgen.engine.metrics import EngineMetrics
 from batchgen.operators import work_balancer
@@ -201,3 +203,11 @@ def test_the_prefill_rate_counts_the_tokens_recompute_preemptions_prefilled_in_t
                           mixed_steps=2, decode_step_seconds=0.5)
     costs = measured_costs(stats, copied_bytes=10**6, copy_s=0.01)
     assert costs == RecoveryCosts(copy_bytes_per_s=1e8, prefill_s_per_token=2.0 / 400, decode_step_s=0.05)
+
+
+def test_the_checkpoint_period_is_the_balancers_and_must_be_positive():
+    assert WorkBalancer().checkpoint_period() == work_balancer.CHECKPOINT_S
+    assert WorkBalancer(checkpoint_s=0.25).checkpoint_period() == 0.25
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=f"checkpoint_s must be a positive number of seconds, got {bad!r}"):
+            WorkBalancer(checkpoint_s=bad)
