@@ -407,6 +407,7 @@ def test_a_request_moved_here_twice_is_held_once_and_the_actors_last_call_ends(d
         collect = Remote(lambda name, received: ([], {}))
         has_surplus = Remote(lambda name: False)
         done = Remote(lambda ids: None)
+        checkpoint_period = Remote(lambda: 2.0)
 
     loop = EngineLoop(lambda: Engine(demo, page_size=16))
     try:
@@ -449,7 +450,7 @@ def test_a_moved_request_and_its_result_survive_answers_lost_on_their_way(demo, 
         return Remote(call)
 
     fake = SimpleNamespace(**{name: Remote(getattr(balancer, name)) for name in (
-        "report", "unreachable", "collect", "done", "has_surplus", "report_costs", "checkpoint")})
+        "report", "unreachable", "collect", "done", "has_surplus", "report_costs", "checkpoint", "checkpoint_period")})
     fake.take, fake.deliver = answer_lost_once(balancer.take), answer_lost_once(balancer.deliver)
     loop = EngineLoop(lambda: Engine(demo, page_size=16))
     try:
