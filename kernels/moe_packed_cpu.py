@@ -148,10 +148,13 @@ static inline int64_t panel_rows(const Job *j, int64_t q) {
     return j->panels[PANEL * q + 2] - j->panels[PANEL * q + 1];
 }
 
-/* Where row r (from the panel's first) of h holds the sixteen columns of block c, in a panel of `rows` rows */
+/* A panel's h: chunk-major up to CHUNKED_ROWS rows, else row-major. Row r (from the panel's first) holds the sixteen
+   columns of block c at h_offset; the tile steps by h_stride (a chunk of GATE indexes, or a row) */
+static inline int h_chunked(int64_t rows) { return rows <= CHUNKED_ROWS; }
 static inline int64_t h_offset(int64_t rows, int64_t I, int64_t r, int64_t c) {
-    return rows <= CHUNKED_ROWS ? (c * rows + r) * GATE : r * I + c * GATE;
+    return h_chunked(rows) ? (c * rows + r) * GATE : r * I + c * GATE;
 }
+static inline int64_t h_stride(int64_t rows, int64_t I) { return h_chunked(rows) ? rows * GATE : I; }
 
 /* The first of the P * blocks (panel, block) items whose items before weigh at least `target`, an item of panel q
    weighing its rows + TILE_ROWS_COST */
@@ -199,7 +202,7 @@ static void down(const Job *j) {
     for (int64_t p = 0; p < j->P; p++) {
         const int64_t *panel = j->panels + PANEL * p;
         int64_t r0 = panel[1], rows = panel[2] - panel[1], tiles = tiles_of(rows);
-        int chunked = rows <= CHUNKED_ROWS;
+        int chunked = h_chunked(rows);
         for (int64_t b = first; b < last; b++) {
             const float *w = j->wd + (panel[0] * blocks + b) * j->I * WIDE;
             /* the next item: this panel's next block, else the next panel's first of this thread's */
@@ -209,7 +212,7 @@ static void down(const Job *j) {
                 int64_t r = tile_start(r0, rows, s, tiles), count = tile_start(r0, rows, s + 1, tiles) - r;
                 v16 sums[2 * ROWS];
                 tile_n((int)count, chunked, w, j->h + r0 * j->I + h_offset(rows, j->I, r - r0, 0),
-                       chunked ? rows * GATE : j->I, j->I, sums, next, (int)s, (int)tiles);
+                       h_stride(rows, j->I), j->I, sums, next, (int)s, (int)tiles);
                 for (int64_t q = 0; q < count; q++) {
                     float *o = j->out + j->token[r + q] * j->D + b * WIDE, wt = j->weight[r + q];
                     store(o, load(o) + wt * sums[2 * q]);
