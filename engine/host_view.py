@@ -34,13 +34,13 @@ def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     bytes: the array interface has no bfloat16."""
     if device.type != "cuda":
         raise ValueError(f"a device view of host memory is for a CUDA device, not {device}")
+    if host.numel() == 0:  # (an empty tensor never reports pinned: there is no memory to view either way)
+        return torch.empty(host.shape, dtype=host.dtype, device=device)
     if not host.is_pinned():
         raise ValueError("a device view needs pinned host memory (a GPU addresses only page-locked host memory); "
                          f"this {tuple(host.shape)} {host.dtype} tensor is pageable")
     if not host.is_contiguous():
         raise ValueError(f"a device view needs contiguous host memory, got strides {host.stride()}")
-    if host.numel() == 0:
-        return torch.empty(host.shape, dtype=host.dtype, device=device)
     flat = torch.as_tensor(_HostMemory(host), device=device)
     return flat.view(host.dtype).view(host.shape)
 

@@ -50,9 +50,13 @@ def _record(fn: Callable[[], torch.Tensor], rows: int | None, real_rows: int | N
             stream: torch.cuda.Stream) -> tuple[CudaGraphRecording, torch.Tensor, torch.Tensor]:
     # the warm-up on the capture's stream: what a library sets up per stream (cuBLAS's workspace) exists before it
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), capture.collect_effects(rows, padding) as warm_up:
-        result = fn()
-    torch.cuda.current_stream().wait_stream(stream)
+    try:
+        with torch.cuda.stream(stream), capture.collect_effects(rows, padding) as warm_up:
+            result = fn()
+    finally:
+        # a refused warm-up too: the eager run its caller makes instead (on this stream) must not overtake the
+        # kernels the warm-up queued before the refusal (writes into the same KV pages)
+        torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # the pool's growth below is then this capture's
     reserved = torch.cuda.memory_reserved()

@@ -1,7 +1,7 @@
 """The engine on a GPU (run with `-m gpu` on a CUDA host): with a KV budget far below the batch's, sequences move
 between the device's KV pool and the host KV store (copies in both directions) and host-resident ones decode on their
 pinned host pages in place (a view of them in the GPU's address space) or through the staging pool; decode steps
-replay CUDA graphs. Greedy tokens must equal the reference runner's on the same device."""
+replay CUDA graphs (GQA and MLA models). Greedy tokens must equal the reference runner's on the same device."""
 
 import pytest
 import torch
@@ -13,6 +13,7 @@ from batchgen.engine.host_view import device_view, host_pages_in_place, streams_
 from batchgen.engine.kv_pool import KVPool, PoolGeometry
 from batchgen.engine.models.context import KVSpec
 from batchgen.engine.reference import ReferenceRunner
+from batchgen.kernels import capture, cuda_graph
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,6 +36,8 @@ def test_a_device_view_is_the_pinned_host_memory_itself():
         view[1, 2].fill_(7)
         torch.cuda.synchronize()
         assert host[1, 2].tolist() == [7] * 5 and host[0, 0, 1].item() == 1
+    empty = device_view(torch.zeros(0, 3, 5).pin_memory(), torch.device("cuda"))  # (never reports pinned)
+    assert empty.is_cuda and empty.shape == (0, 3, 5)
     pool = KVPool(PoolGeometry(KVSpec(2, 1, 4, 4), 4, torch.bfloat16), 3, torch.device("cpu"), pin=True)
     seen = pool.viewed_from(torch.device("cuda"))
     assert seen.k.data_ptr() == pool.k.data_ptr() and seen.v.is_cuda
@@ -69,10 +72,11 @@ def test_evictions_through_the_host_kv_store_keep_greedy_tokens_on_cuda(mode, st
 COUNTERS = ("moe_calls", "mean_expert_batch", "expert_histogram", "max_ffn_tokens", "decode_steps", "generated_tokens")
 
 
-def test_decode_steps_replayed_from_cuda_graphs_give_the_reference_tokens_and_the_eager_counters(tmp_path):
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])  # GQA, and MLA's latent KV
+def test_decode_steps_replayed_from_cuda_graphs_give_the_reference_tokens_and_the_eager_counters(arch, tmp_path):
     """21 sequences finishing in waves (21, 19, 17 decoding, padded to 24 rows), then a tail of one: every batch size
     is captured once as a CUDA graph and replayed; tokens and counters equal an engine that runs every step eagerly."""
-    save_tiny_checkpoint("mixtral", tmp_path)
+    save_tiny_checkpoint(arch, tmp_path)
     loaded = load_model(str(tmp_path), device="cuda")
     max_tokens = (5, 5, 7, 7) + (10,) * 16 + (24,)
     batch = prompts(vocab_size=loaded.model.vocab_size, lengths=tuple(5 + 3 * i for i in range(len(max_tokens))))
@@ -90,6 +94,22 @@ def test_decode_steps_replayed_from_cuda_graphs_give_the_reference_tokens_and_th
     assert graphed["decode_graph_refusals"] == 0, graphed
     assert graphed["decode_graph_captures"] >= 2 and graphed["decode_graph_replays"] >= 10, graphed
     assert {k: graphed[k] for k in COUNTERS} == {k: eager[k] for k in COUNTERS}
+
+
+def test_a_warm_up_refused_mid_way_is_ordered_before_the_eager_run_that_replaces_it():
+    """cuda_graph.record warms up on a side stream; a refusal there leaves the kernels it queued before running. The
+    caller then runs the step eagerly on its own stream, which must not overtake them (they write the same pages)."""
+    written = torch.zeros(1, device="cuda")
+
+    def refused() -> torch.Tensor:
+        torch.cuda._sleep(100_000_000)  # tens of milliseconds of GPU time queued ahead of the write
+        written.fill_(1.0)
+        raise capture.CaptureRefused("a value read back")
+
+    with pytest.raises(capture.CaptureRefused):
+        cuda_graph.record(refused, None, None, torch.device("cuda"))
+    seen = written.clone()  # on the caller's stream, queued at once
+    assert seen.item() == 1.0
 
 
 def test_a_process_granted_part_of_a_gpu_sees_only_its_share_free():

@@ -1,6 +1,6 @@
 """Prefill KV offload (engine/prefill_offload.py): prompts prefilled straight into host pages leave each layer's
 K/V for them right after that layer's attention, one copy per run of consecutive slots; greedy tokens equal the
-reference model's, chunked prompts included."""
+reference model's, chunked prompts included, on the CPU and (marked `gpu`) on a GPU."""
 
 from __future__ import annotations
 
@@ -45,12 +45,18 @@ def test_an_offloaded_layer_lands_in_exactly_its_slots():
                                  "max_layers_in_flight": 0}
 
 
+ON_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_prompts_prefilled_into_host_pages_give_the_reference_tokens(arch, tmp_path):
+def test_prompts_prefilled_into_host_pages_give_the_reference_tokens(arch, device, tmp_path):
     """A device KV pool of a few pages: most prompts go straight to the host store (some in chunks) and decode
-    from there; every layer's prefill KV reached the host pages through the offload, by runs of slots."""
+    from there; every layer's prefill KV reached the host pages through the offload, by runs of slots (on a GPU
+    copied on a side stream, several layers' copies in flight at once)."""
     save_tiny_checkpoint(arch, tmp_path)
-    loaded = load_model(str(tmp_path))
+    loaded = load_model(str(tmp_path), device=device)
     batch = prompts(vocab_size=loaded.model.vocab_size, lengths=(13, 30, 7, 22, 9, 17, 26, 11))
     expected = ReferenceRunner(loaded.model).generate(batch, max_new_tokens=MAX_TOKENS)
     geometry = PoolGeometry(loaded.model.kv_spec(), 4, loaded.dtype)
@@ -68,3 +74,4 @@ def test_prompts_prefilled_into_host_pages_give_the_reference_tokens(arch, tmp_p
     tokens_offloaded = offload["bytes"] // token_bytes // layers
     assert offload["bytes"] == tokens_offloaded * token_bytes * layers
     assert offload["copies"] < 2 * tokens_offloaded * layers // 2  # consecutive slots went as one copy
+    assert (offload["max_layers_in_flight"] > 0) is (device == "cuda")
