@@ -10,9 +10,10 @@ from typing import Any
 
 from batchgen.engine.sampling_params import InvalidRequestError
 
-# apply_chat_template's own arguments: a template variable of one of these names would never reach the template
+# apply_chat_template's own arguments (`self` too): a template variable of one of these names would never reach the
+# template
 RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "self", "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
@@ -64,6 +65,25 @@ class ChatOptions:
 
 
 DEFAULT_CHAT = ChatOptions()
+
+
+def check_chat_template(template: Any) -> None:
+    """A chat template given as its text, checked before any model loads instead of failing every row: ValueError
+    when it is not text, holds no Jinja tag (a file's path taken for the template renders every conversation to
+    that path), or does not compile as transformers compiles it to render (a syntax error, an unknown filter)."""
+    if not isinstance(template, str) or not template:
+        raise ValueError(f"chat_template must be the template's text, got {template!r}")
+    if "{{" not in template and "{%" not in template:
+        raise ValueError(f"chat_template {template[:80]!r} holds no Jinja tag ('{{{{' or '{{%'): every conversation "
+                         "would render to this same text (a file's path? give the file's text)")
+    from jinja2 import TemplateError, TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except TemplateError as exc:
+        where = f" (line {exc.lineno})" if isinstance(exc, TemplateSyntaxError) else ""
+        raise ValueError(f"chat_template does not compile: {exc}{where}") from None
 
 
 def render_chat(tokenizer: Any, turns: list[dict[str, str]], chat_template: str | None = None,

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from batchgen.engine.chat import DEFAULT_CHAT, ChatOptions, render_chat
+from batchgen.engine.chat import DEFAULT_CHAT, ChatOptions, check_chat_template, render_chat
 from batchgen.engine.sampling_params import INT64, InvalidRequestError, SamplingParams
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -32,6 +32,8 @@ class RequestNormalizer:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        if chat_template is not None:
+            check_chat_template(chat_template)
         self.chat_template = chat_template
 
     def with_chat_template(self, chat_template: str | None) -> RequestNormalizer:

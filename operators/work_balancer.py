@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -99,8 +100,7 @@ class WorkBalancer:
         """`low_water` / `partition_below`: None takes each engine's own, as it reports them in its load (its
         refill threshold in requests; the largest batch of any engine). `checkpoint_s`: how often each engine
         actor hands over checkpoints of its suspended requests (more often: less rerun after a crash, more copies)."""
-        if not checkpoint_s > 0:
-            raise ValueError(f"checkpoint_s must be a positive number of seconds, got {checkpoint_s!r}")
+        check_checkpoint_period(checkpoint_s)
         self.low_water, self.partition_below, self.min_share = low_water, partition_below, min_share
         self.checkpoint_s = checkpoint_s
         self._workers: dict[str, _Worker] = {}
@@ -314,10 +314,19 @@ def incarnation(actor_id: str) -> tuple[str, int]:
     return info.get("State", "UNKNOWN"), info.get("NumRestarts", -1)
 
 
+def check_checkpoint_period(checkpoint_s: Any) -> None:
+    """ValueError unless `checkpoint_s` is a finite, positive number of seconds (not a bool)."""
+    if isinstance(checkpoint_s, bool) or not isinstance(checkpoint_s, (int, float)) \
+            or not 0 < checkpoint_s < math.inf:
+        raise ValueError(f"checkpoint_s must be a positive number of seconds, got {checkpoint_s!r}")
+
+
 def start_work_balancer(low_water: int | None = None, partition_below: int | None = None,
                         checkpoint_s: float = CHECKPOINT_S) -> Any:
     """The job's WorkBalancer actor (no CPU of its own: it records loads and passes references); thresholds
-    and checkpoint period as WorkBalancer takes them."""
+    and checkpoint period as WorkBalancer takes them, the period checked here (an actor's constructor error
+    would surface only once the engine actors first call it)."""
+    check_checkpoint_period(checkpoint_s)
     balancer = ray.remote(num_cpus=0, max_concurrency=1000)(WorkBalancer).remote(
         low_water, partition_below, checkpoint_s=checkpoint_s)
     balancer.watch_workers.remote()

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from batchgen.engine.chat import check_chat_template
+
 
 def parse_json_object(value: str | dict[str, Any] | None, what: str) -> dict[str, Any]:
     """An option that is a JSON object on a command line or a mapping in a config file; None is {}."""
@@ -36,11 +38,14 @@ def json_object(text: str) -> dict[str, Any]:
 def chat_template_text(value: str) -> str:
     """--chat-template: the template itself where it holds "{", "}" or a line break (vLLM's rule), else the path of
     a file holding it, which must exist (a mistyped path was taken for the template, and every chat prompt became
-    its text; a long inline template was tested as a path and failed the server)."""
+    its text; a long inline template was tested as a path and failed the server); either way a template that
+    compiles (engine/chat.check_chat_template's ValueError)."""
     if any(mark in value for mark in "{}\n"):
-        return value
-    path = Path(value)
-    if not path.is_file():
+        text = value
+    elif Path(value).is_file():
+        text = Path(value).read_text()
+    else:
         raise ValueError(f"--chat-template {value!r} is no template (it holds no '{{', '}}' or line break) and no "
                          "file")
-    return path.read_text()
+    check_chat_template(text)
+    return text

@@ -1,7 +1,7 @@
 """Planning a disaggregated job: how many of its engine actors prefill, and the engine settings they all
-share, computed once where a decode engine actor would run (its device is the one profiled). The KV budgets the
-plan sizes for that node's memory go to the decode actors alone: each prefill actor sizes its own where it runs, as
-prefill nodes may hold less memory than decode nodes."""
+share, computed once where a decode engine actor would run (its device is the one profiled). What the plan sizes for
+that node's memory (the KV budgets, and the MoE batch its activations must fit) goes to the decode actors alone: each
+prefill actor sizes its own where it runs, as prefill nodes may hold less memory than decode nodes."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import ray
 
 from batchgen.engine.planner.stage_split import StageSplit
 
-# the planned fields sized for the planning node's memory
-MEMORY_FIELDS = ("kv_budget_bytes", "host_kv_budget_bytes")
+# the planned fields sized for the planning node's memory (b_moe: the tokens whose activations fit its free memory)
+MEMORY_FIELDS = ("kv_budget_bytes", "host_kv_budget_bytes", "b_moe")
 
 if TYPE_CHECKING:
     from batchgen.pipelines.pipeline import JobConfig
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 def plan_stages(config: JobConfig) -> tuple[JobConfig, StageSplit, dict[str, Any]]:
     """`config` with the prefill/decode split of its `engine_actors` and the planned engine fields every engine actor
-    shares set; and the planned KV budgets, for the decode actors alone (`stage_engines`)."""
+    shares set; and the planned fields sized for that node's memory, for the decode actors alone (`stage_engines`)."""
     from batchgen.pipelines.pipeline import engine_actor_cpus
 
     sized = dataclasses.replace(config, prefill_concurrency=1, decode_concurrency=config.engine_actors - 1)
@@ -37,9 +37,10 @@ def plan_stages(config: JobConfig) -> tuple[JobConfig, StageSplit, dict[str, Any
 
 
 def stage_engines(given: dict[str, Any], planned: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The engine settings of both stages (`given`, and the planned fields but the KV budgets the plan sized), and
-    the planned KV budgets for the decode actors alone. A budget the job gave is in `given`: both stages keep it."""
-    decode_only = {name: planned[name] for name in MEMORY_FIELDS if name in planned and name not in given}
+    """The engine settings of both stages (`given`, and the planned fields but those sized for the planning node's
+    memory), and those for the decode actors alone. A value the job gave is in `given`: both stages keep it (a
+    null given is unset: planned per stage)."""
+    decode_only = {name: planned[name] for name in MEMORY_FIELDS if name in planned and given.get(name) is None}
     shared = {**given, **{name: value for name, value in planned.items() if name not in decode_only}}
     return shared, decode_only
 

@@ -39,6 +39,7 @@ from batchgen.connectors.indexed_parquet import (
 )
 from batchgen.connectors.io import StorageError, check_writable, filesystem
 from batchgen.engine import EngineConfig, SamplingParams
+from batchgen.engine.chat import check_chat_template
 from batchgen.engine.planner.stage_split import StageSplit
 from batchgen.engine.quantile_sketch import QuantileSketch
 from batchgen.operators import BatchGen, Decode, Prefill, Tokenize, engine_actor_pool
@@ -129,8 +130,11 @@ class JobConfig:
                     or self.engine_actors < 2:
                 raise JobError(f"engine_actors must be an integer >= 2 (a prefill and a decode actor at least), got "
                                f"{self.engine_actors!r}")
-        if self.chat_template is not None and not (isinstance(self.chat_template, str) and self.chat_template):
-            raise JobError(f"chat_template must be the template's text, got {self.chat_template!r}")
+        if self.chat_template is not None:
+            try:
+                check_chat_template(self.chat_template)
+            except ValueError as exc:
+                raise JobError(str(exc)) from None
         if not isinstance(self.migrate, bool):
             raise JobError(f"migrate must be true or false, got {self.migrate!r}")
         for name in ("engine_resources", "prefill_resources", "decode_resources"):

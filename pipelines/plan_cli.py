@@ -56,6 +56,12 @@ def run_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--engine-actors must be at least 2 to split prefill from decode, got {args.engine_actors}")
     if args.curves and args.save_curves:
         raise UsageError("--curves plans with given curves; --save-curves saves profiled ones: pick one")
+    if args.chat_template is not None and not args.input:
+        raise UsageError("--chat-template renders the --input rows of messages: give --input too")
+    try:
+        template = None if args.chat_template is None else chat_template_text(args.chat_template)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     curves = None
     if args.curves and config.device_memory_bytes is not None:
         raise UsageError("--curves plans without the weights, which a device_memory_bytes engine must place: "
@@ -82,7 +88,6 @@ def run_plan(args: argparse.Namespace) -> int:
     workload = None
     if args.input:
         try:
-            template = None if args.chat_template is None else chat_template_text(args.chat_template)
             workload = input_workload(args.input, loaded, defaults, args.storage_options, template)
         except (ValueError, StorageError) as exc:
             raise UsageError(str(exc)) from None

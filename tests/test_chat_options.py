@@ -10,8 +10,10 @@ import pytest
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import ChatOptions, Engine, InvalidRequestError, Request, RequestNormalizer, SamplingParams
+from batchgen.engine.chat import check_chat_template
 from batchgen.operators.blocks import rows
 from batchgen.operators.columns import INPUT_COLUMNS, RowParser
+from batchgen.pipelines.pipeline import JobConfig, JobError
 
 # the chat template of a model with a thinking switch (Qwen3's idea, in a few lines)
 TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
@@ -58,6 +60,7 @@ def test_template_variables_and_an_open_final_message_reach_the_template(demo, n
                                                 "got list"),
     (dict(template_kwargs="{not json"), "chat_template_kwargs: not a JSON object"),
     (dict(template_kwargs={"tools": []}), "'tools' is an argument of the rendering itself"),
+    (dict(template_kwargs={"self": 1}), "chat_template_kwargs: 'self' is an argument of the rendering itself"),
     (dict(template_kwargs={"add_generation_prompt": False}), "set 'add_generation_prompt' on the request"),
     (dict(template_kwargs={"two words": 1}), "'two words' is not a template variable name"),
 ])
@@ -87,6 +90,27 @@ def test_chat_options_apply_to_messages_only_and_a_rejecting_template_is_named(d
                                                                  "{{ m['content'] }}{% endif %}{% endfor %}")
     with pytest.raises(InvalidRequestError, match="the chat template rejected them: .*final message does not appear"):
         users_only.prompt_ids(messages=OPEN_ANSWER, chat=continuing)  # nothing left of the turn to continue
+
+
+@pytest.mark.parametrize("template, message", [
+    (None, "must be the template's text, got None"),
+    ("", "must be the template's text, got ''"),
+    ("templates/qwen3.jinja", r"'templates/qwen3.jinja' holds no Jinja tag .* \(a file's path\? give the file's"),
+    ("{% for m in messages %}{{ m['content'] }", r"does not compile: unexpected '}' \(line 1\)"),
+    ("{{ messages | nosuchfilter }}", "does not compile: No filter named 'nosuchfilter'"),
+])
+def test_a_chat_template_that_cannot_render_is_refused_before_any_row(demo, template, message):
+    """Before, a job took any non-empty text: a syntax error failed every messages row, and a file's path given for
+    the template rendered every conversation to that path. Refused where a job's template first arrives (the job's
+    config, the row normalizer its operators and the Batch API build), naming the fault."""
+    with pytest.raises(ValueError, match=message):
+        check_chat_template(template)
+    if template is not None:  # (None is the tokenizer's own template, for a job and a normalizer)
+        with pytest.raises(JobError, match=message):
+            JobConfig(model="m", input="in", output="out", chat_template=template).validate()
+        with pytest.raises(ValueError, match=message):
+            RequestNormalizer(demo.tokenizer, chat_template=template)
+    check_chat_template(TEMPLATE)  # a template that renders passes
 
 
 def test_the_engine_continues_an_open_final_message(demo):

@@ -116,14 +116,19 @@ def test_stage_sizes_beside_engine_actors_are_refused(given):
         config.validate()
 
 
-def test_a_stage_plan_gives_its_kv_budgets_to_the_decode_actors_alone():
-    """The plan runs on a decode node and sizes the KV budgets for its memory: prefill actors, maybe on smaller
-    devices, size their own; the schedule the plan picked is both stages'. Budgets the job gave stay both stages'."""
+def test_a_stage_plan_gives_what_it_sized_for_the_decode_nodes_memory_to_the_decode_actors_alone():
+    """The plan runs on a decode node and sizes the KV budgets and the MoE batch (its activations) for its memory:
+    prefill actors, maybe on smaller devices, size their own; the schedule the plan picked is both stages'. Values
+    the job gave stay both stages'."""
     planned = {"max_num_seqs": 64, "b_attn": 64, "b_moe": 4096, "kv_budget_bytes": 1 << 30,
                "host_kv_budget_bytes": 1 << 31, "staging_fraction": 0.25}
     shared, decode_only = stage_engines({"dtype": "float32"}, planned)
-    assert decode_only == {"kv_budget_bytes": 1 << 30, "host_kv_budget_bytes": 1 << 31}
-    assert shared == {"dtype": "float32", "max_num_seqs": 64, "b_attn": 64, "b_moe": 4096, "staging_fraction": 0.25}
-    shared, decode_only = stage_engines({"kv_budget_bytes": 1 << 28}, {**planned, "kv_budget_bytes": 1 << 28})
+    assert decode_only == {"kv_budget_bytes": 1 << 30, "host_kv_budget_bytes": 1 << 31, "b_moe": 4096}
+    assert shared == {"dtype": "float32", "max_num_seqs": 64, "b_attn": 64, "staging_fraction": 0.25}
+    shared, decode_only = stage_engines({"kv_budget_bytes": 1 << 28, "b_moe": 512},
+                                        {**planned, "kv_budget_bytes": 1 << 28, "b_moe": 512})
     assert decode_only == {"host_kv_budget_bytes": 1 << 31}
-    assert shared["kv_budget_bytes"] == 1 << 28 and "host_kv_budget_bytes" not in shared
+    assert shared["kv_budget_bytes"] == 1 << 28 and shared["b_moe"] == 512 and "host_kv_budget_bytes" not in shared
+    # a null given (`--engine '{"kv_budget_bytes": null}'`) is unset: planned per stage, as if left out
+    shared, decode_only = stage_engines({"kv_budget_bytes": None}, planned)
+    assert decode_only["kv_budget_bytes"] == 1 << 30 and shared["kv_budget_bytes"] is None

@@ -363,6 +363,9 @@ def test_batchgen_plan_samples_the_input_with_the_jobs_chat_template(loaded, tmp
     assert main(["plan", "--model", loaded.uri, "--input", str(tmp_path), "--curves", str(curves), "--chat-template",
                  str(tmp_path / "missing.jinja")]) == 2
     assert "is no template" in capsys.readouterr().err
+    assert main(["plan", "--model", loaded.uri, "--curves", str(curves), "--chat-template",
+                 str(tmp_path / "chat.jinja")]) == 2  # it renders no rows: before, it was taken and never read
+    assert "--chat-template renders the --input rows of messages: give --input too" in capsys.readouterr().err
 
 
 def test_batchgen_plan_prints_the_plan_and_the_split(loaded, tmp_path, capsys):

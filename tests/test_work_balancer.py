@@ -4,6 +4,7 @@ model, on the class itself: no Ray runtime."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -208,6 +209,9 @@ def test_the_prefill_rate_counts_the_tokens_recompute_preemptions_prefilled_in_t
 def test_the_checkpoint_period_is_the_balancers_and_must_be_positive():
     assert WorkBalancer().checkpoint_period() == work_balancer.CHECKPOINT_S
     assert WorkBalancer(checkpoint_s=0.25).checkpoint_period() == 0.25
-    for bad in (0, -1.0, float("nan")):
-        with pytest.raises(ValueError, match=f"checkpoint_s must be a positive number of seconds, got {bad!r}"):
+    for bad in (0, -1.0, float("nan"), float("inf"), True, None, "2"):
+        message = f"checkpoint_s must be a positive number of seconds, got {re.escape(repr(bad))}"
+        with pytest.raises(ValueError, match=message):
             WorkBalancer(checkpoint_s=bad)
+        with pytest.raises(ValueError, match=message):  # on the driver, before the actor (no Ray started here)
+            work_balancer.start_work_balancer(checkpoint_s=bad)

@@ -52,8 +52,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         'e.g. {"temperature": 0, "max_tokens": 256}')
     p.add_argument("--engine", type=json_object, default={},
                    help='EngineConfig fields as JSON, e.g. {"max_num_seqs": 512}')
-    p.add_argument("--chat-template", help="Jinja chat template (a file or the template itself) for models "
-                                           "whose tokenizer has none")
+    p.add_argument("--chat-template", help="Jinja chat template (a file or the template itself) that renders "
+                                           "every request's messages, in place of the tokenizer's own")
     p.add_argument("--allow-custom-completion-window", action="store_true",
                    help="accept any completion_window '<n>s|m|h|d', not only '24h' (short windows for tests)")
     p.add_argument("--backend", choices=("engine", "ray"), default="engine",
