@@ -27,7 +27,6 @@ from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.migration import MigratedRequest, MigratedSample
 from batchgen.engine.model_runner import MicroBatchLimits, ModelRunner
-from batchgen.engine.models.layers import uneven_rows
 from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.offload.memory_constrained import place_as_engine
 from batchgen.engine.offload.phase_switch import PhaseSwitch
@@ -68,7 +67,7 @@ class Engine(Generates):
         together with the other ranks."""
         config = EngineConfig.from_kwargs(config, **overrides)
         if config.batch_invariant:
-            refusal = uneven_rows(loaded.model) or invariance_refusal(loaded.device.type, loaded.dtype)
+            refusal = invariance_refusal(loaded.device.type, loaded.dtype)
             if refusal is not None:
                 raise ValueError(f"engine option batch_invariant: {refusal}")
         # before planning: the profile then times packed experts, streamed weights

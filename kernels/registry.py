@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels import capture
+from batchgen.kernels import activation_cpu, capture
 
 logger = logging.getLogger(__name__)
 
@@ -196,8 +196,9 @@ def configuration() -> tuple[int, str, bool]:
 # Batch-invariant kernels (EngineConfig.batch_invariant): each row's result the same bits whatever else the call
 # holds. Set around an engine's forwards, on the thread that runs them.
 _INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar("batchgen_batch_invariant", default=False)
-INVARIANT_OPS = {"linear": "cpu_c", "fused_moe": "cpu_c"}  # the ops that choose a path by row count: backends that
-# can keep every row's sums in one order (the others' kernels compute each row, or each sequence, on its own)
+# the ops whose other backends give a row other bits by what else the call holds (a path by row count, BLAS): the
+# backends that keep every row's sums in one order (the others' kernels compute each row, or each sequence, on its own)
+INVARIANT_OPS = {"linear": "cpu_c", "fused_moe": "cpu_c", "router_topk": "cpu_c"}
 
 
 def batch_invariant() -> bool:
@@ -215,7 +216,7 @@ def invariance_refusal(device_type: str, dtype: torch.dtype) -> str | None:
         if name != needed:
             return (f"batch-invariant kernels are the {needed} backend's for {op} (float32 CPU tensors); "
                     f"{name} runs it here")
-    return None
+    return activation_cpu.unavailable()  # the models' silu and sigmoid in this mode
 
 
 @contextlib.contextmanager

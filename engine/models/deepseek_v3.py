@@ -27,10 +27,9 @@ from batchgen.engine.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     SparseMoE,
-    vector_rows,
 )
 from batchgen.engine.models.registry import ModelFamily, UnsupportedModelError
-from batchgen.kernels import ops, registry
+from batchgen.kernels import activation_cpu, ops, registry
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps.
 LORA_NORM_EPS = 1e-6
@@ -140,8 +139,8 @@ class GroupLimitedSigmoidRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> topk_weights [T, K] float32, topk_ids [T, K] int64."""
-        if registry.batch_invariant():  # the C linear kernel, each row's sigmoid on torch's vector loop
-            scores = vector_rows(torch.sigmoid, ops.linear(x.float(), self.weight.float()))
+        if registry.batch_invariant():  # the C linear kernel and the C sigmoid (engine/models/layers.GatedMLP)
+            scores = activation_cpu.sigmoid(ops.linear(x.float(), self.weight.float()))
         else:
             scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias.float()

@@ -16,7 +16,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchgen.engine.models.context import AttentionContext
-from batchgen.kernels import capture, moe_packed_cpu, ops, registry
+from batchgen.kernels import activation_cpu, capture, moe_packed_cpu, ops, registry
 from batchgen.kernels.expert_parallel import LocalDispatcher
 
 # Rope types whose frequencies depend only on the config. "dynamic" and "longrope" re-derive them from
@@ -35,29 +35,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
-
-
-# floats a row of a transcendental elementwise op (silu, sigmoid) must fill for torch's vector loop alone to compute
-# it (two AVX-512 vectors a step): shorter rows straddle its scalar tail, whose rounding differs (batch invariance)
-INVARIANT_ROW = 32
-
-
-def vector_rows(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """op (elementwise) on x's rows padded to a multiple of INVARIANT_ROW floats, so torch's vector loop computes
-    every element whatever the row count (batch invariance), then cut back to x's width."""
-    width = x.shape[-1]
-    padded = -(-width // INVARIANT_ROW) * INVARIANT_ROW
-    return op(F.pad(x, (0, padded - width)))[..., :width]
-
-
-def uneven_rows(model: nn.Module) -> str | None:
-    """Why `model`'s MLPs cannot run batch-invariant (their silu rows not a multiple of INVARIANT_ROW), or None."""
-    widths = sorted({m.gate_proj.out_features for m in model.modules()
-                     if isinstance(m, GatedMLP) and m.gate_proj.out_features % INVARIANT_ROW})
-    if not widths:
-        return None
-    return (f"MLP intermediate sizes {widths} are not multiples of {INVARIANT_ROW}: torch's silu rounds the rows "
-            "its scalar tail computes apart")
 
 
 class Linear(nn.Linear):
@@ -164,7 +141,10 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if registry.batch_invariant():  # torch's silu rounds the elements its threads' scalar tails take apart
+            return self.down_proj(activation_cpu.silu_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class SoftmaxTopKRouter(nn.Module):
@@ -290,12 +270,11 @@ class SparseMoE(nn.Module):
         return out
 
     def _gate(self, x: torch.Tensor) -> torch.Tensor:
-        """sigmoid(gate(x)), one value a row. Batch-invariant (kernels.registry): the C linear kernel, and each row
-        padded to INVARIANT_ROW lanes, so every row goes through torch's vector loop (its tail runs a scalar sigmoid
-        that rounds apart, on whichever rows the batch leaves there)."""
+        """sigmoid(gate(x)), one value a row. Batch-invariant (kernels.registry): the C linear kernel and the C sigmoid
+        (torch's rounds the rows its vector loop's scalar tail takes apart)."""
         if not registry.batch_invariant():
             return torch.sigmoid(self.shared_expert_gate(x))
-        return vector_rows(torch.sigmoid, ops.linear(x, self.shared_expert_gate.weight, self.shared_expert_gate.bias))
+        return activation_cpu.sigmoid(ops.linear(x, self.shared_expert_gate.weight, self.shared_expert_gate.bias))
 
 
 class AttentionBlock(nn.Module):
