@@ -461,6 +461,19 @@ def test_a_kernel_backend_forced_or_chosen_by_the_environment_changes_the_profil
     assert len({default, forced, from_environment}) == 3 and profiler.profile_key(loaded) == default
 
 
+def test_packed_experts_are_profiled_apart_from_the_checkpoint_layout(tmp_path):
+    """A load sharing the node's host weights keeps the checkpoint layout (moe_cpu), a private one is packed
+    (moe_packed_cpu): curves measured on one kernel must not plan the other."""
+    from batchgen.engine.models.expert_packing import experts_packed, pack_experts
+    from batchgen.engine.planner import profiler
+
+    save_tiny_checkpoint("mixtral", tmp_path)
+    private = load_model(str(tmp_path))
+    unpacked = profiler.profile_key(private)
+    pack_experts(private)
+    assert experts_packed(private) and profiler.profile_key(private) != unpacked
+
+
 def test_the_profile_key_tells_cpu_generations_apart_that_share_a_model_name(tmp_path, monkeypatch):
     """Curves measured on one CPU price steps wrongly on another: the key holds family, model and flags (the
     compiled kernels' cache uses the same identity)."""

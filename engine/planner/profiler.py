@@ -31,6 +31,7 @@ from batchgen.engine.attention_context import DecodeContext, PrefillContext
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_budget import available_memory_bytes, plan_kv_budget
 from batchgen.engine.kv_pool import KVPool, PoolGeometry
+from batchgen.engine.models.expert_packing import experts_packed
 from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.planner.cost_curves import (
     DECODE_ATTENTION,
@@ -58,8 +59,9 @@ HOST_REPEATS = 2
 
 def profile_key(loaded: LoadedModel) -> str:
     """What the measurements depend on: device (on a CPU its model and threads), model shape, dtype, weight placement,
-    versions, the sources that run a step, the kernel backends chosen and batch invariance (a changed kernel or
-    layer costs differently: its curves are measured anew)."""
+    versions, the sources that run a step, the kernel backends chosen, whether the experts are packed (the packed
+    kernel, or the checkpoint layout's: a load sharing the node's host weights stays unpacked) and batch invariance
+    (a changed kernel or layer costs differently: its curves are measured anew)."""
     device = loaded.device
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
@@ -69,7 +71,8 @@ def profile_key(loaded: LoadedModel) -> str:
     shape = {k: v for k, v in sorted(config.items()) if isinstance(v, (int, str, bool, list, tuple))
              and not k.endswith(IGNORED_SUFFIXES) and k not in ("_name_or_path", "transformers_version", "dtype")}
     text = json.dumps([where, shape, str(loaded.dtype), loaded.weight_placement, torch.__version__, PROFILE_VERSION,
-                       code_digest(), _backends(device.type, loaded.dtype), registry.batch_invariant()], sort_keys=True)
+                       code_digest(), _backends(device.type, loaded.dtype), experts_packed(loaded),
+                       registry.batch_invariant()], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
