@@ -93,3 +93,30 @@ def test_seeded_samples_are_the_same_in_any_batch(tmp_path):
     alone = samples([])
     assert len(alone) == 2 and alone[0][0] != alone[1][0]  # two different samples
     assert samples(batch[1:]) == alone and samples(batch[1:], mode="lockstep") == alone
+
+
+def test_mla_per_head_products_read_row_contiguous_weights_without_copying_them_each_call(tmp_path, monkeypatch):
+    """DeepSeek-V3's absorbed products go through the C linear kernel head by head in this mode; w_uk's heads are
+    strided ([H, n, r] read transposed), so each call copied each head (and each decode recording kept such
+    copies): the transposed rows are now made once per weight."""
+    from batchgen.engine.models import deepseek_v3
+    from batchgen.kernels import ops
+
+    save_tiny_checkpoint("deepseek_v3", tmp_path)
+    loaded = load_model(str(tmp_path))
+    seen, linear = [], ops.linear
+
+    def observed(x, weight, bias=None):
+        seen.append(weight.stride(-1) == 1)
+        return linear(x, weight, bias)
+
+    monkeypatch.setattr(ops, "linear", observed)
+    batch = prompts(vocab_size=loaded.model.vocab_size, lengths=(5, 9, 14))
+    Engine(loaded, batch_invariant=True, page_size=8).generate(
+        [Request(f"r{i}", prompt_token_ids=p, sampling=SAMPLING) for i, p in enumerate(batch)])
+    assert seen and all(seen)
+    attention = [m for m in loaded.model.modules() if isinstance(m, deepseek_v3.MLAAttention)]
+    made = {id(m._uk_rows_cache) for m in attention}
+    Engine(loaded, batch_invariant=True, page_size=8).generate([Request("again", prompt_token_ids=batch[0],
+                                                                        sampling=SAMPLING)])
+    assert {id(m._uk_rows_cache) for m in attention} == made and len(made) == len(attention)

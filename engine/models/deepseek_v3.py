@@ -93,12 +93,22 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = self.kv_b_proj.weight.view(self.num_heads, -1, self.kv_lora_rank).split(
             [self.qk_nope_head_dim, self.v_head_dim], dim=1
         )
-        q_latent = per_head(q_nope, w_uk.transpose(1, 2))
+        q_latent = per_head(q_nope, self._uk_rows(w_uk) if registry.batch_invariant() else w_uk.transpose(1, 2))
         out = ctx.attend(
             self.layer, torch.cat((q_latent, q_pe), -1), torch.cat((latent, k_pe), -1), latent, self.scale
         )
         out = per_head(out, w_uv)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.v_head_dim))
+
+    def _uk_rows(self, w_uk: torch.Tensor) -> torch.Tensor:
+        """w_uk [H, n, r] transposed to rows the C linear kernel streams, [H, r, n] contiguous: made once (for a
+        batch-invariant engine, whose per-head calls would otherwise copy each head's strided weight every call, and
+        every decode recording hold such copies), again only if the weight changes."""
+        key = (w_uk.data_ptr(), w_uk._version)
+        if getattr(self, "_uk_rows_key", None) != key:
+            self._uk_rows_cache = w_uk.transpose(1, 2).contiguous()
+            self._uk_rows_key = key
+        return self._uk_rows_cache
 
     def _half_split(self, x: torch.Tensor) -> torch.Tensor:
         """DeepSeek checkpoints pair rotary dims as (0,1),(2,3)...; regrouping evens then odds makes
