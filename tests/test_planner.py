@@ -25,6 +25,7 @@ from batchgen.engine.kv_budget import (
     plan_kv_budget,
 )
 from batchgen.engine.kv_pool import PoolGeometry
+from batchgen.engine.offload.memory_constrained import place_as_engine
 from batchgen.engine.planner import PLANNED_FIELDS, CostCurves, LinearCost, WorkloadShape, plan_engine
 from batchgen.engine.planner.cost_curves import HOST, TabulatedCost, nnls
 from batchgen.engine.planner.layer_dag import LayerDag
@@ -397,8 +398,10 @@ def test_batchgen_plan_prints_the_plan_and_the_split(loaded, tmp_path, capsys):
     saved = tmp_path / "saved.json"
     assert main(["plan", "--model", model_dir, "--curves", str(curves), "--save-curves", str(saved)]) == 2
     assert "pick one" in capsys.readouterr().err
-    assert main(["plan", "--model", model_dir, "--save-curves", str(saved), "--json"]) == 0  # profiled: cached here
-    assert CostCurves.load(str(saved)).to_json() == curves_file.to_json()
+    assert main(["plan", "--model", model_dir, "--save-curves", str(saved), "--json"]) == 0
+    placed = load_model(model_dir)
+    place_as_engine(placed, EngineConfig())  # its experts packed, as `plan` places the model it profiles
+    assert CostCurves.load(str(saved)).to_json() == curves_for(placed).to_json()  # the plan's profile, cached
     capsys.readouterr()
     assert main(["plan", "--model", str(tmp_path / "no-model"), "--curves", str(curves)]) == 2  # not a traceback
     assert f"model '{tmp_path / 'no-model'}' is not readable: checkpoint directory" in capsys.readouterr().err
