@@ -27,6 +27,7 @@ from typing import Any
 
 from batchgen.connectors.indexed_parquet import ROW_INDEX
 from batchgen.engine import Engine, EngineLoop, Request, SamplingParams
+from batchgen.engine.chat import check_chat_template
 from batchgen.operators.actor_ready import announce_ready
 from batchgen.operators.balancing import BalancingAgent, run_requests
 from batchgen.operators.blocks import Block, column_values, names, num_rows, rows, to_block, with_columns
@@ -62,6 +63,8 @@ class BatchGen:
         init_started = time.perf_counter()
         self.lending = lend_threads(prepare_engine_process(), engine_options)
         defaults = SamplingParams.from_dict(sampling_params)
+        if chat_template is not None:
+            check_chat_template(chat_template)  # before the model loads
         self.list_outputs = defaults.n > 1 if list_outputs is None else bool(list_outputs)
         self.loop = EngineLoop(lambda: load_engine(model, storage_options, **engine_options),
                                on_work=self.lending and self.lending.on_work)

@@ -5,7 +5,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Engines that tests build take the planner's fixed settings (BATCHGEN_PLAN=0): planning profiles each new model
 # shape for seconds and the tests build dozens of shapes and configs. tests/test_planner.py plans for real, as does
-# `batchgen run --engine-actors` in tests/test_cli.py. Inherited by Ray workers and server subprocesses.
+# the split job of `engine_actors` in tests/test_pipeline.py. Inherited by Ray workers and server subprocesses.
 os.environ.setdefault("BATCHGEN_PLAN", "0")
 
 import pytest  # noqa: E402

@@ -262,6 +262,15 @@ def test_a_chat_template_option_is_the_template_itself_or_a_file_that_exists(tem
         chat_template_text(str(tmp_path / "missing.jinja"))
 
 
+def test_a_chat_template_that_does_not_compile_stops_serve_before_the_model_loads(tmp_path):
+    from batchgen.pipelines.openai_batch.serve_cli import run_serve
+
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path / "absent"), "--storage", str(tmp_path / "s"),
+                                      "--chat-template", "{% for m in messages %}{{ m['content'] }"])
+    with pytest.raises(SystemExit, match=r"batchgen serve: error: chat_template does not compile: unexpected '}'"):
+        run_serve(args)  # (the model's absence would be the error had it been loaded first)
+
+
 def test_the_api_key_defaults_to_the_environments(monkeypatch):
     from batchgen.pipelines.cli import build_parser
 

@@ -5,6 +5,7 @@ and SGLang's batch-invariant modes promise; without it the kernels' row-count pa
 from __future__ import annotations
 
 import pytest
+import torch
 from tiny_models import prompts, save_tiny_checkpoint
 
 from batchgen.connectors.checkpoint import load_model
@@ -32,7 +33,8 @@ def logprobs_of_first(loaded, batch, invariant: bool, **options) -> tuple[list, 
 # MLP widths of any size: the tiny Qwen2-MoE's shared expert has 48, and a Llama of 40 (silu through the C kernel,
 # kernels/activation_cpu.py, whose rounding does not depend on an element's position)
 @pytest.mark.parametrize("arch, options", [("mixtral", {}), ("qwen2_moe", {}), ("qwen3_moe", {}), ("llama", {}),
-                                           ("llama", {"intermediate_size": 40}), ("qwen3", {}), ("deepseek_v3", {})])
+                                           ("llama", {"intermediate_size": 40}), ("qwen2", {}), ("qwen3", {}),
+                                           ("deepseek_v3", {})])
 def test_a_sequences_logits_are_the_same_bits_in_any_batch(arch, options, tmp_path):
     save_tiny_checkpoint(arch, tmp_path, **options)
     loaded = load_model(str(tmp_path))
@@ -70,6 +72,9 @@ def test_batch_invariance_is_refused_where_its_kernels_do_not_run(tmp_path):
     with registry.use_backend("router_topk", "torch"), pytest.raises(
             ValueError, match="batch-invariant kernels are the cpu_c backend's for router_topk .*; torch runs it"):
         Engine(loaded, batch_invariant=True)  # its F.linear is BLAS's, whose sums depend on the rows beside
+    for dtype in (torch.float32, torch.bfloat16):  # a GPU engine: no backend there keeps a row's sums in one order
+        assert registry.invariance_refusal("cuda", dtype).startswith(
+            "batch-invariant kernels are the cpu_c backend's for linear (float32 CPU tensors)")
     with pytest.raises(ValueError, match="batch_invariant runs one engine's kernels in one process"):
         EngineConfig(batch_invariant=True, ep_size=2)
     with pytest.raises(ValueError, match="batch_invariant must be true or false"):

@@ -427,6 +427,17 @@ def test_a_split_job_refuses_a_multi_rank_engine():
         JobConfig(model="m", input="i", output="o", mode="disaggregated", engine={"ep_size": 2}).validate()
 
 
+def test_the_stage_operators_refuse_the_ranks_their_stage_cannot_run():
+    """Before any model loads: prefill runs one rank per actor, decode adopts whole heads' KV (no tp_size)."""
+    from batchgen.operators import Decode, Prefill
+
+    for ranks in ({"ep_size": 2}, {"tp_size": 2}):
+        with pytest.raises(ValueError, match="the prefill stage runs one rank per engine actor"):
+            Prefill("absent-model", **ranks)
+    with pytest.raises(ValueError, match="the decode stage adopts prefilled KV of whole heads: tp_size > 1"):
+        Decode("absent-model", tp_size=2)
+
+
 def test_an_expert_parallel_groups_metrics_merge_its_ranks():
     rank = dict(generated_tokens=10, prompt_tokens=40, prefill_tokens_saved=8, prefix_query_tokens=40,
                 prefix_hit_rate=0.2, moe_calls=12, decode_moe_calls=8, mean_expert_batch=2.0,

@@ -102,6 +102,11 @@ def test_a_row_continues_its_open_final_message_as_its_column_says(tiny_moe_dir,
     assert call(batchgen, numpy_batch).column("generated_token_ids").to_pylist() == generated[:1]
 
 
+def test_a_chat_template_that_does_not_compile_is_refused_before_the_model_loads(tmp_path):
+    with pytest.raises(ValueError, match="chat_template does not compile"):  # not: the model is absent
+        BatchGen(str(tmp_path / "absent"), SAMPLING, chat_template="{% if messages %}{{ messages }}")
+
+
 def test_a_jobs_chat_template_renders_messages_rows_in_each_operator_and_the_planners_sample(tiny_moe_dir, tmp_path):
     """BatchGen (single mode), Tokenize (disaggregated) and the planner's sample of the input all render with it."""
     from batchgen.operators import workload_sample
@@ -423,6 +428,14 @@ def test_concurrent_batches_share_one_engine(tiny_moe_dir, prompts, expected):
     outs = asyncio.run(in_flight())
     assert [ids for out in outs for ids in out.column("generated_token_ids").to_pylist()] == expected
     assert op.engine.metrics()["peak_active"] > 2, "the batches ran one after another, not in one engine"
+
+
+def test_engine_loop_admits_twice_the_engines_batch_by_default(tiny_moe_dir):
+    loop = EngineLoop(lambda: load_engine(tiny_moe_dir, **{**ENGINE, "max_num_seqs": 3}))
+    try:
+        assert loop.max_outstanding == 6  # one set running, one set waiting
+    finally:
+        loop.close()
 
 
 def test_engine_loop_admission_applies_back_pressure(tiny_moe_dir, prompts, expected):

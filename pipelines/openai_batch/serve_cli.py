@@ -76,7 +76,9 @@ def run_serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     loop = None
     try:
-        sampling_params(args.sampling_params)  # a bad default fails before the model loads
+        sampling_params(args.sampling_params)  # a bad default fails before the model loads, as a bad template does
+        if args.chat_template is not None:
+            chat_template_text(args.chat_template)
         store = open_store(args)
         if args.backend == "ray":
             ray_job_config(args)  # bad job settings fail before Ray starts
