@@ -46,6 +46,18 @@ def test_config_file_holds_the_options_and_the_command_line_overrides_it(tmp_pat
             job_config(build_parser().parse_args(["run", "--config", str(config)]))
 
 
+def test_the_config_files_own_keys_and_the_stage_resource_flags_reach_the_job(tmp_path):
+    """list_outputs has no flag, `migrate: false` is --no-migrate, an engine's device_memory_bytes is
+    --device-memory-mb; --prefill-resources / --decode-resources pin the stages (README, "CLI and ready pipelines")."""
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({"model": "m", "input": "i", "output": "o", "list_outputs": True,
+                                      "migrate": False, "engine": {"device_memory_bytes": 1 << 30}}))
+    job = job_config(build_parser().parse_args(["run", "--config", str(config), "--prefill-resources",
+                                                '{"prefill_node": 1}', "--decode-resources", '{"decode_node": 1}']))
+    assert (job.list_outputs, job.migrate, job.engine) == (True, False, {"device_memory_bytes": 1 << 30})
+    assert (job.prefill_resources, job.decode_resources) == ({"prefill_node": 1}, {"decode_node": 1})
+
+
 def write_prompts(path: Path, column: str = "prompt") -> str:
     pq.write_table(pa.table({column: workload(2)}), path)
     return str(path)
