@@ -164,7 +164,7 @@ def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             raise InvalidRequestError(f"invalid sampling parameter 'logit_bias': bad entry {item!r}")
         token, bias = item
-        if isinstance(token, str) and token.isdigit():
+        if isinstance(token, str) and token.isascii() and token.isdigit():  # ("²" is a digit int() refuses)
             token = int(token)
         if not _is_token_id(token):
             raise InvalidRequestError(f"invalid sampling parameter 'logit_bias': token id {token!r} is not a "
@@ -186,5 +186,10 @@ def _is_token_id(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    """A finite int or float: NaN would sample token 0 forever, inf uniformly."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite int or float (an int a float can hold): NaN would sample token 0 forever, inf uniformly."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past the float range (a JSON line may hold 1 and 400 zeros)
+        return False

@@ -22,6 +22,7 @@ own `n`. In scalar mode a row asking for n > 1 gets an error instead of a differ
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,8 @@ from batchgen.engine import InvalidRequestError, RequestNormalizer, Result, Samp
 from batchgen.engine.chat import CHAT_OPTION_FIELDS, ChatOptions
 from batchgen.engine.request_normalizer import plain, sampling_params
 from batchgen.operators.blocks import Undecodable
+
+log = logging.getLogger(__name__)
 
 PROMPT, MESSAGES, PROMPT_TOKEN_IDS = "prompt", "messages", "prompt_token_ids"
 SAMPLING_PARAMS = "sampling_params"
@@ -107,6 +110,9 @@ class RowParser:
             return ParsedRow(ids, sampling)  # the engine checks the length, and the row keeps its token count
         except InvalidRequestError as exc:
             return str(exc)
+        except Exception as exc:  # not a check's error but a fault reading this row: it fails alone, the job goes on
+            log.exception("a row could not be read")
+            return f"the row could not be read: {exc!r}"
 
 
 @dataclass

@@ -591,6 +591,44 @@ def test_bad_line_and_bad_parquet_row_get_the_same_error(client, engine, batch_g
     assert all(row_errors) and line_errors == row_errors
 
 
+def test_a_line_no_check_foresaw_fails_alone_and_the_batch_completes(client, monkeypatch):
+    """Values past a float's range, a digit int() refuses, and a fault of ours building one line: before, the
+    first two escaped the line's checks as OverflowError / ValueError and the batch never left `finalizing`."""
+    from batchgen.pipelines.openai_batch import wire_format
+
+    build = wire_format.RequestBuilder.build
+
+    def faulty(self, request_id, body):
+        if body.get("prompt") == "fault":
+            raise RuntimeError("a fault of ours")
+        return build(self, request_id, body)
+
+    monkeypatch.setattr(wire_format.RequestBuilder, "build", faulty)
+    lines = [_line("ok-1", {"prompt": "x", "max_tokens": 2}),
+             _line("huge", {"prompt": "x", "max_tokens": 2, "temperature": 10**400}),
+             _line("digit", {"prompt": "x", "max_tokens": 2, "logit_bias": {"²": 1}}),
+             _line("fault", {"prompt": "fault", "max_tokens": 2}),
+             _line("ok-2", {"prompt": "y", "max_tokens": 2})]
+    batch = _wait(client, _submit(client, lines).id)
+    assert batch.status == "completed" and _counts(batch) == (5, 2, 3)
+    assert [x["custom_id"] for x in _read_lines(client, batch.output_file_id)] == ["ok-1", "ok-2"]
+    errors = {e["custom_id"]: e["response"] for e in _read_lines(client, batch.error_file_id)}
+    assert "temperature" in errors["huge"]["body"]["error"]["message"] and errors["huge"]["status_code"] == 400
+    assert "logit_bias" in errors["digit"]["body"]["error"]["message"]
+    assert errors["fault"]["status_code"] == 500 and "a fault of ours" in errors["fault"]["body"]["error"]["message"]
+
+
+def test_a_line_that_never_ran_says_why_whatever_stopped_its_batch():
+    """An engine failure whose exception had no message (a bare assert) raised KeyError on every round: the batch
+    stayed in `finalizing` for good."""
+    from batchgen.pipelines.openai_batch.wire_format import unfinished_line
+
+    assert unfinished_line("a", "batch_cancelled")["error"]["message"] == (
+        "This request was not executed because the batch was cancelled.")
+    assert unfinished_line("a", "engine_error", "")["error"] == {
+        "code": "engine_error", "message": "This request was not executed: the batch stopped (engine_error)."}
+
+
 def test_invalid_input_fails_validation_with_line_numbers(client):
     good = _line("a", {"prompt": "x"})
     lines = [
@@ -638,6 +676,13 @@ def test_create_batch_rejects_bad_arguments(client):
         assert err.value.body["param"] == param, err.value.body
     with pytest.raises(openai.BadRequestError):
         client.files.create(file=("in.jsonl", b"{}\n"), purpose="fine-tune")
+    # a lone surrogate, valid JSON no response can hold (the openai client cannot even send it): before, the batch was
+    # created, its own response failed (500), and so did every list of batches after it
+    body = json.dumps({"input_file_id": upload.id, "endpoint": "/v1/completions", "completion_window": "24h",
+                       "metadata": {"k": "\ud800"}})  # (json writes it as the escape \\ud800)
+    response = httpx.post(f"{client.base_url}batches", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "metadata", response.text
+    assert httpx.get(f"{client.base_url}batches").status_code == 200
 
 
 def test_files_api_and_path_traversal(server, client):

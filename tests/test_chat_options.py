@@ -113,6 +113,26 @@ def test_a_chat_template_that_cannot_render_is_refused_before_any_row(demo, temp
     check_chat_template(TEMPLATE)  # a template that renders passes
 
 
+def test_a_row_no_check_foresaw_fails_alone(normalizer, monkeypatch):
+    """A value past a float's range in a row's sampling_params text failed the whole map task (an OverflowError);
+    now the checks name it, and a fault no check foresaw (here: the normalizer's, patched) fails its row alone."""
+    parser = RowParser(normalizer, SamplingParams(max_tokens=4), list_outputs=False)
+    table = pa.table({"prompt": ["fine", "huge", "fault"],
+                      "sampling_params": [None, '{"temperature": 1' + "0" * 400 + "}", None]})
+    prompt_ids = RequestNormalizer.prompt_ids
+
+    def faulty(self, **values):
+        if values.get("prompt") == "fault":
+            raise RuntimeError("a fault of ours")
+        return prompt_ids(self, **values)
+
+    monkeypatch.setattr(RequestNormalizer, "prompt_ids", faulty)
+    parsed = [parser.parse(row) for row in rows(table, INPUT_COLUMNS)]
+    assert not isinstance(parsed[0], str)  # the row beside them is read
+    assert isinstance(parsed[1], str) and "temperature" in parsed[1]
+    assert parsed[2] == "the row could not be read: RuntimeError('a fault of ours')"
+
+
 def test_the_engine_continues_an_open_final_message(demo):
     """The model's own template (tiny-moe's ends each turn with eos): continued, the answer's prefix is the prompt's
     end, with no eos and no new assistant header after it; the engine generates what the same ids give."""

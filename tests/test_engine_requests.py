@@ -40,6 +40,8 @@ def greedy(**overrides) -> SamplingParams:
     ("presence_penalty", float("nan"), "presence_penalty"), ("repetition_penalty", 0, "repetition_penalty"),
     ("logit_bias", {"x": 1}, "token id 'x'"), ("logit_bias", [3, 4], "bad entry 3"), ("best_of", 2, "unknown"),
     ("max_tokens", 2.5, "max_tokens"), ("seed", 1.5, "seed"),  # integral floats (3.0) are integers, these are not
+    ("temperature", 10**400, "temperature"), ("logit_bias", {"3": 10**400}, "bias 1000"),  # past a float: no overflow
+    ("logit_bias", {"²": 1}, "token id '²'"),  # a digit int() refuses
 ])
 def test_invalid_sampling_fields_are_named(field, value, message):
     with pytest.raises(InvalidRequestError, match=message):

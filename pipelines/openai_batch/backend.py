@@ -195,8 +195,14 @@ class BatchBackendBase(ABC):
         return None
 
     def _rejected_row(self, batch: QueuedBatch, index: int, exc: Exception) -> ResultRow:
-        """A line whose body the checks refused: a 400 line in the error file."""
-        return ResultRow(index, False, request_error_line(batch.lines[index].custom_id, str(exc)))
+        """A line whose body the checks refused (ValueError, TypeError: a 400 line in the error file), or whose
+        request could not be built for another reason (a fault of ours: a 500 line; the batch goes on)."""
+        custom_id = batch.lines[index].custom_id
+        if isinstance(exc, (ValueError, TypeError)):
+            return ResultRow(index, False, request_error_line(custom_id, str(exc)))
+        log.error("batch %s: line %d could not be prepared", batch.id, index, exc_info=exc)
+        return ResultRow(index, False, request_error_line(custom_id, f"the request could not be prepared: {exc!r}",
+                                                          status_code=500, type_="server_error"))
 
     def _result_row(self, batch: QueuedBatch, index: int, result: Result) -> ResultRow:
         custom_id = batch.lines[index].custom_id

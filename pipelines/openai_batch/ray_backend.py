@@ -166,7 +166,8 @@ class RayBackend(BatchBackendBase):
                 return
             if batch.stop_code is None:
                 log.error("batch %s: its job failed", batch.id, exc_info=exc)
-                self._fail(batch, [{"code": "job_failed", "message": str(exc), "param": None, "line": None}])
+                self._fail(batch, [{"code": "job_failed", "message": str(exc) or repr(exc), "param": None,
+                                    "line": None}])
                 self._remove_job(batch)
                 return
         if not self._stopping.is_set():
@@ -228,7 +229,7 @@ class RayBackend(BatchBackendBase):
                 request = builder.resolve(line.body)
                 if request.sampling.logprobs is not None:
                     raise InvalidRequestError(NO_LOGPROBS)
-            except (ValueError, TypeError) as exc:
+            except Exception as exc:  # the line fails alone: a check's error (400), or a fault of ours (500)
                 if line.index not in batch.recorded:
                     rejected.append(self._rejected_row(batch, line.index, exc))
                 continue

@@ -93,7 +93,7 @@ class BatchRunner(BatchBackendBase):
                 line = batch.lines[index]
                 try:
                     request = self.builders[batch.record.endpoint].build(_request_id(batch, index), line.body)
-                except (ValueError, TypeError) as exc:
+                except Exception as exc:  # the line fails alone: a check's error (400), or a fault of ours (500)
                     rejected.setdefault(batch.id, (batch, []))[1].append(self._rejected_row(batch, index, exc))
                     continue
                 admitted.append((batch, index, request))
@@ -160,7 +160,7 @@ class BatchRunner(BatchBackendBase):
         """The engine raised: from now on every batch fails, running ones now, later ones at validation."""
         if self.failure is None:
             log.error("engine failed, failing all running batches", exc_info=exc)
-            self.failure = str(exc)
+            self.failure = str(exc) or repr(exc)  # (a bare `assert` has no message)
 
     def _fail_active(self) -> None:
         for batch in list(self._active):

@@ -274,4 +274,15 @@ def _check_metadata(metadata: Any) -> dict[str, str] | None:
         if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
             raise APIError(400, f"invalid 'metadata' entry {key!r}: keys are at most 64 characters, values "
                                 "strings of at most 512", "metadata")
+        if not (_utf8(key) and _utf8(value)):  # a lone surrogate ("\ud800") parses as JSON but no response holds it
+            raise APIError(400, f"invalid 'metadata' entry {key!r}: not valid Unicode text (a lone surrogate)",
+                           "metadata")
     return metadata
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -336,11 +336,14 @@ def request_error_line(custom_id: str, message: str, param: str | None = None, s
             "response": {"status_code": status_code, "request_id": new_id("req_"), "body": body}, "error": None}
 
 
-def unfinished_line(custom_id: str, code: str, message: str | None = None) -> dict[str, Any]:
+_UNFINISHED = {"batch_expired": "This request could not be executed before the completion window expired.",
+               "batch_cancelled": "This request was not executed because the batch was cancelled."}
+
+
+def unfinished_line(custom_id: str, code: str | None, message: str | None = None) -> dict[str, Any]:
     """A line that never ran because its batch expired (batch_expired), was cancelled (batch_cancelled) or failed
-    (the failure's code and `message`)."""
-    why = message or {"batch_expired": "This request could not be executed before the completion window expired.",
-                      "batch_cancelled": "This request was not executed because the batch was cancelled."}[code]
+    (the failure's code and `message`, which may be empty: an exception without one)."""
+    why = message or _UNFINISHED.get(code) or f"This request was not executed: the batch stopped ({code})."
     return {"id": new_id("batch_req_"), "custom_id": custom_id, "response": None,
             "error": {"code": code, "message": why}}
 
