@@ -41,7 +41,8 @@ class EngineConfig:
     mixed_steps: bool = True
     # prompts sharing whole pages of a prefix reuse those pages' KV instead of prefilling them again
     prefix_caching: bool = True
-    refill_threshold: float | None = None  # refill prompts when decoding sequences fall under this share
+    # refill prompts when decoding sequences fall under this share of max_num_seqs (0: once none decodes)
+    refill_threshold: float | None = None
     max_model_len: int | None = None  # None = the checkpoint's context length
     # ranks (one process per device) of one engine: each attends over its own sequences (data parallel) and
     # holds 1/ep_size of every MoE layer's experts (expert parallel); the experts must split evenly

@@ -382,6 +382,9 @@ class Engine(Generates):
         self.normalizer.check_vocabulary(request.sampling)
         self._check_structured(request.sampling)
         self._bad_word_ids(request.sampling.bad_words)
+        if request.sampling.stop and self.tokenizer is None:  # matched on the detokenized text, which is empty here
+            raise InvalidRequestError("stop strings need the model's tokenizer; this model has none (stop_token_ids "
+                                      "take token ids)")
         self.scheduler.check_fits(min(len(ids) + request.sampling.max_tokens, self.max_model_len), len(ids),
                                   request.sampling.n)
         return ids
@@ -450,10 +453,11 @@ class Engine(Generates):
                     self.kv.fork(parent, child, location)
                 state.samples.append(child)
             if state.prefilled is not None:  # prefilled again here: the first tokens were drawn already
+                prefilled, state.prefilled = state.prefilled, None  # its KV whole again: movable (MIGRATE) as any
                 for seq in state.samples:
-                    logprob = state.prefilled.first_logprobs[seq.sample_index]
+                    logprob = prefilled.first_logprobs[seq.sample_index]
                     seq.logprobs = None if logprob is None else [logprob]
-                    self._continue_or_finish(seq, state.prefilled.first_token_ids[seq.sample_index])
+                    self._continue_or_finish(seq, prefilled.first_token_ids[seq.sample_index])
                 continue
             rows.extend([row] * len(state.samples))
             seqs.extend(state.samples)

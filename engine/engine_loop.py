@@ -110,7 +110,14 @@ class EngineLoop:
         """Wait for room under `max_outstanding`, `submit`, then await the Results in request order. The
         caller's event loop is woken once, when the last of them is done: an asyncio future per request
         (and a wake-up per row) cost a job of short rows as much host time as the rest of the batch."""
-        await asyncio.to_thread(self._reserve, len(request_ids))
+        count = len(request_ids)
+        reserving = asyncio.ensure_future(asyncio.to_thread(self._reserve, count))
+        try:
+            await asyncio.shield(reserving)
+        except asyncio.CancelledError:  # the caller gave up waiting: the thread still reserves, so give them back
+            reserving.add_done_callback(lambda done: not done.cancelled() and done.exception() is None
+                                        and self._give_back(count))
+            raise
         futures = self.submit(request_ids, add)
         loop = asyncio.get_running_loop()
         all_done = loop.create_future()
@@ -139,18 +146,24 @@ class EngineLoop:
             self._outstanding += count
 
     def _release(self, _future: RequestFuture) -> None:
+        self._give_back(1)
+
+    def _give_back(self, count: int) -> None:
         with self._room:
-            self._outstanding -= 1
+            self._outstanding -= count
             self._room.notify_all()
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop these requests between two steps and free their KV; their futures are cancelled. One running
         elsewhere (exported) is forgotten: its Result is dropped, and it does not run here again if its holder
-        dies."""
+        dies. One run here for another engine (adopted) ends with an error Result to its owner."""
         def command() -> None:
             for rid in request_ids:
                 self.engine.abort(rid)
                 self._exported.pop(rid, None)
+                owner = self._adopted.pop(rid, None)
+                if owner is not None:
+                    owner(Result(rid, [], error="aborted on the engine that ran it"))
                 future = self._pending.pop(rid, None)
                 if future is not None:
                     future.cancel()

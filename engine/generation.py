@@ -10,7 +10,11 @@ from batchgen.engine.request import Request, Result
 class Generates:
     def generate(self, requests: Iterable[Request]) -> list[Result]:
         """Every request's Result, in request order; a request whose id an earlier one of the call has gets an
-        error Result in its place (results are matched to requests by id)."""
+        error Result in its place (results are matched to requests by id). On an engine with no unfinished
+        requests: those added before would finish inside this call, their Results taken by it."""
+        if self.has_unfinished():
+            raise RuntimeError("generate runs on an engine with no unfinished requests: requests added before are "
+                               "still running (take their Results from step() or stream())")
         requests = list(requests)
         results: list[Result | None] = [None] * len(requests)
         first: dict[str, int] = {}

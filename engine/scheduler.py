@@ -156,7 +156,7 @@ class Scheduler:
         if not self.coroutine:
             return True
         active = self.num_decoding()
-        if active < self.config.refill_threshold * self.config.max_num_seqs:
+        if active < self.config.refill_threshold * self.config.max_num_seqs or not active:  # (threshold 0: at none)
             self._refilling = True
         if active >= self.config.max_num_seqs:
             self._refilling = False

@@ -255,6 +255,24 @@ def test_prefilled_prompts_finding_no_room_in_either_pool_are_prefilled_again_wh
     assert in_order(got, len(batch)) == expected
 
 
+def test_a_prompt_prefilled_again_here_can_move_once_its_prefill_is_done():
+    """A hand-off whose carried prefix this engine did not cache is prefilled here again; it stayed unmovable
+    (MIGRATE, PARTITION) for its whole life, where only its re-prefill should keep it."""
+    demo = load_model("tiny-moe")
+    shared = list(range(100, 132))
+    requests = [Request(str(i), shared + [200 + i, 201 + i], sampling=SamplingParams(max_tokens=50, ignore_eos=True))
+                for i in range(3)]
+    exported = PrefillExporter(Engine(demo, page_size=8)).prefill(requests)
+    assert [o.kv_start for o in exported.outputs] == [0, 32, 32]  # the later two leave the shared prefix out
+    decode = Engine(demo, page_size=8, prefix_caching=False)  # so it cannot find it: they are prefilled again
+    for output in exported.outputs:
+        decode.add_prefilled(output)
+    for _ in range(5):
+        decode.step()
+    assert decode.metrics()["handoff_prefills"] > 0
+    assert decode.export_request("1") is not None and decode.export_request("2") is not None
+
+
 def test_a_sample_whose_fork_finds_no_pages_takes_its_first_token_and_is_prefilled_again(moe_case, monkeypatch):
     loaded, batch, expected = moe_case
     engine = Engine(loaded, page_size=4)

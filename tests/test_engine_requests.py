@@ -276,6 +276,30 @@ def test_top_k_one_equals_greedy_and_sampling_varies_without_seed(engine):
     assert len({tuple(o.token_ids) for o in sampled.outputs}) > 1
 
 
+def test_generate_refuses_an_engine_with_requests_running(engine):
+    """Before, their Results finished inside the call: KeyError for one of another id, and a request of the same id
+    got the earlier one's tokens."""
+    engine.add_request(Request("earlier", [5, 6, 7], sampling=greedy(max_tokens=4)))
+    with pytest.raises(RuntimeError, match="requests added before are still running"):
+        engine.generate([Request("later", [5, 6, 7], sampling=greedy(max_tokens=4))])
+    assert [r.request_id for r in engine.stream([])] == ["earlier"]
+
+
+def test_stop_strings_without_a_tokenizer_are_refused_not_ignored(demo):
+    engine = Engine(dataclasses.replace(demo, tokenizer=None), page_size=16)
+    [result] = engine.generate([Request("s", [5, 6, 7], sampling=greedy(max_tokens=4, stop=["a"]))])
+    assert result.error == ("stop strings need the model's tokenizer; this model has none (stop_token_ids take token "
+                            "ids)")
+
+
+def test_a_refill_threshold_of_zero_refills_once_no_sequence_decodes(demo):
+    """Coroutine mode refills when the decoding sequences fall under threshold x max_num_seqs: 0 never did, and
+    the prompts past the first max_num_seqs waited for good."""
+    engine = Engine(demo, page_size=16, max_num_seqs=2, refill_threshold=0.0)
+    results = engine.generate([Request(f"r{i}", [5, 6, 7 + i], sampling=greedy(max_tokens=3)) for i in range(5)])
+    assert [len(r.outputs[0].token_ids) for r in results] == [3] * 5 and engine.metrics()["peak_active"] == 2
+
+
 def test_abort_drops_a_request_and_frees_its_kv(engine):
     engine.add_request(Request("keep", prompt="a b", sampling=greedy()))
     engine.add_request(Request("drop", prompt="c d", sampling=greedy(max_tokens=200)))

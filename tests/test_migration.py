@@ -491,6 +491,29 @@ def test_an_aborted_request_running_elsewhere_does_not_run_again_when_its_holder
     assert owner.engine.metrics()["finished_requests"] == len(requests) - 1  # not the aborted one
 
 
+def test_an_adopted_request_aborted_ends_with_an_error_to_its_owner_and_its_id_runs_again(demo):
+    """Before, the abort left the adoption behind: the owner never heard of the request, and the same id
+    submitted here again was attached to a request that no longer ran (its future never resolved)."""
+    owner, holder = (EngineLoop(lambda: Engine(demo, page_size=16)) for _ in range(2))
+    requests = [Request(f"r{i}", [5, 6, 7, i + 8], sampling=SamplingParams(max_tokens=300, ignore_eos=True))
+                for i in range(6)]
+    try:
+        owner.submit([r.request_id for r in requests], lambda engine, i: engine.add_request(requests[i]))
+        admitted(owner)
+        moved = owner.export(300).result(timeout=60)
+        rid = moved[0].request.request_id
+        told = []
+        holder.adopt(moved[:1], told.append).result(timeout=60)
+        holder.abort([rid])
+        [again] = holder.submit([rid], lambda engine, i: engine.add_request(moved[0].request))
+        result = again.result(timeout=120)
+    finally:
+        owner.close()
+        holder.close()
+    assert [(r.request_id, r.error) for r in told] == [(rid, "aborted on the engine that ran it")]
+    assert result.ok and len(result.outputs[0].token_ids) == 300 and not holder.runs_for_another(rid)
+
+
 def test_a_task_run_again_where_its_moved_request_runs_gets_that_requests_result(demo):
     """Ray Data reruns a dead actor's task; on the actor that adopted one of its requests the row is the running
     request, not a duplicate: its Result reaches both the adopter's callback and the rerun task."""

@@ -438,6 +438,31 @@ def test_engine_loop_admits_twice_the_engines_batch_by_default(tiny_moe_dir):
         loop.close()
 
 
+def test_a_run_cancelled_while_it_waits_for_room_gives_the_room_back(tiny_moe_dir):
+    """The thread waiting for room reserved it anyway after the caller gave up (a timeout): those slots were never
+    released, and once they added up to the bound every later run waited for good."""
+    loop = EngineLoop(lambda: load_engine(tiny_moe_dir, **ENGINE), max_outstanding=2)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    def batch(tag: str, n: int):
+        requests = [Request(f"{tag}{i}", prompt_token_ids=[5, 6, 7], sampling=params) for i in range(n)]
+        return [r.request_id for r in requests], lambda engine, i: engine.add_request(requests[i])
+
+    async def scenario():
+        holding = asyncio.create_task(loop.run(*batch("a", 2)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(loop.run(*batch("b", 2)), 0.01)  # no room while "a" runs: it gives up
+        await holding
+        return await asyncio.wait_for(loop.run(*batch("c", 1)), 60)
+
+    try:
+        [late] = asyncio.run(scenario())
+        assert late.ok and loop._outstanding == 0
+    finally:
+        loop.close()
+
+
 def test_engine_loop_admission_applies_back_pressure(tiny_moe_dir, prompts, expected):
     engine = load_engine(tiny_moe_dir, **ENGINE)
     loop = EngineLoop(lambda: engine, max_outstanding=2)
