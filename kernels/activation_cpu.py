@@ -4,9 +4,8 @@ torch computes a transcendental elementwise op in a vector loop and a scalar tai
 tensor over its threads at offsets that depend on the element count and thread count: which rows land in a share's
 scalar tail depends on the rest of the batch (3 threads, a [301, 256] silu: rows 100, 200 and 300 differed from the
 same rows computed alone). Here each element's result depends on its own inputs alone: sixteen lanes at a time, the
-last few through a padded vector, the threads splitting the vectors as they like. The formula is the MoE kernels'
-(c_library.SILU_SOURCE: e^-|x| from a degree-6 polynomial, ~1e-7 relative error), so a batch-invariant engine's
-dense MLPs, shared experts and routers (engine/models) round as its experts do.
+last few through a padded vector, the threads splitting the vectors as they like. The formula is the vector one of
+c_library.SILU_SOURCE (e^-|x| from a degree-6 polynomial, ~1e-7 relative error), the packed MoE kernel's.
 """
 
 from __future__ import annotations

@@ -155,8 +155,8 @@ static void attend(const Job *j, int b, float *scores, float *acc, float *m, flo
         }
     }
     float *o = j->out + (int64_t)b * heads * j->dv;
-    for (int x = 0; x < heads; x++)
-        for (int d = 0; d < j->dv; d++) o[x * j->dv + d] = l[x] > 0.f ? acc[x * j->dv + d] / l[x] : 0.f;
+    for (int x = 0; x < heads; x++)  /* (a NaN score makes l NaN: the output NaN, as torch's) */
+        for (int d = 0; d < j->dv; d++) o[x * j->dv + d] = len > 0 ? acc[x * j->dv + d] / l[x] : 0.f;
 }
 
 static void run(const Job *j) {
@@ -184,15 +184,18 @@ int paged_decode_threads(int64_t bytes, int available) {
     return threads < 1 ? 1 : threads > available ? available : (int)threads;
 }
 
-/* Returns -1, or the first sequence whose length exceeds its page-table row (nothing computed then). The threads
-   are chosen here, from the lengths (`token_bytes` of K/V a token), so the caller reads nothing back. */
+/* Returns -1; or b >= 0, the first sequence whose length exceeds its page-table row; or -2 - b, the first whose
+   pages (those its length reads) are not all in [0, num_pages): nothing computed then. The threads are chosen here,
+   from the lengths (`token_bytes` of K/V a token), so the caller reads nothing back. */
 int paged_decode_f32(const float *q, const float *k, const float *v, const int32_t *table,
                      const int32_t *lens, float *out, int batch, int heads, int kv_heads, int dk, int dv,
-                     int page, int max_pages, float scale, int available, int64_t token_bytes, const int64_t *ks,
-                     const int64_t *vs) {
+                     int page, int max_pages, int num_pages, float scale, int available, int64_t token_bytes,
+                     const int64_t *ks, const int64_t *vs) {
     int64_t total = 0;
     for (int b = 0; b < batch; b++) {
         if (lens[b] > (int64_t)max_pages * page) return b;
+        for (int p = 0; p * page < lens[b]; p++)
+            if (table[(int64_t)b * max_pages + p] < 0 || table[(int64_t)b * max_pages + p] >= num_pages) return -2 - b;
         total += lens[b];
     }
     int threads = paged_decode_threads(total * token_bytes, available);
@@ -211,7 +214,7 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int32
     "ROW_MAX", ROW_MAX_SOURCE).replace("@THREAD_BYTES@", str(THREAD_BYTES))
 
 _KERNEL = CFunction("paged_decode", _SOURCE, "paged_decode_f32",
-                    (*[ctypes.c_void_p] * 6, *[ctypes.c_int] * 7, ctypes.c_float, ctypes.c_int, ctypes.c_int64,
+                    (*[ctypes.c_void_p] * 6, *[ctypes.c_int] * 8, ctypes.c_float, ctypes.c_int, ctypes.c_int64,
                      *[ctypes.POINTER(ctypes.c_int64)] * 2), restype=ctypes.c_int)
 _THREADS = CFunction("paged_decode", _SOURCE, "paged_decode_threads", (ctypes.c_int64, ctypes.c_int),
                      restype=ctypes.c_int)
@@ -241,13 +244,19 @@ def paged_decode_attention_cpu(
     table = page_table.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty(batch, heads, dim_v, dtype=q.dtype)
+    pages = min(k_cache.shape[0], v_cache.shape[0])
     bad = _KERNEL(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), lens.data_ptr(),
-                  out.data_ptr(), batch, heads, kv_heads, dim_k, dim_v, page_size, table.shape[1], float(scale),
-                  torch.get_num_threads(), kv_heads * (dim_k + dim_v) * k_cache.element_size(), _strides(k_cache),
-                  _strides(v_cache))
+                  out.data_ptr(), batch, heads, kv_heads, dim_k, dim_v, page_size, table.shape[1], pages,
+                  float(scale), torch.get_num_threads(), kv_heads * (dim_k + dim_v) * k_cache.element_size(),
+                  _strides(k_cache), _strides(v_cache))
     if bad >= 0:
         raise ValueError(f"paged_decode_attention: seq_lens[{bad}] = {int(lens[bad])} exceeds page_table capacity "
                          f"{table.shape[1]} pages x {page_size}")
+    if bad <= -2:
+        b = -2 - bad
+        read = table[b, : -(-int(lens[b]) // page_size)].tolist()
+        raise ValueError(f"paged_decode_attention: sequence {b} reads pages {read}, not all in [0, {pages}) (the "
+                         "cache's pages)")
     return out
 
 

@@ -96,8 +96,8 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     rows = x if x.dim() == 2 else x.reshape(-1, dim)
     count = rows.shape[0]
     weight_bytes = out_features * dim * 4
-    if count == 0 or not _float32_cpu(weight, bias):
-        return F.linear(x, weight, bias)  # (a weight of another dtype or device: F.linear names the mismatch)
+    if count == 0 or not _float32_cpu(x, weight, bias):
+        return F.linear(x, weight, bias)  # (another dtype or device: F.linear names the mismatch)
     if not registry.batch_invariant():  # else this kernel for any rows: each row's dot products in one order
         if count > SMALL_ROWS:
             return gemm_onednn.linear(x, weight, bias)

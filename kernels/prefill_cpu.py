@@ -223,6 +223,10 @@ def prefill_attention_cpu(
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     cuq, cuk = (c.to(torch.int32).contiguous() for c in (cu_seqlens_q, cu_seqlens_k))
     lens_q, lens_k = (c[1:] - c[:-1] for c in (cuq, cuk))
+    for name, cu, rows in (("cu_seqlens_q", cuq, q.shape[0]), ("cu_seqlens_k", cuk, min(k.shape[0], v.shape[0]))):
+        if int(cu[0]) < 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > rows:  # the kernel would run past them
+            raise ValueError(f"prefill_attention: {name} must rise from 0 or more to at most the {rows} rows given, "
+                             f"got {cu.tolist()}")
     if bool((lens_q > lens_k).any()):
         b = int((lens_q > lens_k).nonzero()[0])
         raise ValueError(f"prefill_attention: sequence {b} has {int(lens_q[b])} queries but only {int(lens_k[b])} "

@@ -53,6 +53,17 @@ def test_prefill_rejects_more_queries_than_keys(backend):
         ops.prefill_attention(q, k, v, cu([2, 3]), cu([2, 2]), 1.0)
 
 
+def test_prefill_cpu_c_rejects_offsets_past_the_rows_given():
+    """The C kernel trusted cu_seqlens: offsets past q's or k's rows wrote past `out` (heap corruption)."""
+    q, k, v = torch.randn(4, 2, 16), torch.randn(6, 1, 16), torch.randn(6, 1, 16)
+    with registry.use_backend("prefill_attention", "cpu_c"):
+        with pytest.raises(ValueError, match=r"cu_seqlens_q must rise from 0 or more to at most the 4 rows given, "
+                                             r"got \[0, 6\]"):
+            ops.prefill_attention(q, k, v, cu([6]), cu([6]), 1.0)
+        with pytest.raises(ValueError, match=r"cu_seqlens_k .* at most the 6 rows given, got \[0, 4, 2\]"):
+            ops.prefill_attention(q, k, v, torch.tensor([0, 2, 4]), torch.tensor([0, 4, 2]), 1.0)
+
+
 def test_prefill_rejects_bad_gqa():
     with pytest.raises(ValueError, match="H = 3 is not a multiple of Hkv = 2"):
         ops.prefill_attention(
@@ -104,6 +115,29 @@ def test_decode_rejects_lengths_beyond_the_page_table():
     lens[1] = table.shape[1] * 4 + 1
     with pytest.raises(ValueError, match=r"seq_lens\[1\] = 17 exceeds page_table capacity 4 pages x 4"):
         ops.paged_decode_attention(torch.randn(2, 1, 8), k_cache, v_cache, table, lens, 1.0)
+
+
+def test_decode_cpu_c_rejects_pages_outside_the_cache_and_keeps_nan_as_torch_does():
+    """It read past the pool for a page id past it, before it for -1 (torch's indexing wraps it to the last page);
+    and a NaN score gave zeros where torch gives NaN (hiding a numerical blow-up)."""
+    from batchgen.kernels.attention_cpu import paged_decode_attention_cpu
+
+    k_cache, v_cache, table, lens = make_paged([5, 9], 4, 1, 8, 8)
+    q = torch.randn(2, 1, 8)
+    for page in (k_cache.shape[0], -1):
+        bad = table.clone()
+        bad[1, 2] = page
+        with pytest.raises(ValueError, match=rf"sequence 1 reads pages \[\d+, \d+, {page}\], not all in \[0, "
+                                             rf"{k_cache.shape[0]}\)"):
+            paged_decode_attention_cpu(q, k_cache, v_cache, bad, lens, 1.0)
+    unused = table.clone()
+    unused[0, 3] = -1  # past sequence 0's 5 tokens: never read
+    torch.testing.assert_close(paged_decode_attention_cpu(q, k_cache, v_cache, unused, lens, 1.0),
+                               paged_decode_attention_torch(q, k_cache, v_cache, table, lens, 1.0))
+    q[0, 0, 0] = float("nan")
+    out = paged_decode_attention_cpu(q, k_cache, v_cache, table, lens, 1.0)
+    assert out[0].isnan().all() and not out[1].isnan().any()
+    assert paged_decode_attention_torch(q, k_cache, v_cache, table, lens, 1.0)[0].isnan().all()
 
 
 def test_decode_rejects_a_cache_of_another_dtype_than_the_queries():

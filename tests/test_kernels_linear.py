@@ -200,3 +200,9 @@ def test_engine_projections_run_on_the_kernel_with_transformers_greedy_tokens(tm
     assert [r.outputs[0].token_ids for r in results] == expected
     assert 3 in kernel_calls  # decode steps of the three sequences
     assert 29 in onednn_calls  # the prefill's projections
+
+
+def test_an_input_of_another_dtype_is_refused_as_f_linear_refuses_it():
+    """Called directly (ops dispatches by the input's dtype), the kernel read a float64 input's bytes as floats."""
+    with pytest.raises(RuntimeError, match="same dtype"):
+        linear_cpu.linear_cpu(torch.randn(3, 130, dtype=torch.float64), torch.randn(200, 130))
