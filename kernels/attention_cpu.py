@@ -194,8 +194,9 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int32
     int64_t total = 0;
     for (int b = 0; b < batch; b++) {
         if (lens[b] > (int64_t)max_pages * page) return b;
+        const int32_t *row = table + (int64_t)b * max_pages;
         for (int p = 0; p * page < lens[b]; p++)
-            if (table[(int64_t)b * max_pages + p] < 0 || table[(int64_t)b * max_pages + p] >= num_pages) return -2 - b;
+            if (row[p] < 0 || row[p] >= num_pages) return -2 - b;
         total += lens[b];
     }
     int threads = paged_decode_threads(total * token_bytes, available);
