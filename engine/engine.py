@@ -203,6 +203,10 @@ class Engine(Generates):
         self._check_packed(prefilled.kv, prefilled.num_tokens - prefilled.kv_start,
                            f"the prefilled KV does not fit this decode engine ({same})")
         sampling = prefilled.request.sampling
+        if not len(prefilled.first_token_ids) == len(prefilled.first_logprobs) == sampling.n:  # else it never ends
+            raise InvalidRequestError(f"the prefilled prompt carries {len(prefilled.first_token_ids)} first tokens "
+                                      f"and {len(prefilled.first_logprobs)} logprobs for n = {sampling.n} samples")
+        self.normalizer.check_length(prefilled.num_tokens, sampling)  # (a prefill engine of a longer context)
         self.scheduler.check_fits(min(prefilled.num_tokens + sampling.max_tokens, self.max_model_len),
                                   prefilled.num_tokens, sampling.n, imported=True)
         self.normalizer.check_vocabulary(prefilled.request.sampling)

@@ -273,6 +273,27 @@ def test_a_prompt_prefilled_again_here_can_move_once_its_prefill_is_done():
     assert decode.export_request("1") is not None and decode.export_request("2") is not None
 
 
+def test_a_hand_off_this_engine_cannot_finish_is_refused_by_name():
+    """Before, a hand-off with fewer first tokens than samples was adopted and never finished (samples left pending),
+    and one longer than this engine's context was adopted past it."""
+    import dataclasses
+
+    from batchgen.engine import InvalidRequestError
+
+    demo = load_model("tiny-moe")
+    request = Request("h", list(range(10, 40)), sampling=SamplingParams(max_tokens=4, n=2, temperature=0.5, seed=1))
+    [output] = PrefillExporter(Engine(demo, page_size=8)).prefill([request]).outputs
+    short = dataclasses.replace(output, first_token_ids=output.first_token_ids[:1])
+    with pytest.raises(InvalidRequestError, match="carries 1 first tokens and 2 logprobs for n = 2 samples"):
+        Engine(demo, page_size=8).add_prefilled(short)
+    with pytest.raises(InvalidRequestError, match=r"prompt has 30 tokens, over the limit of 19 \(context length 20\)"):
+        Engine(demo, page_size=8, max_model_len=20).add_prefilled(output)
+    decode = Engine(demo, page_size=8)
+    decode.add_prefilled(output)  # the whole hand-off is adopted and finishes
+    results = list(decode.stream([]))
+    assert [len(c.token_ids) for c in results[0].outputs] == [4, 4]
+
+
 def test_a_sample_whose_fork_finds_no_pages_takes_its_first_token_and_is_prefilled_again(moe_case, monkeypatch):
     loaded, batch, expected = moe_case
     engine = Engine(loaded, page_size=4)
