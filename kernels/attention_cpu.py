@@ -159,12 +159,16 @@ static void attend(const Job *j, int b, float *scores, float *acc, float *m, flo
         for (int d = 0; d < j->dv; d++) o[x * j->dv + d] = len > 0 ? acc[x * j->dv + d] / l[x] : 0.f;
 }
 
-static void run(const Job *j) {
+/* 0, or -1 when this thread's buffers cannot be allocated (nothing computed then) */
+static int run(const Job *j) {
     float *scores = malloc(sizeof(float) * j->heads * j->page);
     float *acc = malloc(sizeof(float) * j->heads * j->dv);
     float *m = malloc(sizeof(float) * j->heads), *l = malloc(sizeof(float) * j->heads);
-    for (int b = j->first; b < j->last; b++) attend(j, b, scores, acc, m, l);
+    int ok = scores && acc && m && l;
+    if (ok)
+        for (int b = j->first; b < j->last; b++) attend(j, b, scores, acc, m, l);
     free(scores); free(acc); free(m); free(l);
+    return ok ? 0 : -1;
 }
 
 /* The first sequence whose tokens start at or after `share` of all `total` tokens: a thread's boundary, so
@@ -185,7 +189,8 @@ int paged_decode_threads(int64_t bytes, int available) {
 }
 
 /* Returns -1; or b >= 0, the first sequence whose length exceeds its page-table row; or -2 - b, the first whose
-   pages (those its length reads) are not all in [0, num_pages): nothing computed then. The threads are chosen here,
+   pages (those its length reads) are not all in [0, num_pages): nothing computed then; or -2 - batch when a thread's
+   buffers could not be allocated (the output incomplete). The threads are chosen here,
    from the lengths (`token_bytes` of K/V a token), so the caller reads nothing back. */
 int paged_decode_f32(const float *q, const float *k, const float *v, const int32_t *table,
                      const int32_t *lens, float *out, int batch, int heads, int kv_heads, int dk, int dv,
@@ -201,15 +206,16 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int32
     }
     int threads = paged_decode_threads(total * token_bytes, available);
     if (threads > batch) threads = batch;
-#pragma omp parallel num_threads(threads)  /* the OpenMP pool torch runs its own ops on */
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)  /* the OpenMP pool torch runs its own ops on */
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
         Job j = {q, k, v, table, lens, out, batch, heads, kv_heads, dk, dv, page, max_pages, scale,
                  {ks[0], ks[1], ks[2]}, {vs[0], vs[1], vs[2]},
                  split_at(lens, batch, total, t, n), split_at(lens, batch, total, t + 1, n)};
-        run(&j);
+        failed |= run(&j) != 0;
     }
-    return -1;
+    return failed ? -2 - batch : -1;
 }
 """.replace("EXP_NEG", EXP_NEG_SOURCE).replace("VECTORS", VECTOR_SOURCE).replace(
     "ROW_MAX", ROW_MAX_SOURCE).replace("@THREAD_BYTES@", str(THREAD_BYTES))
@@ -250,6 +256,8 @@ def paged_decode_attention_cpu(
                   out.data_ptr(), batch, heads, kv_heads, dim_k, dim_v, page_size, table.shape[1], pages,
                   float(scale), torch.get_num_threads(), kv_heads * (dim_k + dim_v) * k_cache.element_size(),
                   _strides(k_cache), _strides(v_cache))
+    if bad == -2 - batch:
+        raise MemoryError(f"paged_decode_attention: no memory for the working buffers of {heads} query heads")
     if bad >= 0:
         raise ValueError(f"paged_decode_attention: seq_lens[{bad}] = {int(lens[bad])} exceeds page_table capacity "
                          f"{table.shape[1]} pages x {page_size}")

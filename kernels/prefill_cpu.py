@@ -162,7 +162,8 @@ static void item(const Args *a, int b, int g, int64_t r0, float *kt, Held *held,
         }
 }
 
-void prefill_attention_f32(Args a, int batch, int threads) {
+/* 0, or -1 when its buffers cannot be allocated (the output then incomplete) */
+int prefill_attention_f32(Args a, int batch, int threads) {
     int64_t items = 0, longest = 0;
     for (int b = 0; b < batch; b++) {
         int64_t lq = a.cuq[b + 1] - a.cuq[b], lk = a.cuk[b + 1] - a.cuk[b];
@@ -170,6 +171,7 @@ void prefill_attention_f32(Args a, int batch, int threads) {
         longest = lk > longest ? lk : longest;
     }
     int64_t *list = malloc(sizeof(int64_t) * 3 * (items + 1)), n = 0;
+    if (!list) return -1;
     for (int b = 0; b < batch; b++)
         for (int g = 0; g < a.kv_heads; g++)
             for (int64_t r0 = 0; r0 < a.cuq[b + 1] - a.cuq[b]; r0 += CHUNK) {
@@ -177,18 +179,21 @@ void prefill_attention_f32(Args a, int batch, int threads) {
             }
     if (threads > items) threads = (int)items;
     if (threads < 1) threads = 1;
-#pragma omp parallel num_threads(threads)
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *kt = malloc(sizeof(float) * (a.dk * padded(longest) + 1));
         float *s = malloc(sizeof(float) * (ROWS * padded(longest) + 1));
         Held held = {-1, -1, 0};
+        failed = !kt || !s;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t x = 0; x < items; x++)
-            item(&a, (int)list[3 * x], (int)list[3 * x + 1], list[3 * x + 2], kt, &held, s);
+            if (kt && s) item(&a, (int)list[3 * x], (int)list[3 * x + 1], list[3 * x + 2], kt, &held, s);
         free(kt);
         free(s);
     }
     free(list);
+    return failed ? -1 : 0;
 }
 """.replace("EXP_NEG", EXP_NEG_SOURCE).replace("VECTORS", VECTOR_SOURCE).replace(
     "ROW_MAX", ROW_MAX_SOURCE)
@@ -201,7 +206,8 @@ class _Args(ctypes.Structure):
                 ("kv_heads", ctypes.c_int), ("dk", ctypes.c_int), ("dv", ctypes.c_int), ("scale", ctypes.c_float)]
 
 
-_KERNEL = CFunction("prefill_attention", _SOURCE, "prefill_attention_f32", (_Args, ctypes.c_int, ctypes.c_int))
+_KERNEL = CFunction("prefill_attention", _SOURCE, "prefill_attention_f32", (_Args, ctypes.c_int, ctypes.c_int),
+                    restype=ctypes.c_int)
 
 
 def unavailable() -> str | None:
@@ -236,5 +242,7 @@ def prefill_attention_cpu(
     args = _Args(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), cuq.data_ptr(), cuk.data_ptr(),
                  (ctypes.c_int64 * 2)(*q.stride()[:2]), (ctypes.c_int64 * 2)(*k.stride()[:2]),
                  (ctypes.c_int64 * 2)(*v.stride()[:2]), heads, k.shape[1], q.shape[2], dim_v, float(scale))
-    _KERNEL(args, cuq.shape[0] - 1, torch.get_num_threads())
+    if _KERNEL(args, cuq.shape[0] - 1, torch.get_num_threads()):
+        raise MemoryError(f"prefill_attention: no memory for the working buffers of sequences up to "
+                          f"{int(lens_k.max())} keys")
     return out

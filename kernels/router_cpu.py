@@ -24,7 +24,6 @@ _SOURCE = r"""
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 static void route_token(const float *restrict x, const float *restrict w, int D, int E, int K, int normalize,
                         float *restrict weights, int64_t *restrict ids, float *restrict p, char *restrict taken) {
@@ -57,13 +56,11 @@ void router_topk_f32(const float *x, int64_t T, int D, const float *w, int E, in
                      int64_t *ids, int threads) {
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        float *p = malloc(E * sizeof(float));
-        char *taken = malloc(E);
+        float p[E];  /* a thread's scratch on its stack: E is a model's expert count (hundreds at most) */
+        char taken[E];
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++)
             route_token(x + t * D, w, D, E, K, normalize, weights + t * K, ids + t * K, p, taken);
-        free(p);
-        free(taken);
     }
 }
 """

@@ -320,3 +320,60 @@ def test_write_kv_torch_rejects_non_flat_pages():
         ops.write_kv(
             torch.zeros(1, 4, 8), torch.zeros(1, 4, 8), cache, cache, torch.zeros(1, dtype=torch.int64)
         )
+
+
+_UNDER_A_MEMORY_LIMIT = r"""
+import resource, sys, torch
+from batchgen.kernels.attention_cpu import paged_decode_attention_cpu
+from batchgen.kernels.prefill_cpu import prefill_attention_cpu
+
+torch.set_num_threads(1)
+
+def vm_bytes():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize")) * 1024
+
+def limited(call, headroom):
+    call(small=True)  # compiled, warm
+    args = call(small=False, build=True)
+    resource.setrlimit(resource.RLIMIT_AS, (vm_bytes() + headroom, resource.RLIM_INFINITY))
+    try:
+        call(*args)
+    except MemoryError as e:
+        print("MemoryError:", e)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+def prefill(*args, small=False, build=False):
+    if args:
+        return prefill_attention_cpu(*args)
+    keys = 4 if small else 1 << 18  # a K^T buffer of 64 MiB, past the limit's headroom
+    q, k, v = torch.randn(1, 1, 64), torch.randn(keys, 1, 64), torch.randn(keys, 1, 64)
+    args = (q, k, v, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, keys], dtype=torch.int32), 1.0)
+    return args if build else prefill_attention_cpu(*args)
+
+def decode(*args, small=False, build=False):
+    if args:
+        return paged_decode_attention_cpu(*args)
+    heads = 4 if small else 200_000  # an accumulator of 51 MB a thread, past the headroom left beside the output
+    cache = torch.randn(2, 4, 1, 64)
+    args = (torch.randn(1, heads, 64), cache, cache.clone(), torch.tensor([[0, 1]], dtype=torch.int32),
+            torch.tensor([6], dtype=torch.int32), 1.0)
+    return args if build else paged_decode_attention_cpu(*args)
+
+limited(prefill, 16 << 20)
+limited(decode, (200_000 * 64 * 4) + (16 << 20))
+"""
+
+
+def test_cpu_c_attention_kernels_report_buffers_they_cannot_allocate():
+    """Their working buffers came from unchecked mallocs: a sequence long enough (or heads enough) to exhaust the
+    memory left wrote through a NULL pointer and killed the process; now a MemoryError names the call."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _UNDER_A_MEMORY_LIMIT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "MemoryError: prefill_attention: no memory for the working buffers of sequences up to 262144 keys",
+        "MemoryError: paged_decode_attention: no memory for the working buffers of 200000 query heads",
+    ]
