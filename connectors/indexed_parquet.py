@@ -124,6 +124,8 @@ class IndexedParquetSource(Datasource):
                 group = meta.row_group(g)
                 self.fragments.append(_Fragment(path, g, next_row, group.num_rows, group.total_byte_size))
                 next_row += group.num_rows
+        for path, meta in zip(files, metadata):
+            _check_values_fit(path, meta, self.schema)
         if ROW_INDEX in self.schema.names:
             raise StorageError(f"input {uri!r} already has a '{ROW_INDEX}' column; the job reserves it")
         self.num_rows = next_row
@@ -208,7 +210,11 @@ def _reader(fs, fragments: list[_Fragment], skip: RangeSet, rows_per_block: int,
                     first += batch.num_rows
                     table = plain_columns(pa.Table.from_batches([batch]).select(schema.names))
                     if not table.schema.equals(schema):
-                        table = table.cast(schema)
+                        try:
+                            table = table.cast(schema)
+                        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:  # (no statistics to check)
+                            raise StorageError(f"input file {frag.path!r}, row group {frag.row_group}: {_UNFIT} "
+                                               f"({exc})") from None
                     table = table.append_column(ROW_INDEX, pa.array(index))
                     keep = ~skip.mask(index)
                     if not keep.all():
@@ -217,6 +223,53 @@ def _reader(fs, fragments: list[_Fragment], skip: RangeSet, rows_per_block: int,
                         yield table
 
     return read
+
+
+_UNFIT = ("its values do not fit the type the input files' column types combine to; write the column with "
+          "one type in every file")
+
+
+def _check_values_fit(path: str, meta: pq.FileMetaData, schema: pa.Schema) -> None:
+    """Refuse, before any row is read, a file whose values the combined `schema` cannot hold, by its footer's
+    statistics: an int64 past 2^53 in a column another file has as double (NaNs) would otherwise fail a read task
+    mid-job. Columns without statistics are checked as each block is cast (`_reader`)."""
+    own = plain_schema(meta.schema.to_arrow_schema())
+    for j in range(meta.num_columns):
+        name = meta.schema.column(j).path
+        leaf = _leaf_types(name.split("."), own, schema)
+        if leaf is None or leaf[0] == leaf[1]:
+            continue
+        for g in range(meta.num_row_groups):
+            stats = meta.row_group(g).column(j).statistics
+            if stats is None or not stats.has_min_max:
+                continue
+            try:
+                pa.array([stats.min, stats.max], leaf[0]).cast(leaf[1])
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+                raise StorageError(f"input file {path!r}, column {name!r} ({leaf[0]}; {leaf[1]} across the input "
+                                   f"files, values {stats.min} to {stats.max}): {_UNFIT} ({exc})") from None
+
+
+def _leaf_types(parts: list[str], own: pa.Schema, combined: pa.Schema) -> tuple[pa.DataType, pa.DataType] | None:
+    """The types of a Parquet leaf column (its dotted path's parts) in a file's schema and the combined one, through
+    structs and lists; None where the path leads elsewhere (a map's keys, say: such columns are checked as cast)."""
+    if parts[0] not in own.names or parts[0] not in combined.names:
+        return None
+    a, b = own.field(parts[0]).type, combined.field(parts[0]).type
+    rest = parts[1:]
+    while rest:
+        if pa.types.is_struct(a) and pa.types.is_struct(b) and a.get_field_index(rest[0]) >= 0 \
+                and b.get_field_index(rest[0]) >= 0:
+            a, b, rest = a.field(rest[0]).type, b.field(rest[0]).type, rest[1:]
+        elif _is_list(a) and _is_list(b) and len(rest) >= 2 and rest[0] == "list":
+            a, b, rest = a.value_type, b.value_type, rest[2:]  # list.element (or list.item)
+        else:
+            return None
+    return a, b
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
 
 
 def plain_schema(schema: pa.Schema) -> pa.Schema:

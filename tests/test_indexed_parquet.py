@@ -105,6 +105,36 @@ def test_every_block_has_the_type_all_input_files_combine_to_so_the_part_files_r
         IndexedParquetSource(str(tmp_path))
 
 
+@pytest.mark.parametrize("column, big, fraction", [
+    ("id", 2**53 + 1, float("nan")),
+    ("sampling_params", {"seed": 2**60}, {"seed": 0.5}),
+    ("labels", [2**60], [0.5]),
+])
+def test_values_the_combined_column_type_cannot_hold_are_refused_before_any_row_is_read(tmp_path, column, big,
+                                                                                      fraction):
+    """An int64 column in one file and a double one in another (pandas writes NaNs so) combine to double, and every
+    block was cast to it in its read task: a value past 2^53 failed the task mid-job with Arrow's message alone. The
+    footers' statistics now refuse it when the job starts, naming the file and column (nested ones too); values in
+    range read as the combined type; a file without statistics fails its read task with the same words."""
+    pq.write_table(pa.table({"prompt": ["a"], column: [big]}), tmp_path / "f0.parquet")
+    pq.write_table(pa.table({"prompt": ["b"], column: [fraction]}), tmp_path / "f1.parquet")
+    with pytest.raises(StorageError, match=rf"input file '.*f0\.parquet', column '{column}[.a-z]*' \(int64; double "
+                                           r"across the input files, values \d+ to \d+\): its values do not fit the "
+                                           r"type the input files' column types combine to; write the column with one "
+                                           r"type in every file \(Integer value \d+ not in range"):
+        IndexedParquetSource(str(tmp_path))
+    pq.write_table(pa.table({"prompt": ["a"], column: [big]}), tmp_path / "f0.parquet", write_statistics=False)
+    source = IndexedParquetSource(str(tmp_path))
+    with pytest.raises(StorageError, match=r"input file '.*f0\.parquet', row group 0: its values do not fit the type"):
+        [block for task in source.get_read_tasks(parallelism=1) for block in task()]
+    small = 2**53 if column == "id" else {"seed": 2**53} if column == "sampling_params" else [2**53]
+    pq.write_table(pa.table({"prompt": ["a"], column: [small]}), tmp_path / "f0.parquet")
+    blocks = [block for task in IndexedParquetSource(str(tmp_path)).get_read_tasks(parallelism=1) for block in task()]
+    values = pa.concat_tables(blocks).column(column).to_pylist()
+    assert values[0] == (float(2**53) if column == "id" else {"seed": float(2**53)} if column == "sampling_params"
+                         else [float(2**53)])
+
+
 def test_other_data_files_beside_the_parquet_ones_are_an_error_naming_them(tmp_path):
     """They were left out silently: a job over the folder reported complete without their rows."""
     pq.write_table(pa.table({"a": [1]}), tmp_path / "f0.parquet")
