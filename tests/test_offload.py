@@ -160,6 +160,23 @@ def test_a_plans_own_kv_budget_given_back_walks_to_the_same_placement_at_every_b
         assert plan.weight_bytes + plan.activation_bytes + plan.kv_bytes <= budget
 
 
+def test_a_cuda_plan_grows_its_expert_slots_two_at_a_time(tmp_path):
+    """On CUDA the expert ring computes one half of its slots while the other loads (ExpertRing.window is
+    slots // 2): an odd count planned left one slot budgeted, never used, its bytes taken from the KV."""
+    save_tiny_checkpoint("qwen3_moe", tmp_path)
+    units = weight_units(load_model(str(tmp_path), weights=False).model, "expert")
+    counts = set()
+    for step in range(20, 220, 2):
+        try:
+            plan = plan_offload(units, int(units.total_bytes * step / 100), "cuda", activation_bytes_per_token=1000,
+                                min_kv_bytes=20_000)
+        except ValueError:  # below the minimum
+            continue
+        counts.add(plan.expert_slots)
+    assert counts - {0} and all(n % 2 == 0 for n in counts), counts
+    assert max(counts) > 2  # the walk did widen the windows
+
+
 def test_a_bf16_streamed_layers_windows_give_the_resident_layers_output_bit_for_bit(tmp_path):
     """Top-2 routing over 8 experts through 2 expert slots (four windows): in bf16 each window's sum was rounded to
     the model's dtype before the windows were added (the torch backend, bf16's on CPU, sums in float32 and rounds

@@ -99,10 +99,11 @@ def plan_offload(units: WeightUnits, budget: int, device_type: str, activation_b
         allowance = weights(state) + int((budget - floor - activation) * RESIDENT_SHARE)
     else:
         allowance = budget - fixed - activation - kv_bytes
-    # each step grows the placement, taken when it fits: wider expert windows, then modules in priority order,
-    # then whole expert layers
+    # each step grows the placement, taken when it fits: wider expert windows (a ring's fewest slots at a time: on
+    # CUDA one half of the slots computes while the other loads, so an odd slot would never be used), then modules
+    # in priority order, then whole expert layers
     steps = [lambda p, n=n: dataclasses.replace(p, expert_slots=n)
-             for n in range(state.expert_slots + 1, min(EXPERT_SLOTS, local_experts) + 1)]
+             for n in range(state.expert_slots + module_slots, min(EXPERT_SLOTS, local_experts) + 1, module_slots)]
     steps += [lambda p, name=u.name: dataclasses.replace(p, modules=p.modules | {name}) for u in units.modules]
     steps += [lambda p, layer=e.layer: dataclasses.replace(p, expert_layers=p.expert_layers | {layer})
               for e in units.expert_layers]
