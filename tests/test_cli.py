@@ -223,3 +223,51 @@ def test_cli_stderr_filter_drops_rays_harmless_line_and_passes_everything_else()
     assert "core_worker.cc:99: Failed to connect to the GCS\n" in err
     assert "a Python traceback line\n" in err and "progress 50%\r" in err
     assert err.endswith("no newline at the endafter the job\n")
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_verbose_lets_rays_worker_output_and_log_lines_through_and_only_it(monkeypatch, capfd, verbose):
+    """README: Ray's worker output and log lines reach the terminal with --verbose only; without it the core
+    worker's harmless error-level line is dropped too, while a job's own error lines always pass."""
+    import logging
+
+    import ray
+
+    from batchgen.pipelines import cli
+
+    started = {}
+
+    class Plan:
+        class lease:  # noqa: N801 (the plan's lease: released after the job)
+            @staticmethod
+            def release():
+                started["released"] = True
+
+    def execute_job(plan, on_progress=None):
+        os.write(2, b"(pid=1) core_worker.cc:99: Actor with class name: 'MapWorker' has constructor arguments in the "
+                    b"object store and max_restarts > 0.\n")
+        os.write(2, b"a real error line\n")
+        started["ray.data level"] = logging.getLogger("ray.data").level
+        return "summary"
+
+    monkeypatch.setattr(ray.data.DataContext.get_current(), "enable_progress_bars",
+                        ray.data.DataContext.get_current().enable_progress_bars)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(cli, "init_ray", lambda address, **kwargs: started.update(kwargs))
+    monkeypatch.setattr(cli, "plan_job", lambda config: Plan)
+    monkeypatch.setattr(cli, "execute_job", execute_job)
+    args = build_parser().parse_args(["run", "--model", "m", "--input", "i", "--output", "o", "--no-progress"]
+                                     + ["--verbose"] * verbose)
+    data_logger = logging.getLogger("ray.data")
+    level = data_logger.level
+    try:
+        assert cli._run(None, args) == "summary"
+    finally:
+        data_logger.setLevel(level)  # the job sets it for the process
+    err = capfd.readouterr().err
+    assert "a real error line\n" in err
+    assert ("has constructor arguments in the object store" in err) == verbose
+    assert started["log_to_driver"] is verbose  # worker processes' output forwarded to the driver
+    assert started["logging_level"] == (logging.INFO if verbose else logging.ERROR)
+    assert started["ray.data level"] == (logging.INFO if verbose else logging.ERROR)
+    assert started["released"]

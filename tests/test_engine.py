@@ -89,6 +89,31 @@ def test_tight_kv_budget_evicts_and_restores_without_changing_tokens(moe_case, m
         assert metrics["staged_decode_batches"] > 0
 
 
+def test_a_sequence_larger_than_the_staging_pool_waits_in_host_pages_for_a_device_restore(moe_case):
+    """README (stream_host_kv=True): host-resident sequences stream through a staging pool (one layer's pages); one
+    whose KV outgrows it is not staged (it could not be gathered there) but waits in host pages until device pages
+    free up, and is restored: the tokens are the reference's."""
+    loaded, batch, expected = moe_case
+    page = kv_bytes_per_token(loaded) * 4
+    engine = Engine(loaded, page_size=4, kv_budget_bytes=page * 20, staging_fraction=0.1, b_attn=3, b_moe=16,
+                    stream_host_kv=True)
+    stage_pages = engine.kv.stage.num_pages
+    assert 0 < stage_pages < engine.kv.pages_needed(max(map(len, batch)) + MAX_TOKENS)
+    waiting, staged_sizes = set(), []
+
+    def observe(plan):
+        staged = plan.decode.staged_groups if plan.decode else []
+        staged_sizes.extend(engine.kv.pages_needed(s.kv_len) for group in staged for s in group)
+        waiting.update(s.seq_id for s in engine.scheduler.suspended.values()
+                       if engine.kv.pages_needed(s.kv_len + 1) > stage_pages)
+
+    engine.observe_steps(observe)
+    assert in_order(tokens_by_id(engine.generate(greedy_requests(batch))), len(batch)) == expected
+    metrics = engine.metrics()
+    assert waiting and metrics["restores"] > 0  # some waited in host pages, and came back to the device
+    assert staged_sizes and max(staged_sizes) <= stage_pages  # others streamed; none past the pool
+
+
 @pytest.mark.parametrize("mode", ["coroutine", "lockstep"])
 def test_a_host_pool_too_small_for_the_yields_recomputes_without_changing_tokens(moe_case, mode):
     loaded, batch, expected = moe_case

@@ -84,3 +84,27 @@ def test_forced_deep_ep_names_missing_module(tmp_path):
 def test_unknown_backend():
     with pytest.raises(ValueError, match="unknown expert parallel backend 'nccl'"):
         make_dispatcher(NUM_EXPERTS, backend="nccl")
+
+
+@pytest.mark.parametrize("dtype, backend", [(torch.bfloat16, "auto"), (torch.float32, "all_to_all"),
+                                            (torch.float16, "all_to_all")])
+def test_a_models_moe_layers_leave_deep_ep_to_bfloat16_models(monkeypatch, dtype, backend):
+    """DeepEP's kernels take bfloat16 activations only: a model in another dtype dispatches through torch's
+    all_to_all even where "auto" would pick DeepEP (CUDA, several ranks, deep_ep importable); every MoE layer of one
+    expert count shares one dispatcher (DeepEP's buffers are large)."""
+    from types import SimpleNamespace
+
+    from batchgen.engine.models.layers import FusedExperts
+    from batchgen.engine.parallel import group_model
+
+    asked = []
+
+    def make(num_experts, backend, group, device, exchange=None):
+        asked.append((num_experts, backend))
+        return LocalDispatcher(num_experts)
+
+    monkeypatch.setattr(group_model, "make_dispatcher", make)
+    model = torch.nn.ModuleList([FusedExperts(NUM_EXPERTS, 8, 16) for _ in range(3)])
+    group_model.attach_dispatchers(model, SimpleNamespace(size=1, rank=0, data=None), torch.device("cpu"), dtype)
+    assert asked == [(NUM_EXPERTS, backend)]
+    assert len({id(layer.dispatcher) for layer in model}) == 1
