@@ -244,7 +244,11 @@ def _check_values_fit(path: str, meta: pq.FileMetaData, schema: pa.Schema) -> No
             if stats is None or not stats.has_min_max:
                 continue
             try:
-                pa.array([stats.min, stats.max], leaf[0]).cast(leaf[1])
+                bounds = pa.array([stats.min, stats.max], leaf[0])
+            except (TypeError, ValueError, pa.ArrowException):  # statistics pyarrow gives in another form: left to
+                continue  # the read
+            try:
+                bounds.cast(leaf[1])
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
                 raise StorageError(f"input file {path!r}, column {name!r} ({leaf[0]}; {leaf[1]} across the input "
                                    f"files, values {stats.min} to {stats.max}): {_UNFIT} ({exc})") from None

@@ -135,6 +135,16 @@ def test_values_the_combined_column_type_cannot_hold_are_refused_before_any_row_
                          else [float(2**53)])
 
 
+def test_statistics_pyarrow_gives_as_raw_bytes_leave_the_check_to_the_read(tmp_path):
+    """A float16 column's footer statistics come back as bytes, which no array of its type is built from: taken for a
+    value that does not fit, a float16 file beside a float32 one was refused."""
+    pq.write_table(pa.table({"prompt": ["a"], "score": pa.array([1.5], pa.float16())}), tmp_path / "f0.parquet")
+    pq.write_table(pa.table({"prompt": ["b"], "score": pa.array([2.5], pa.float32())}), tmp_path / "f1.parquet")
+    source = IndexedParquetSource(str(tmp_path))
+    blocks = [block for task in source.get_read_tasks(parallelism=1) for block in task()]
+    assert pa.concat_tables(blocks).column("score").to_pylist() == [1.5, 2.5]
+
+
 def test_other_data_files_beside_the_parquet_ones_are_an_error_naming_them(tmp_path):
     """They were left out silently: a job over the folder reported complete without their rows."""
     pq.write_table(pa.table({"a": [1]}), tmp_path / "f0.parquet")
