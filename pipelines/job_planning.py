@@ -26,7 +26,7 @@ def plan_stages(config: JobConfig) -> tuple[JobConfig, StageSplit, dict[str, Any
 
     sized = dataclasses.replace(config, prefill_concurrency=1, decode_concurrency=config.engine_actors - 1)
     # the worker exits after the task: it loaded a model, and runs as an engine actor's process does
-    task = ray.remote(num_cpus=engine_actor_cpus(sized), num_gpus=config.engine_num_gpus,
+    task = ray.remote(num_cpus=engine_actor_cpus(sized, "decode"), num_gpus=config.engine_num_gpus,
                       resources=config.decode_resources, max_calls=1)(_plan_on_engine_node)
     engine, split = ray.get(task.remote(config.model, config.engine, config.input, config.storage_options,
                                         config.sampling_params, config.engine_actors, config.chat_template))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import posixpath
 import threading
 import time
@@ -294,16 +295,17 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource, progress: ray
     finishing = {"progress": progress}  # engine actors report when ready; the last stage, rows as they leave it
     balancing = {} if balancer is None else {"balancer": balancer}
 
-    def engine_res(resources: dict[str, float]) -> dict[str, Any]:
+    def engine_res(stage: str, resources: dict[str, float]) -> dict[str, Any]:
         ranks = EngineConfig.from_kwargs(**config.engine).ranks  # engine_num_gpus is per rank
-        return {"num_cpus": engine_actor_cpus(config), "num_gpus": config.engine_num_gpus * ranks,
+        return {"num_cpus": engine_actor_cpus(config, stage), "num_gpus": config.engine_num_gpus * ranks,
                 "resources": resources}
 
     cpu_res = {"num_cpus": _CPU_STAGE_CPUS}
     ds = source.read_dataset(num_cpus=_CPU_STAGE_CPUS)
     if config.mode == "single":
         return ds.map_batches(BatchGen, batch_size=config.batch_size, batch_format="pyarrow",
-                              compute=engine_actor_pool(config.concurrency), **engine_res(config.engine_resources),
+                              compute=engine_actor_pool(config.concurrency),
+                              **engine_res("single", config.engine_resources),
                               fn_constructor_kwargs={
                                   "model": config.model, "sampling_params": config.sampling_params,
                                   "list_outputs": config.samples_as_lists, "chat_template": config.chat_template,
@@ -313,10 +315,12 @@ def build_dataset(config: JobConfig, source: IndexedParquetSource, progress: ray
                             "model": config.model, "sampling_params": config.sampling_params,
                             "list_outputs": config.samples_as_lists, "chat_template": config.chat_template, **common})
     ds = ds.map_batches(Prefill, batch_size=config.batch_size, batch_format="pyarrow",
-                        compute=_pool(config.prefill_concurrency), **engine_res(config.prefill_resources),
+                        compute=_pool(config.prefill_concurrency),
+                        **engine_res("prefill", config.prefill_resources),
                         fn_constructor_kwargs={"model": config.model, **finishing, **engine_kwargs})
     return ds.map_batches(Decode, batch_size=config.batch_size, batch_format="pyarrow",
-                          compute=engine_actor_pool(config.decode_concurrency), **engine_res(config.decode_resources),
+                          compute=engine_actor_pool(config.decode_concurrency),
+                          **engine_res("decode", config.decode_resources),
                           fn_constructor_kwargs={"model": config.model, "list_outputs": config.samples_as_lists,
                                                  **finishing, **engine_kwargs, **(decode_engine or {}), **balancing})
 
@@ -335,38 +339,63 @@ def _pool(size: int) -> ray.data.ActorPoolStrategy:
     return ray.data.ActorPoolStrategy(size=size)
 
 
-def engine_actor_cpus(config: JobConfig) -> float:
-    """Engine actors share what the light stages leave of the cluster's CPUs, unless told (actor_cpu_share)."""
+def engine_actor_cpus(config: JobConfig, stage: str) -> float:
+    """CPUs each engine actor of `stage` ("single", "prefill" or "decode") asks for, unless told (engine_num_cpus):
+    what the light stages leave on the nodes that can host it (actor_cpu_share), shared with the other stage's actors
+    where those can land on the same nodes. A node hosts it when it has the actor's GPUs and the stage's custom
+    resources: sized on every node, a share fitting a CPU-only head node was asked on a GPU node of fewer CPUs, and
+    the job waited for it forever."""
     if config.engine_num_cpus is not None:
         return config.engine_num_cpus
+    gpus = config.engine_num_gpus * EngineConfig.from_kwargs(**config.engine).ranks
     if config.mode == "single":
-        actors, light_slots = config.concurrency, 2
+        stages, light_slots = {"single": (config.concurrency, config.engine_resources)}, 2
     else:  # read and write, and one slot per tokenizer actor (an actor pool holds its CPUs for the job)
-        actors, light_slots = config.prefill_concurrency + config.decode_concurrency, 2 + config.tokenize_concurrency
-    nodes = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
-    return actor_cpu_share(nodes, actors, light_slots)
+        stages = {"prefill": (config.prefill_concurrency, config.prefill_resources),
+                  "decode": (config.decode_concurrency, config.decode_resources)}
+        light_slots = 2 + config.tokenize_concurrency
+    alive = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    hosts = {name: [i for i, node in enumerate(alive) if actor_slots(node, gpus, resources) >= 1]
+             for name, (_, resources) in stages.items()}
+    mine = hosts[stage]
+    if not mine:
+        raise JobError(f"no node of the cluster has what a {stage} engine actor asks for ({gpus:g} GPUs, resources "
+                       f"{stages[stage][1]}); give engine_num_cpus to size the actors for nodes yet to join")
+    actors = sum(count for name, (count, _) in stages.items() if set(hosts[name]) & set(mine))
+    return actor_cpu_share([alive[i].get("CPU", 0.0) for i in mine], actors, light_slots,
+                           [actor_slots(alive[i], gpus, stages[stage][1]) for i in mine])
 
 
-def actor_cpu_share(node_cpus: list[float], actors: int, light_slots: int) -> float:
-    """CPUs each of `actors` engine actors asks for: the most that lets all of them fit on the nodes (`node_cpus`)
-    while every node keeps `light_slots` slots of _CPU_STAGE_CPUS for the light stages (read, write, tokenize), so
-    they never starve wherever Ray places the actors; the engine actors compute with the rest
-    (prepare_engine_process gives them that many torch threads, rounded up), which on a 2-CPU machine means two
-    threads for a single engine, not one. A JobError names actors the cluster cannot hold at _MIN_ENGINE_CPUS
-    each: their requests would leave the read tasks no CPU, or one actor none, and the job would wait forever."""
-    rooms = [cpus - light_slots * _CPU_STAGE_CPUS for cpus in node_cpus]
-    rooms = [room for room in rooms if room > 0]
+def actor_slots(node: dict[str, float], gpus: float, resources: dict[str, float]) -> float:
+    """Engine actors asking for `gpus` GPUs and `resources` that a node's resources (ray.nodes()) hold, CPUs apart."""
+    needs = {"GPU": gpus, **resources} if gpus > 0 else dict(resources)
+    return min((node.get(name, 0.0) // amount for name, amount in needs.items() if amount > 0), default=math.inf)
+
+
+def actor_cpu_share(node_cpus: list[float], actors: int, light_slots: int,
+                    node_slots: list[float] | None = None) -> float:
+    """CPUs each of `actors` engine actors asks for: the most that lets all of them fit on the nodes (`node_cpus`,
+    each holding at most its `node_slots` actors: its GPUs' worth, say) while every node keeps `light_slots` slots of
+    _CPU_STAGE_CPUS for the light stages (read, write, tokenize), so they never starve wherever Ray places the actors;
+    the engine actors compute with the rest (prepare_engine_process gives them that many torch threads, rounded up),
+    which on a 2-CPU machine means two threads for a single engine, not one. A JobError names actors the cluster
+    cannot hold at _MIN_ENGINE_CPUS each: their requests would leave the read tasks no CPU, or one actor none, and
+    the job would wait forever."""
+    slots = node_slots or [math.inf] * len(node_cpus)
+    rooms = [(cpus - light_slots * _CPU_STAGE_CPUS, cap) for cpus, cap in zip(node_cpus, slots)]
+    rooms = [(room, cap) for room, cap in rooms if room > 0 and cap >= 1]
 
     def placed(share: float) -> int:  # actors of `share` CPUs the nodes hold
-        return sum(int(room / share + 1e-9) for room in rooms)
+        return sum(min(int(room / share + 1e-9), cap) for room, cap in rooms)
 
     # the largest share is some node's room split k ways
-    shares = sorted({room / k for room in rooms for k in range(1, actors + 1)}, reverse=True)
+    shares = sorted({room / k for room, _ in rooms for k in range(1, actors + 1)}, reverse=True)
     share = next((s for s in shares if placed(s) >= actors), 0.0)
     if share < _MIN_ENGINE_CPUS:
         raise JobError(f"{actors} engine actors do not fit {sum(node_cpus):g} CPUs beside the read, write and tokenize "
-                       f"stages ({light_slots} x {_CPU_STAGE_CPUS} CPUs): run fewer engine actors, or give "
-                       f"engine_num_cpus")
+                       f"stages ({light_slots} x {_CPU_STAGE_CPUS} CPUs)"
+                       + ("" if node_slots is None else f" on the {len(node_cpus)} node(s) that can host them")
+                       + ": run fewer engine actors, or give engine_num_cpus")
     return share
 
 

@@ -67,6 +67,49 @@ def test_engine_actors_the_cluster_cannot_hold_beside_the_light_stages_are_refus
         actor_cpu_share([2.0], 7, 2)
 
 
+def _nodes(*specs):
+    """ray.nodes() as a cluster of (CPUs, other resources) nodes would list them."""
+    return [{"Alive": True, "Resources": {"CPU": cpus, **other}} for cpus, other in specs]
+
+
+def test_engine_actors_are_sized_on_the_nodes_that_can_host_them(monkeypatch):
+    """Sized on every node, an engine actor asking for a GPU was given a CPU-only head node's share (63.5 CPUs of a
+    64-CPU head beside an 8-CPU GPU node): no node held it and the job waited forever; so did stage actors pinned
+    to nodes smaller than the others."""
+    import ray
+
+    from batchgen.pipelines.pipeline import engine_actor_cpus
+
+    monkeypatch.setattr(ray, "nodes", lambda: _nodes((64.0, {}), (8.0, {"GPU": 1.0})))
+    gpu_job = JobConfig(model="m", input="i", output="o", mode="single", engine_num_gpus=1.0)
+    assert engine_actor_cpus(gpu_job, "single") == pytest.approx(7.5)  # the GPU node's 8 less read and write
+    two = JobConfig(model="m", input="i", output="o", mode="single", engine_num_gpus=1.0, concurrency=2)
+    with pytest.raises(JobError, match=r"2 engine actors do not fit 8 CPUs .* on the 1 node\(s\) that can host them"):
+        engine_actor_cpus(two, "single")  # one GPU: one actor
+    cpu_job = JobConfig(model="m", input="i", output="o", mode="single")
+    assert engine_actor_cpus(cpu_job, "single") == pytest.approx(63.5)
+
+    monkeypatch.setattr(ray, "nodes", lambda: _nodes((8.0, {"prefill_node": 1.0}), (32.0, {"decode_node": 2.0}),
+                                                     (2.0, {})))
+    pinned = JobConfig(model="m", input="i", output="o", prefill_resources={"prefill_node": 1},
+                       decode_resources={"decode_node": 1}, decode_concurrency=2)
+    assert engine_actor_cpus(pinned, "prefill") == pytest.approx(8 - 3 * 0.25)  # beside read, write, a tokenizer
+    assert engine_actor_cpus(pinned, "decode") == pytest.approx((32 - 3 * 0.25) / 2)
+    three = JobConfig(model="m", input="i", output="o", prefill_resources={"prefill_node": 1},
+                      decode_resources={"decode_node": 1}, decode_concurrency=3)  # the node's 2 units hold two
+    with pytest.raises(JobError, match=r"3 engine actors do not fit 32 CPUs"):
+        engine_actor_cpus(three, "decode")
+    unpinned = JobConfig(model="m", input="i", output="o", decode_concurrency=2)  # three actors anywhere
+    assert engine_actor_cpus(unpinned, "prefill") == engine_actor_cpus(unpinned, "decode") == pytest.approx(31.25 / 3)
+    elsewhere = JobConfig(model="m", input="i", output="o", mode="single", engine_resources={"gpu_node": 1})
+    with pytest.raises(JobError, match=r"no node of the cluster has what a single engine actor asks for \(0 GPUs, "
+                                       r"resources \{'gpu_node': 1\}\); give engine_num_cpus"):
+        engine_actor_cpus(elsewhere, "single")
+    told = JobConfig(model="m", input="i", output="o", mode="single", engine_resources={"gpu_node": 1},
+                     engine_num_cpus=3.0)
+    assert engine_actor_cpus(told, "single") == 3.0
+
+
 @pytest.mark.parametrize("mode,options,named", [
     ("disaggregated", {"concurrency": 8}, "concurrency"),
     ("disaggregated", {"engine_resources": {"gpu_node": 1}}, "engine_resources"),
