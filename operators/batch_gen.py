@@ -20,6 +20,7 @@ emitted when the whole task finished, so a crash redoes rows without emitting an
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 import uuid
@@ -33,6 +34,7 @@ from batchgen.operators.balancing import BalancingAgent, run_requests
 from batchgen.operators.blocks import Block, column_values, names, num_rows, rows, to_block, with_columns
 from batchgen.operators.columns import (
     INPUT_COLUMNS,
+    ParsedRow,
     RowOutcome,
     RowParser,
     check_input_columns,
@@ -42,6 +44,15 @@ from batchgen.operators.columns import (
 from batchgen.operators.engine_actor import prepare_engine_process
 from batchgen.operators.engine_factory import load_engine
 from batchgen.operators.thread_lending import lend_threads
+
+
+def numbered_request_id(row_index: Any, parsed: ParsedRow) -> str:
+    """A numbered row's request id: the same when its task runs again (its checkpoint is found, its request running
+    on another actor is joined), another for a different row under the same number. A dataset's own `row_index`
+    need not number its rows uniquely: keyed by the number alone, such a row was refused as a duplicate, or given the
+    other row's checkpoint or output."""
+    content = repr((parsed.prompt_token_ids, parsed.sampling)).encode()
+    return f"row-{row_index}-{hashlib.blake2b(content, digest_size=8).hexdigest()}"
 
 
 class BatchGen:
@@ -89,7 +100,7 @@ class BatchGen:
                 outcomes[i].error = parsed
                 continue
             outcomes[i].num_prompt_tokens = len(parsed.prompt_token_ids)
-            rid = next(self._ids) if numbered[i] is None else f"row-{numbered[i]}"
+            rid = next(self._ids) if numbered[i] is None else numbered_request_id(numbered[i], parsed)
             requests.append((i, Request(rid, parsed.prompt_token_ids, sampling=parsed.sampling)))
 
         def add(engine: Engine, i: int) -> None:

@@ -70,7 +70,7 @@ class ProgressTracker:
         task retried after an actor died) is not counted again: the ETA would reach 0 with rows still to do. A row
         without a position (an engine stage used outside a job's pipeline) is counted each time."""
         for index, count in zip(row_indexes, tokens):
-            if index is not None:
+            if isinstance(index, int) and index >= 0:  # (a dataset's own row_index may hold anything)
                 byte, bit = divmod(index, 8)
                 if byte >= len(self.finished):
                     self.finished.extend(bytes(byte + 1 - len(self.finished)))

@@ -6,6 +6,7 @@ import asyncio
 import json
 import pickle
 import threading
+import time
 
 import numpy as np
 import pandas as pd
@@ -22,6 +23,7 @@ from batchgen.engine import EngineLoop, Request, SamplingParams
 from batchgen.engine.reference import ReferenceRunner
 from batchgen.operators import BatchGen, Decode, Prefill, Tokenize
 from batchgen.operators import stage_columns as sc
+from batchgen.operators.batch_gen import numbered_request_id
 from batchgen.operators.columns import OUTPUT_COLUMNS, output_schema
 from batchgen.operators.engine_factory import load_engine
 
@@ -428,6 +430,35 @@ def test_concurrent_batches_share_one_engine(tiny_moe_dir, prompts, expected):
     outs = asyncio.run(in_flight())
     assert [ids for out in outs for ids in out.column("generated_token_ids").to_pylist()] == expected
     assert op.engine.metrics()["peak_active"] > 2, "the batches ran one after another, not in one engine"
+
+
+def test_a_datasets_own_row_index_need_not_be_unique(tiny_moe_dir, batchgen, prompts, expected):
+    """BatchGen keys a numbered row's request by its `row_index` (so a task run again finds its checkpoint); a
+    dataset's own column of that name, repeating a number within a batch or across batches in flight on one actor,
+    failed the second row as a duplicate request, and on an actor holding a request moved from another, under that
+    number, gave the second row the first one's output. A row of the same number and content is the same request."""
+    numbers = [5, 5, 7, 7, 5, 5]
+
+    async def in_flight():
+        return await asyncio.gather(*(batchgen(pa.table({"row_index": numbers[i:i + 3], "prompt": prompts[i:i + 3]}))
+                                      for i in (0, 3)))
+
+    outs = asyncio.run(in_flight())
+    assert [e for out in outs for e in out.column("error").to_pylist()] == [None] * 6
+    assert [ids for out in outs for ids in out.column("generated_token_ids").to_pylist()] == expected
+
+    moved = load_engine(tiny_moe_dir, **ENGINE)  # row 9 of another block, moved here from its actor: still running
+    long = batchgen.parser.parse({"prompt": prompts[0], "sampling_params": {"max_tokens": 120, "ignore_eos": True}})
+    rid = numbered_request_id(9, long)
+    moved.add_request(Request(rid, long.prompt_token_ids, sampling=long.sampling))
+    adopted = []
+    batchgen.loop.adopt([moved.export_request(rid)], adopted.append).result()
+    other = call(batchgen, pa.table({"row_index": [9], "prompt": [prompts[1]]}))  # another row numbered 9
+    assert other.column("generated_token_ids").to_pylist() == [expected[1]]
+    assert other.column("error").to_pylist() == [None]
+    while not adopted:  # the moved request ends apart, with its own tokens
+        time.sleep(0.01)
+    assert len(adopted[0].outputs[0].token_ids) == 120
 
 
 def test_engine_loop_admits_twice_the_engines_batch_by_default(tiny_moe_dir):

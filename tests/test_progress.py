@@ -24,9 +24,11 @@ def test_the_tracker_counts_a_retried_tasks_rows_once(ray_cluster):
     ray.get(tracker.add_finished.remote([0, 1, 9], [4, 5, 6]))
     ray.get(tracker.add_finished.remote([1, 9, 2], [5, 6, 7]))  # rows 1 and 9 again, from a rerun of their task
     ray.get(tracker.add_finished.remote([None, None], [1, 1]))  # rows without a position: counted as they come
+    # a dataset's own row_index column, holding what it holds: no position either (a TypeError, or a negative bit)
+    ray.get(tracker.add_finished.remote(["a", -3], [2, 2]))
     snapshot = ray.get(tracker.snapshot.remote())
     ray.kill(tracker)
-    assert snapshot["finished_rows"] == 6 and snapshot["finished_tokens"] == 4 + 5 + 6 + 7 + 1 + 1
+    assert snapshot["finished_rows"] == 8 and snapshot["finished_tokens"] == 4 + 5 + 6 + 7 + 1 + 1 + 2 + 2
 
 
 def test_the_finished_jobs_throughput_counts_the_written_rows_tokens_once():
