@@ -6,8 +6,9 @@ scheduler starting the job again while it still runs, two Batch API servers on o
 temporary files for a crash's leftovers, delete them and fail the other's writes, and write every row twice. So a run
 holds a lease on the folder from its plan to its end: a small record saying which run holds it, on which machine and
 process, refreshed every HEARTBEAT_S. Another run is refused while the lease is alive; one whose holder has ended is
-taken over at once where the holder ran on the same machine (its process is gone), else once its heartbeat is older
-than STALE_S (clocks of the machines are assumed to agree to well within that).
+taken over at once where the holder ran on the same machine (its process is gone, or it is this process and its run
+let go), else once its heartbeat is older than STALE_S (clocks of the machines are assumed to agree to well within
+that).
 
 Object stores have no exclusive create, so a run writes its record and reads it back after a pause longer than
 another run's read-then-write can take: of two runs that both found the folder free, the one whose record was
@@ -34,6 +35,7 @@ LEASE = "_batchgen_run.json"
 HEARTBEAT_S = 10.0
 STALE_S = 60.0
 _MIN_SETTLE_S = 0.05
+_HELD: set[str] = set()  # runs of this process holding a lease now (a record of this process naming another ended)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,8 @@ class Holder:
     def ended(self, now: float) -> bool:
         """Whether the run is over, as far as this machine can tell."""
         if self.host == socket.gethostname() and self.pid_space and self.pid_space == pid_space():
+            if self.pid == os.getpid() and self.started == process_start(self.pid):  # this very process (a server
+                return self.run not in _HELD  # running job after job), whose run released it, or failed to remove it
             return not process_alive(self.pid, self.started)
         return now - self.heartbeat > STALE_S
 
@@ -92,7 +96,8 @@ class OutputLease:
             if not current.ended(now):
                 raise LeaseHeld(f"output {self.uri!r} is being written by another {current.describe(now)}; wait for "
                                 f"it to end or give another output path (a run that ended without releasing it is "
-                                f"taken over once its heartbeat is {STALE_S:.0f} s old)")
+                                f"taken over at once from its own machine once its process has ended, from any other "
+                                f"once its heartbeat is {STALE_S:.0f} s old)")
             log.warning("output %r: taking over the lease of %s, which has ended", self.uri, current.describe(now))
         self._write()
         # a run that read the folder free before this write finishes its own write within the time both took here
@@ -101,6 +106,7 @@ class OutputLease:
         if winner is None or winner.run != self.holder.run:
             raise LeaseHeld(f"output {self.uri!r} was claimed at the same moment by another run"
                             + ("" if winner is None else f" ({winner.describe(time.time())})"))
+        _HELD.add(self.holder.run)
         self._heartbeat = threading.Thread(target=self._beat, name="batchgen-output-lease", daemon=True)
         self._heartbeat.start()
 
@@ -111,6 +117,7 @@ class OutputLease:
             return
         self._heartbeat.join()
         self._heartbeat = None
+        _HELD.discard(self.holder.run)
         if self.lost:
             return
         try:

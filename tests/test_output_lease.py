@@ -64,10 +64,34 @@ def test_a_holder_in_another_pid_namespace_of_this_machine_is_judged_by_its_hear
 
 
 def test_a_live_process_of_this_machine_holds_the_output_however_old_its_heartbeat(tmp_path):
-    write_record(tmp_path, host=socket.gethostname(), pid_space=pid_space(), pid=os.getpid(),
-                 started=process_start(os.getpid()), heartbeat=time.time() - 10 * output_lease.STALE_S)
-    with pytest.raises(LeaseHeld, match=rf"pid {os.getpid()} on {socket.gethostname()}"):
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        write_record(tmp_path, host=socket.gethostname(), pid_space=pid_space(), pid=alive.pid,
+                     started=process_start(alive.pid), heartbeat=time.time() - 10 * output_lease.STALE_S)
+        with pytest.raises(LeaseHeld, match=rf"pid {alive.pid} on {socket.gethostname()}"):
+            OutputLease(str(tmp_path)).acquire()
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_a_record_of_this_process_is_taken_over_once_its_run_let_go(tmp_path, monkeypatch):
+    """A long-lived process (the Batch API server) whose run could not remove its record at the end: its process
+    lives on, so the record held the output until the server restarted, whatever the refusal said of stale
+    heartbeats. A run of this process that still holds the lease is refused as before."""
+    first = OutputLease(str(tmp_path))
+    first.acquire()
+    with pytest.raises(LeaseHeld, match=rf"pid {os.getpid()} on .*taken over at once from its own machine once its "
+                                        rf"process has ended, from any other once its heartbeat is 60 s old"):
         OutputLease(str(tmp_path)).acquire()
+    monkeypatch.setattr(first.fs, "rm", lambda path: (_ for _ in ()).throw(OSError("store unreachable")))
+    first.release()  # its record stays
+    monkeypatch.undo()
+    assert json.loads((tmp_path / LEASE).read_text())["run"] == first.holder.run
+    second = OutputLease(str(tmp_path))
+    second.acquire()
+    assert json.loads((tmp_path / LEASE).read_text())["run"] == second.holder.run
+    second.release()
 
 
 def test_another_machines_holder_is_taken_over_only_once_its_heartbeat_is_stale(tmp_path):
