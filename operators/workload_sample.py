@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.connectors.io import list_files
@@ -11,6 +12,7 @@ from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.planner import WorkloadShape
 from batchgen.engine.request_normalizer import RequestNormalizer
 from batchgen.engine.sampling_params import SamplingParams
+from batchgen.operators.blocks import rows
 from batchgen.operators.columns import INPUT_COLUMNS, RowParser
 
 SAMPLED_ROWS = 2048  # input rows read to learn the workload's prompt and output lengths
@@ -34,7 +36,8 @@ def input_workload(uri: str, loaded: LoadedModel, defaults: SamplingParams, stor
             names = [c for c in INPUT_COLUMNS if c in reader.schema_arrow.names]
             # the first rows only, of the columns parsed: not a multi-gigabyte file whole in the planning worker
             for batch in reader.iter_batches(batch_size=256, columns=names):
-                for row in batch.to_pylist():
+                for row in rows(pa.Table.from_batches([batch]), INPUT_COLUMNS):  # (text that is not UTF-8: the
+                    # row's error, as in the job)
                     parsed = parser.parse(row)
                     if not isinstance(parsed, str):
                         prompts.append(len(parsed.prompt_token_ids))

@@ -316,6 +316,17 @@ def test_the_planners_sample_reads_the_jobs_files_and_only_their_first_rows(tiny
     assert len(shape.prompt_lens) == 5 and shape.output_lens == (7,) * 5  # the None rows left out
 
 
+def test_the_planners_sample_leaves_out_text_that_is_not_utf8_as_the_job_does(tiny_moe_dir, tmp_path):
+    """Parquet does not check that strings are UTF-8; the job gives such a row its error, but the planner's sample
+    decoded its batch whole and one such prompt failed planning (`--engine-actors`, `batchgen plan`)."""
+    from batchgen.operators import workload_sample
+
+    text = pa.array([b"one two", b"\xff\xfe bad", b"three"], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"prompt": text}), tmp_path / "a.parquet")
+    shape = workload_sample.input_workload(str(tmp_path), load_model(tiny_moe_dir), SamplingParams(max_tokens=7), {})
+    assert len(shape.prompt_lens) == 2 and shape.output_lens == (7, 7)
+
+
 def test_decode_in_scalar_mode_refuses_rows_of_several_samples(split_stages, prompts):
     """Tokenize with a default n > 1 lists its samples; a Decode left in scalar mode kept the first sample of each row
     and dropped the others, silently."""
