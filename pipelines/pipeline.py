@@ -250,10 +250,10 @@ def _run_planned(plan: JobPlan, on_progress: Callable[[Progress], None] | None, 
     split = None
     progress = Progress(total_rows=source.num_rows, skipped_rows=source.skip.count)
     decode_engine: dict[str, Any] = {}
+    started, started_at = time.perf_counter(), time.time()  # the stage plan's model load and profile count too
     if config.engine_actors is not None and progress.skipped_rows < progress.total_rows:  # not a finished job's
         config, split, decode_engine = plan_stages(config)
     tracker = ProgressTracker.remote()
-    started, started_at = time.perf_counter(), time.time()
     balancer = _work_balancer(config)
     try:
         if progress.skipped_rows < progress.total_rows:

@@ -227,10 +227,15 @@ def test_structured_rows_follow_their_spec_through_map_batches_and_the_split_pip
     output = str(tmp_path / "out")
     # the split pipeline as `batchgen run --engine-actors 2` runs it: the planner sets the engine settings ENGINE
     # leaves out, for this input, in a task placed like an engine actor, and splits the two actors
+    planning = []
+    plan_stages = batchgen.pipelines.pipeline.plan_stages
+    monkeypatch.setattr(batchgen.pipelines.pipeline, "plan_stages",
+                        lambda config: planning.append(time.time()) or plan_stages(config))
     summary = run_job(JobConfig(model=tiny_moe_dir, input=str(input_dir), output=output, mode="disaggregated",
                                 sampling_params=SAMPLING, engine=ENGINE, batch_size=3, rows_per_block=3,
                                 engine_actors=2))
     assert (summary.stage_split.prefill_actors, summary.stage_split.decode_actors) == (1, 1)
+    assert summary.started_at <= planning[0]  # the BCT counts the plan's model load and profile: the job's own
     assert sorted(a.stage for a in summary.engine_actors) == ["Decode", "Prefill"]
     assert "stages       planned 1 prefill + 1 decode engine actors" in summary_text(summary)
     split = read_output(output).to_pylist()
