@@ -67,12 +67,14 @@ class StructuredOutputs:
     @classmethod
     def from_value(cls, value: Any) -> StructuredOutputs | None:
         """A StructuredOutputs from itself or a mapping (a Parquet struct, a JSON body); None stays None and
-        null fields are unset; unknown keys are an error."""
+        null fields are unset (all of them: no structured outputs); unknown keys are an error."""
         if value is None or isinstance(value, cls):
             return value
         if not isinstance(value, dict):
             raise InvalidRequestError(f"invalid sampling parameter 'structured_outputs': expected an object, got "
                                       f"{type(value).__name__}")
+        if value and all(v is None or v is False for v in value.values()):
+            return None  # a struct whose every field is null (or false) in this row: unset, as a null struct
         known = {f.name for f in fields(cls)}
         value = {k: v for k, v in value.items() if v is not None}  # a struct's fields that other rows set
         unknown = sorted(set(value) - known)

@@ -17,6 +17,7 @@ from tiny_models import TOKENIZER_VOCAB, kv_bytes_per_token, save_tiny_checkpoin
 from batchgen.connectors.checkpoint import load_model
 from batchgen.engine import Engine, InvalidRequestError, PrefillExporter, Request, SamplingParams
 from batchgen.engine.grammar import MAX_JSON_WHITESPACE, GrammarBackend, mask_logits
+from batchgen.engine.request_normalizer import sampling_params
 from batchgen.engine.structured_outputs import StructuredOutputs
 from batchgen.operators import stage_columns as sc
 
@@ -209,6 +210,20 @@ def test_a_grammar_whose_every_token_is_banned_fails_its_request_alone():
 def test_malformed_specs_are_named(value, message):
     with pytest.raises(InvalidRequestError, match=message):
         SamplingParams(structured_outputs=value)
+
+
+def test_a_struct_of_nulls_is_no_structured_output():
+    """A Parquet row's structured_outputs struct whose every field is null (or false), as some writers store an unset
+    struct, was refused ("set exactly one of ...; got none"): null fields of a struct count as unset."""
+    nulls = {"json": None, "regex": None, "choice": None, "grammar": None, "json_object": False,
+             "disable_any_whitespace": None}
+    assert sampling_params({"structured_outputs": nulls, "max_tokens": 3}).structured_outputs is None
+    table = pa.table({"sampling_params": [{"structured_outputs": nulls}, {"structured_outputs": {**nulls,
+                                                                                              "regex": "a+"}}]})
+    specs = [sampling_params(row["sampling_params"]).structured_outputs for row in table.to_pylist()]
+    assert specs[0] is None and specs[1].regex == "a+"
+    with pytest.raises(InvalidRequestError, match="set exactly one of .*; got none"):  # an option and no kind
+        SamplingParams(structured_outputs={**nulls, "disable_any_whitespace": True})
 
 
 def test_a_default_min_tokens_does_not_apply_to_a_structured_row():
