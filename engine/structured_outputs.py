@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from batchgen.engine.errors import InvalidRequestError
+from batchgen.engine.schema_support import unenforced_constraint
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -53,6 +54,10 @@ class StructuredOutputs:
                 raise bad(f"'json' is not valid JSON: {exc}") from None
             if not isinstance(schema, (dict, bool)):
                 raise bad(f"'json' must be a JSON schema object, got {type(schema).__name__}")
+            unenforced = unenforced_constraint(schema)
+            if unenforced is not None:
+                raise bad(f"the schema uses {unenforced}, which the grammar backend does not enforce: outputs would "
+                          "not follow it")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

@@ -226,6 +226,51 @@ def test_a_struct_of_nulls_is_no_structured_output():
         SamplingParams(structured_outputs={**nulls, "disable_any_whitespace": True})
 
 
+UNENFORCED = [  # a schema the backend compiles, an output breaking it, and the refusal's words
+    ({"not": {"type": "string"}}, '"abc"', "'not' (at /)"),
+    ({"if": {"type": "string"}, "then": {"maxLength": 1}}, '"abcd"', "'if' (at /)"),
+    ({"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+      "required": ["tags"]}, '{"tags": [1, 1]}', "'uniqueItems' (at /properties/tags)"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "[1]", "'contains' (at /)"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, '{"a": 1}', "'dependentRequired' (at /)"),
+    ({"allOf": [{"type": "string"}, {"maxLength": 2}]}, '"abcdef"', "'allOf' of 2 subschemas (at /; only the first"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]}, '{"a": 1}',
+     "'required' naming 'b' outside 'properties' (at /)"),
+]
+
+
+@pytest.mark.parametrize("schema,breaking,named", UNENFORCED)
+def test_a_schema_the_backend_does_not_enforce_is_refused_by_name(model, schema, breaking, named):
+    """xgrammar compiles these and drops the constraint: its matcher takes an output that breaks it (the control,
+    a spec built past the check), so the rows got outputs off their spec without an error."""
+    unchecked = object.__new__(StructuredOutputs)  # the spec as it was accepted before the check
+    for field, value in {**StructuredOutputs(regex="a").to_dict(), "regex": None, "json": json.dumps(schema)}.items():
+        object.__setattr__(unchecked, field, value)
+    matcher = GrammarBackend(model.tokenizer, model.model.vocab_size, [model.tokenizer.eos_token_id]).matcher(unchecked)
+    tokens = model.tokenizer.encode(breaking, add_special_tokens=False) + [model.tokenizer.eos_token_id]
+    assert all(matcher.accept_token(t) for t in tokens)  # the backend admits the breaking output
+    with pytest.raises(InvalidRequestError, match=re.escape(f"the schema uses {named}") + r".*which the grammar "
+                                                  r"backend does not enforce: outputs would not follow it"):
+        SamplingParams(structured_outputs={"json": schema})
+
+
+def test_schemas_of_what_the_backend_enforces_pass_the_check():
+    """Pydantic-style schemas: nested objects through $defs and $ref, optional fields as anyOf with null, one-element
+    allOf, enums, bounds, patterns, lengths, oneOf unions."""
+    person = {"$defs": {"Pet": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}},
+                                "required": ["kind"]}},
+              "type": "object",
+              "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 20},
+                             "age": {"type": "integer", "minimum": 0},
+                             "email": {"anyOf": [{"type": "string", "pattern": "^[a-z]+@[a-z]+$"}, {"type": "null"}]},
+                             "pet": {"allOf": [{"$ref": "#/$defs/Pet"}]},
+                             "id": {"oneOf": [{"type": "integer"}, {"type": "string"}]},
+                             "not": {"type": "boolean"}},  # a property named like a keyword is a name
+              "required": ["name", "age", "not"]}
+    assert SamplingParams(structured_outputs={"json": person}).structured_outputs is not None
+
+
 def test_a_default_min_tokens_does_not_apply_to_a_structured_row():
     """A job's or server's default min_tokens made every structured row fail, though none of them set it."""
     defaults = SamplingParams(min_tokens=5, max_tokens=20)
