@@ -110,6 +110,8 @@ class SamplingParams:
                 raise bad(name, f"must be a number in [-2, 2], got {value!r}")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise bad("repetition_penalty", f"must be a number > 0, got {self.repetition_penalty!r}")
+        if not isinstance(self.ignore_eos, bool):  # a "false" string counted as true: every row ran to max_tokens
+            raise bad("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
         if self.structured_outputs is not None and self.min_tokens:
             raise bad("min_tokens", "cannot be combined with structured_outputs: the grammar decides where the "
                       "output ends")

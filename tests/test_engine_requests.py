@@ -314,6 +314,7 @@ def test_abort_drops_a_request_and_frees_its_kv(engine):
 @pytest.mark.parametrize("field,value", [
     ("temperature", float("nan")), ("temperature", float("inf")), ("top_p", float("nan")),
     ("min_p", float("inf")), ("stop", 5), ("stop", {"a": 1}), ("stop_token_ids", [1.5]), ("stop_token_ids", 3),
+    ("ignore_eos", "false"), ("ignore_eos", 1),  # a "false" string was truthy: every row ran to max_tokens
 ])
 def test_non_finite_and_wrongly_typed_sampling_values_are_rejected_by_name(field, value):
     with pytest.raises(InvalidRequestError, match=f"invalid sampling parameter '{field}'"):
