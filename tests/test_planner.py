@@ -293,6 +293,26 @@ def test_a_plan_for_a_sample_of_short_prompts_still_runs_a_request_as_long_as_th
     assert result.outputs[0].token_ids == ReferenceRunner(loaded.model).generate([prompt], 60)[0]
 
 
+def test_no_staging_share_is_planned_that_leaves_the_longest_sequence_no_room_on_the_device(loaded):
+    """Coroutine mode takes the staging pool out of the device KV budget: given a budget that holds one sequence of
+    the whole context beside the fixed settings' share (a memory-constrained engine's minimum), the planner could
+    pick a larger share, and such a request was then refused as not fitting the KV budget."""
+    token_bytes = PoolGeometry(loaded.model.kv_spec(), 1, loaded.dtype).page_bytes
+    max_len = 64
+    budget = int(token_bytes * (max_len + 2 * 8) / (1 - 0.25)) + 1  # its pages and two in reserve, beside 25 %
+    config = EngineConfig(page_size=8, max_model_len=max_len, kv_budget_bytes=budget, host_kv_budget_bytes=1 << 22,
+                          stream_host_kv=True)
+    plan = plan_engine(loaded, config, workload=WorkloadShape((40,) * 64, (24,) * 64),
+                       curves=synthetic_curves(device_type="cpu", kv_bytes_per_token=token_bytes))
+    shares = {c.settings["staging_fraction"] for c in plan.runner_ups} | {plan.config.staging_fraction}
+    assert shares <= {0.1, 0.25}, shares
+    prompt = [3 + i % 200 for i in range(max_len - 8)]
+    request = Request("long", prompt_token_ids=prompt, sampling=dataclasses.replace(GREEDY, max_tokens=8))
+    [result] = Engine(loaded, plan.config).generate([request])
+    assert result.error is None
+    assert result.outputs[0].token_ids == ReferenceRunner(loaded.model).generate([prompt], 8)[0]
+
+
 def test_planned_defaults_give_the_tokens_of_an_explicit_config(loaded, tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path))
     monkeypatch.setenv("BATCHGEN_PLAN", "1")

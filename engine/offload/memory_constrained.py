@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -15,6 +16,7 @@ from batchgen.engine.models.loaded_model import LoadedModel
 from batchgen.engine.offload.offload_plan import OffloadPlan, plan_offload
 from batchgen.engine.offload.weight_streamer import WeightStreamer
 from batchgen.engine.offload.weight_units import WeightUnits, weight_units
+from batchgen.engine.planner.planner import FIXED
 
 RESERVE_PAGES = 2  # the KV manager keeps this many device pages free beside any sequence
 
@@ -28,7 +30,15 @@ def offload_plan(loaded: LoadedModel, config: EngineConfig, device_type: str) ->
     per_token = activation_bytes_per_token(loaded, top_k)
     max_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
     geometry = PoolGeometry(model.kv_spec(), config.page_size, loaded.dtype)
+    # the longest sequence's pages on the device beside the staging pool, which coroutine mode takes out of the same
+    # budget (the planner picks no larger share than the fixed settings' where a larger one would leave it no room):
+    # a budget at the minimum refused it otherwise
+    staging = 0.0
+    if config.mode == "coroutine":
+        staging = FIXED["staging_fraction"] if config.staging_fraction is None else config.staging_fraction
     min_kv = geometry.page_bytes * (geometry.pages_for(max_len) + RESERVE_PAGES)
+    if staging < 1:  # (all of it staging: the longest sequence decodes through it)
+        min_kv = math.ceil(min_kv / (1 - staging))
     plan = plan_offload(units, config.device_memory_bytes, device_type, per_token, min_kv, config.b_moe,
                         config.kv_budget_bytes)
     return units, plan, per_token

@@ -180,6 +180,8 @@ def search(config: EngineConfig, curves: CostCurves, workload: WorkloadShape, sp
             continue  # every prompt is admitted at once: the refill threshold never matters
         wanted = token_bytes * max(max_num_seqs * wanted_tokens, longest_tokens)
         device = config.kv_budget_bytes or min(limits.device_kv_bytes, wanted)
+        if staging > min(staging_options) and device * (1 - staging) < token_bytes * longest_tokens:
+            continue  # its staging pool leaves the longest sequence no room on the device, which a smaller one does
         host = config.host_kv_budget_bytes or min(limits.host_kv_bytes, wanted)
         attn_options = options("b_attn", [b for b in space.b_attn if b < max_num_seqs and coroutine] + [max_num_seqs])
         schedule = None
