@@ -53,11 +53,21 @@ class RequestNormalizer:
         if given == "prompt_token_ids":
             ids = self._token_ids(prompt_token_ids)
         elif given == "messages":
-            ids = render_chat(self.tokenizer, chat_turns(messages), self.chat_template, chat)
+            ids = self._in_vocabulary(render_chat(self.tokenizer, chat_turns(messages), self.chat_template, chat),
+                                      given)
         else:
-            ids = self._encode(text_value(prompt, "prompt"))
+            ids = self._in_vocabulary(self._encode(text_value(prompt, "prompt")), given)
         if not ids:
             raise InvalidRequestError("prompt is empty")
+        return ids
+
+    def _in_vocabulary(self, ids: list[int], given: str) -> list[int]:
+        """Ids the tokenizer gave, checked against the model's vocabulary: a tokenizer with more tokens than the
+        embedding table (an added token the checkpoint has no row for) failed the whole step's forward."""
+        if self.vocab_size is not None and ids and max(ids) >= self.vocab_size:
+            token = next(t for t in ids if t >= self.vocab_size)
+            raise InvalidRequestError(f"{given}: the tokenizer gives token {token}, outside the model's vocabulary "
+                                      f"[0, {self.vocab_size})")
         return ids
 
     def check_length(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:

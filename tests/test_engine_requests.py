@@ -398,3 +398,25 @@ def test_bad_words_must_be_words():
     with pytest.raises(InvalidRequestError, match="bad_words"):
         SamplingParams(bad_words=["ok", " "])
     assert SamplingParams(bad_words="river").bad_words == ("river",)
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_fails_the_row_not_the_step(tmp_path):
+    """Only prompt_token_ids were checked against the vocabulary: text or messages the tokenizer turned into an id
+    past the embedding table (a tokenizer of 512 tokens beside a model of 256) failed the step's forward, and every
+    request in it with an IndexError."""
+    from tiny_models import save_tiny_checkpoint, tiny_tokenizer
+
+    save_tiny_checkpoint("llama", tmp_path)  # a vocabulary of 256
+    tiny_tokenizer(512).save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))
+    text = 'hello world json {"a": 1}'
+    over = next(t for t in loaded.tokenizer.encode(text) if t >= 256)
+    ok = Request("ok", prompt_token_ids=[1, 2, 3], sampling=greedy(max_tokens=3))
+    results = {r.request_id: r for r in Engine(loaded, page_size=4).generate([
+        ok, Request("text", prompt=text, sampling=greedy(max_tokens=3)),
+        Request("chat", messages=[{"role": "user", "content": text}], sampling=greedy(max_tokens=3))])}
+    assert results["ok"].error is None
+    assert results["ok"].outputs[0].token_ids == ReferenceRunner(loaded.model).generate([[1, 2, 3]], 3)[0]
+    for name, given in (("text", "prompt"), ("chat", "messages")):
+        assert results[name].error == (f"{given}: the tokenizer gives token {over}, outside the model's vocabulary "
+                                       "[0, 256)")
