@@ -38,10 +38,13 @@ def list_files(uri: str, suffix: str, storage_options: dict[str, Any] | None = N
     try:
         if fsspec.core.has_magic(path):
             visible = {}
+            root = _glob_root(path)
             for match, info in fs.glob(path, detail=True).items():  # files, and folders read whole
+                if _hidden(posixpath.relpath(match, root)) and not _names_hidden(path):
+                    continue  # a wildcard's match inside a Spark _temporary/ or a .hidden folder
                 if info.get("type") == "directory":
                     visible.update(_visible_files(fs, match))
-                elif not _hidden(posixpath.basename(match)):
+                else:
                     visible[match] = info
         elif fs.isfile(path):
             return fs, {path: fs.size(path)}
@@ -100,6 +103,19 @@ def _visible_files(fs, folder: str) -> dict[str, dict]:
     """{path: info} of the files under `folder`, hidden ones left out."""
     return {p: info for p, info in fs.find(folder, detail=True).items()
             if not _hidden(posixpath.relpath(p, folder))}
+
+
+def _glob_root(pattern: str) -> str:
+    """The folder a glob pattern's wildcards start below: its components up to the first with one."""
+    parts = pattern.split("/")
+    fixed = next(i for i, part in enumerate(parts) if fsspec.core.has_magic(part))
+    return "/".join(parts[:fixed]) or "/"
+
+
+def _names_hidden(pattern: str) -> bool:
+    """Whether a glob pattern's wildcard part names hidden components itself (`*/_*`, `*/.cache/*`): then it
+    chooses them."""
+    return _hidden(posixpath.relpath(pattern, _glob_root(pattern)))
 
 
 def _hidden(relative: str) -> bool:

@@ -64,6 +64,24 @@ def test_the_input_is_globbed_any_case_read_in_one_column_order_and_digested(tmp
     assert IndexedParquetSource(str(tmp_path / "f*")).digest != digest
 
 
+def test_a_globs_wildcards_skip_hidden_folders_unless_the_pattern_names_them(tmp_path):
+    """A folder matched by a wildcard was read whole, and `**` read every file, without looking at the folders'
+    names: a Spark writer's _temporary/ attempt beside the data was read as input (its rows twice)."""
+    from batchgen.connectors.io import list_files
+
+    for name in ("a.parquet", "_temporary/0/b.parquet", ".hidden/c.parquet", "sub/d.parquet", "sub/_x.parquet"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"PAR1")
+
+    def listed(pattern):
+        return sorted(p.removeprefix(str(tmp_path) + "/") for p in list_files(str(tmp_path / pattern), ".parquet")[1])
+
+    assert listed("*") == listed("**/*.parquet") == ["a.parquet", "sub/d.parquet"]
+    assert listed("*/*.parquet") == ["sub/d.parquet"]
+    assert listed("*/_*.parquet") == ["sub/_x.parquet"]  # the pattern chooses them
+    assert listed("_temporary/*/*.parquet") == ["_temporary/0/b.parquet"]  # named before the wildcards
+
+
 def test_a_dictionary_column_in_one_file_and_plain_strings_in_another_read_as_one_column(tmp_path):
     """A pandas category column in one input file: its blocks and the other file's met in a write task, whose
     concatenation failed mid-job without naming either file."""
