@@ -260,7 +260,8 @@ def _check_tied(first: str, name: str, dest: torch.Tensor, tensor: torch.Tensor)
     """A tied parameter filled by a second checkpoint tensor (both the embeddings and an lm_head.weight saved)
     must get the same values: a checkpoint whose head was trained apart from the embeddings while its config still
     ties them would otherwise load whichever tensor came last into both."""
-    if name != first and not torch.equal(dest, tensor.to(dest.dtype)):
+    if name != first and not torch.equal(dest, tensor.to(dest.device, dest.dtype)):  # (read to the host: a CUDA
+        # parameter compared with it raised torch's "two tensors on different devices")
         raise CheckpointError(f"the config ties the LM head to the embeddings (tie_word_embeddings), but the "
                               f"checkpoint's {first!r} and {name!r} differ: set tie_word_embeddings to false in "
                               f"config.json")
@@ -336,7 +337,7 @@ def _fill_weights(model: torch.nn.Module, family: ModelFamily, fs, shards: list[
                                       "it too): which copy transformers would load is not defined without an index")
             dest.copy_(tensor)
             filled[param_name][(target.expert, target.half)] = dest.numel()
-    _check_complete(params, filled, uri)
+    _check_complete(params, filled, uri, {name: shard.first_expert for name, shard in experts.items()})
     if ignored:
         logger.warning("%s: ignored %d checkpoint tensors the model does not use, e.g. %s",
                        uri, len(ignored), ignored[:3])
@@ -379,7 +380,8 @@ def _read_tensor(get_part: _Getter, shape_of: _Shape, name: str, path: str, rows
 
 
 def _check_complete(params: dict[str, torch.nn.Parameter], filled: dict[str, dict[tuple, int]],
-                    uri: str) -> None:
+                    uri: str, first_expert: dict[str, int]) -> None:
+    """`first_expert`: the global id of each expert parameter's first local expert (a rank's share)."""
     missing = []
     for name, param in params.items():
         parts = filled[name]
@@ -390,7 +392,8 @@ def _check_complete(params: dict[str, torch.nn.Parameter], filled: dict[str, dic
             if expert is not None:
                 per_expert[expert] += numel
         if per_expert:
-            absent = [e for e in range(param.shape[0]) if per_expert[e] < param[0].numel()]
+            first = first_expert.get(name, 0)
+            absent = [first + e for e in range(param.shape[0]) if per_expert[e] < param[0].numel()]
             missing.append(f"{checkpoint_name(name)} (experts {absent})")
         else:
             missing.append(checkpoint_name(name))

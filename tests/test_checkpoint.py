@@ -195,6 +195,9 @@ def test_missing_expert(mixtral_dir, tmp_path):
     _rewrite_shard(directory, lambda t: t.pop("model.layers.1.block_sparse_moe.experts.3.w1.weight"))
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj \(experts \[3\]\)"):
         load_model(directory)
+    # a rank holding experts 2-3 of 4 names the expert by its id in the checkpoint, not its index on the rank (1)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj \(experts \[3\]\)"):
+        load_model(directory, expert_shard=(1, 2))
 
 
 def test_expert_beyond_config(mixtral_dir, tmp_path):

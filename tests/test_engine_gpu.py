@@ -127,3 +127,17 @@ def test_a_process_granted_part_of_a_gpu_sees_only_its_share_free():
         torch.cuda.set_per_process_memory_fraction(1.0, device)
     assert available_memory_bytes(device) == min(free, total - torch.cuda.memory_reserved(device))
     del held
+
+
+def test_a_tied_head_saved_apart_loads_onto_the_gpu(tmp_path):
+    """The tied head's check compared the CUDA parameter with the tensor as read, on the host: torch refuses two
+    tensors on different devices, so a checkpoint saving both equal heads did not load on a GPU."""
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_checkpoint("mixtral", tmp_path, tie_word_embeddings=True)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    embeddings = tensors["model.embed_tokens.weight"]
+    save_file({**tensors, "lm_head.weight": embeddings.clone()}, path, metadata={"format": "pt"})
+    loaded = load_model(str(tmp_path), device="cuda")
+    assert torch.equal(loaded.model.lm_head.weight.cpu(), embeddings)
