@@ -192,6 +192,51 @@ def test_a_rank_that_runs_out_of_requests_takes_some_of_the_busiest_ranks(tmp_pa
     assert ranks[0]["migrated_in"] == ranks[1]["migrated_out"] > 0
 
 
+def test_a_group_gives_movable_requests_from_a_rank_that_can_spare_them(tmp_path):
+    """A rank keeps its last request: asked of the busiest rank alone (one long request), a group whose other rank
+    held four gave none, and the job's balancer asked it again every quarter second with nothing moving."""
+    save_tiny_checkpoint("mixtral", tmp_path)
+    batch = prompts(lengths=(5, 6, 7, 8, 9))
+    group = load_engine(str(tmp_path), ep_size=2, page_size=4, b_attn=4, b_moe=16)
+    try:
+        group.add_request(Request("big", batch[0], sampling=SamplingParams(temperature=0, max_tokens=200,
+                                                                           ignore_eos=True)))
+        for i in range(1, 5):
+            group.add_request(Request(f"s{i}", batch[i], sampling=SamplingParams(temperature=0, max_tokens=30,
+                                                                                 ignore_eos=True)))
+        group.step()
+        group.step()
+        assert group._where["big"] != group._where["s1"] == group._where["s4"]  # the long one alone on its rank
+        movable = group.movable_requests(100)
+    finally:
+        group.close()
+    assert movable and set(movable) <= {"s1", "s2", "s3", "s4"}
+
+
+def test_a_request_that_ends_a_partition_goes_to_the_other_rank_than_the_straggler(tmp_path):
+    """The straggler moving back was not counted as queued work: the request that ended its partition was placed
+    beside it, the other rank idle until a rebalance a step later moved one of them again."""
+    save_tiny_checkpoint("mixtral", tmp_path)
+    batch = prompts(lengths=(9, 5))
+    group = load_engine(str(tmp_path), ep_size=2, page_size=4, b_attn=2, b_moe=5)
+    try:
+        group.add_request(Request("r0", batch[0], sampling=SamplingParams(temperature=0, max_tokens=30,
+                                                                          ignore_eos=True)))
+        while group.partitions == 0:
+            group.step()
+        group.step()
+        group.add_request(Request("r1", batch[1], sampling=SamplingParams(temperature=0, max_tokens=8,
+                                                                          ignore_eos=True)))
+        queued = [[call.method for call in calls] for calls in group._calls]
+        while group.has_unfinished():
+            group.step()
+        moved = group.metrics()["migrated_in"]
+    finally:
+        group.close()
+    assert sorted(queued) == [["add_request"], ["import_request"]]
+    assert moved == 1  # the straggler's way back, and nothing after
+
+
 def test_prefilled_rows_reach_a_group_with_their_own_kv_alone(tmp_path, monkeypatch):
     """Each row's KV is a view of its hand-off batch's buffer: queued in a round as it was, every row pickled the
     whole buffer (R rows of a B-byte batch: R x B bytes a round)."""

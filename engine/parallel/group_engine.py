@@ -235,12 +235,16 @@ class GroupEngine(Generates):
         return merged
 
     def movable_requests(self, tokens: int, keep=()) -> list[str]:
-        """Taken from the rank with the most work left (a request moves with its rank's KV); none under tensor
-        parallelism, nor a partitioned straggler (it has every rank already)."""
+        """Taken from the rank with the most work left that can give some (a request moves with its rank's KV; a
+        rank keeps its last request, so the busiest holding one long request gives none while another may); none
+        under tensor parallelism, nor a partitioned straggler (it has every rank already)."""
         if self.replicated or self._partitioned is not None:
             return []
-        rank = max(range(self.ranks), key=lambda r: self._replies[r].load.tokens)
-        return self._call_now(rank, "movable_requests", tokens, set(keep))
+        for rank in sorted(range(self.ranks), key=lambda r: -self._replies[r].load.tokens):
+            movable = self._call_now(rank, "movable_requests", tokens, set(keep))
+            if movable:
+                return movable
+        return []
 
     def export_request(self, request_id: str) -> MigratedRequest | None:
         if request_id == self._partitioned:
@@ -347,6 +351,8 @@ class GroupEngine(Generates):
         migrated = join_heads(parts, self.engine.kv.geometry, self.rank_engines.part_geometry)
         rank = self._least_loaded()
         self._calls[rank].append(RankCall("import_request", (migrated,), rid))
+        sampling = migrated.request.sampling  # counted as queued work: the request that ended the partition goes
+        self._queued_tokens[rank] += sampling.max_tokens * sampling.n  # to the other rank, not beside it
         self._where[rid] = rank
 
     def _least_loaded(self) -> int:
