@@ -248,9 +248,9 @@ def test_prefilled_rows_reach_a_group_with_their_own_kv_alone(tmp_path, monkeypa
     group = load_engine(str(tmp_path), ep_size=2)
     place, sent = group._place, []
 
-    def measured(request_id, sampling, method, payload):
+    def measured(request_id, sampling, method, payload, rank=None):
         sent.append(len(pickle.dumps(payload)))
-        return place(request_id, sampling, method, payload)
+        return place(request_id, sampling, method, payload, rank)
 
     monkeypatch.setattr(group, "_place", measured)
     try:
@@ -264,6 +264,45 @@ def test_prefilled_rows_reach_a_group_with_their_own_kv_alone(tmp_path, monkeypa
     results.sort(key=lambda r: int(r.request_id[1:]))
     assert [r.outputs[0].token_ids for r in results] == [r.outputs[0].token_ids for r in single]
     assert all(size < prefilled.kv.numel() + 4096 for size, prefilled in zip(sent, exported)), sent
+
+
+def test_prefilled_rows_whose_kv_leaves_out_a_shared_prefix_go_to_the_rank_caching_it(tmp_path):
+    """The prefill stage sends a batch's shared prefix once (later rows' KV starts after it): placed by load alone,
+    rows reached the rank without it and were prefilled again there (2 of 5 rows on two ranks)."""
+    save_tiny_checkpoint("mixtral", tmp_path)
+    loaded = load_model(str(tmp_path))
+    base = prompts(vocab_size=loaded.model.vocab_size, lengths=(16, 3, 5, 4, 6, 2))
+    work = [Request(f"r{i}", base[0] + tail, sampling=SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+            for i, tail in enumerate(base[1:])]
+    options = {"page_size": 4, "b_attn": 4, "b_moe": 16}
+    single = {r.request_id: r.outputs[0].token_ids for r in Engine(loaded, **options).generate(work)}
+    exported = PrefillExporter(Engine(loaded, **options)).prefill(work).outputs
+    assert [o.kv_start for o in exported] == [0, 16, 16, 16, 16]
+    group = load_engine(str(tmp_path), ep_size=2, **options)
+    try:
+        for prefilled in exported:
+            group.add_prefilled(prefilled)
+        results = []
+        while group.has_unfinished():
+            results += group.step()
+        metrics = group.metrics()
+    finally:
+        group.close()
+    assert {r.request_id: r.outputs[0].token_ids for r in results} == single
+    assert [rank["handoff_prefills"] for rank in metrics["ranks"]] == [0, 0] and metrics["prompt_tokens"] == 0
+
+
+def test_a_prefix_is_found_on_the_rank_its_last_prompt_went_to_and_forgotten_past_the_capacity():
+    from batchgen.engine.parallel.prefix_placement import PrefixPlacement
+
+    placement = PrefixPlacement(page_size=4, capacity=4)
+    placement.placed(list(range(10)), rank=1)  # two whole pages: 0-3, 0-7
+    assert placement.rank_of(list(range(8)) + [99], 8) == placement.rank_of(list(range(4)) + [7, 7], 4) == 1
+    assert placement.rank_of([0, 1, 2, 9], 4) is None and placement.rank_of(list(range(10)), 0) is None
+    placement.placed(list(range(4)) + [5, 5, 5, 5], rank=0)  # the first page again, now on rank 0
+    assert placement.rank_of(list(range(4)), 4) == 0 and placement.rank_of(list(range(8)), 8) == 1
+    placement.placed([7] * 12, rank=1)  # three more pages: the oldest forgotten
+    assert placement.rank_of(list(range(8)), 8) is None and placement.rank_of([7] * 12, 12) == 1
 
 
 @pytest.mark.parametrize("arch,overrides", [("mixtral", {}), ("qwen3_moe", {"attention_bias": True}),

@@ -34,6 +34,7 @@ from batchgen.engine.generation import Generates
 from batchgen.engine.metrics import completion_quantiles
 from batchgen.engine.migration import MigratedRequest
 from batchgen.engine.parallel.partition import RankEngines, join_heads
+from batchgen.engine.parallel.prefix_placement import PrefixPlacement
 from batchgen.engine.parallel.rank_group import RankGroup, check_rank_devices, free_address, leave_rank_group
 from batchgen.engine.parallel.rank_round import RankCall, RankReply, Round, broadcast_round, gather_replies, run_round
 from batchgen.engine.parallel.rank_worker import RankSpec, build_rank_engine
@@ -129,6 +130,7 @@ class GroupEngine(Generates):
         self._broken = False
         self.replicated = self.engine.config.tp_size > 1  # tensor parallel: every rank runs every request
         self._partitioned: str | None = None  # the request every rank decodes now (PARTITION)
+        self._prefixes = PrefixPlacement(self.engine.kv.page_size)  # where prefilled rows' shared prefixes went
         self.partitions = 0  # partitions formed
         self._round(step=False)  # every rank's load
         # PARTITION needs every rank's share of the heads (its own engine's check, asked once)
@@ -166,7 +168,11 @@ class GroupEngine(Generates):
         self._end_partition()
         # its KV alone: a view of the hand-off batch's buffer pickles the whole buffer into the round, for each row
         prefilled = dataclasses.replace(prefilled, kv=prefilled.kv.clone())
-        self._place(prefilled.request.request_id, prefilled.request.sampling, "add_prefilled", prefilled)
+        prompt = prefilled.request.prompt_token_ids
+        rank = self._prefixes.rank_of(prompt, prefilled.kv_start) if prefilled.kv_start else None
+        self._place(prefilled.request.request_id, prefilled.request.sampling, "add_prefilled", prefilled, rank)
+        if not self.replicated:
+            self._prefixes.placed(prompt, self._where[prefilled.request.request_id])
 
     def check_prefilled(self, prefilled: PrefillOutput) -> None:
         self._check_movable_in("a prefilled request")
@@ -286,10 +292,13 @@ class GroupEngine(Generates):
             leave_rank_group()
 
     # ------------------------------------------------------------------ internals
-    def _place(self, request_id: str, sampling, method: str, payload: Any) -> None:
-        """Queue the request on the rank with the least work left (every rank under tensor parallelism); it
-        reaches the ranks with the next round."""
-        rank = 0 if self.replicated else self._least_loaded()
+    def _place(self, request_id: str, sampling, method: str, payload: Any, rank: int | None = None) -> None:
+        """Queue the request on `rank`, else the rank with the least work left (every rank under tensor
+        parallelism); it reaches the ranks with the next round."""
+        if self.replicated:
+            rank = 0
+        elif rank is None:
+            rank = self._least_loaded()
         for holder in range(self.ranks) if self.replicated else (rank,):
             self._calls[holder].append(RankCall(method, (payload,), request_id))
         self._queued_tokens[rank] += sampling.max_tokens * sampling.n
