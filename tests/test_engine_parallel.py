@@ -237,6 +237,19 @@ def test_a_request_that_ends_a_partition_goes_to_the_other_rank_than_the_straggl
     assert moved == 1  # the straggler's way back, and nothing after
 
 
+def decode_prefilled(group, exported) -> tuple[list, dict]:
+    """Every prefilled row decoded by the group to its end: the results and the group's metrics (then closed)."""
+    try:
+        for prefilled in exported:
+            group.add_prefilled(prefilled)
+        results = []
+        while group.has_unfinished():
+            results += group.step()
+        return results, group.metrics()
+    finally:
+        group.close()
+
+
 def test_prefilled_rows_reach_a_group_with_their_own_kv_alone(tmp_path, monkeypatch):
     """Each row's KV is a view of its hand-off batch's buffer: queued in a round as it was, every row pickled the
     whole buffer (R rows of a B-byte batch: R x B bytes a round)."""
@@ -253,14 +266,7 @@ def test_prefilled_rows_reach_a_group_with_their_own_kv_alone(tmp_path, monkeypa
         return place(request_id, sampling, method, payload, rank)
 
     monkeypatch.setattr(group, "_place", measured)
-    try:
-        for prefilled in exported:
-            group.add_prefilled(prefilled)
-        results = []
-        while group.has_unfinished():
-            results += group.step()
-    finally:
-        group.close()
+    results, _ = decode_prefilled(group, exported)
     results.sort(key=lambda r: int(r.request_id[1:]))
     assert [r.outputs[0].token_ids for r in results] == [r.outputs[0].token_ids for r in single]
     assert all(size < prefilled.kv.numel() + 4096 for size, prefilled in zip(sent, exported)), sent
@@ -278,16 +284,7 @@ def test_prefilled_rows_whose_kv_leaves_out_a_shared_prefix_go_to_the_rank_cachi
     single = {r.request_id: r.outputs[0].token_ids for r in Engine(loaded, **options).generate(work)}
     exported = PrefillExporter(Engine(loaded, **options)).prefill(work).outputs
     assert [o.kv_start for o in exported] == [0, 16, 16, 16, 16]
-    group = load_engine(str(tmp_path), ep_size=2, **options)
-    try:
-        for prefilled in exported:
-            group.add_prefilled(prefilled)
-        results = []
-        while group.has_unfinished():
-            results += group.step()
-        metrics = group.metrics()
-    finally:
-        group.close()
+    results, metrics = decode_prefilled(load_engine(str(tmp_path), ep_size=2, **options), exported)
     assert {r.request_id: r.outputs[0].token_ids for r in results} == single
     assert [rank["handoff_prefills"] for rank in metrics["ranks"]] == [0, 0] and metrics["prompt_tokens"] == 0
 
