@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from batchgen.engine import route_counting
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.decode_graphs import RECORDERS, DecodeGraphs
 from batchgen.engine.engine_load import EngineLoad
@@ -112,7 +113,7 @@ class Engine(Generates):
                       and loaded.weight_placement == "resident")
         graphs = DecodeGraphs(self.stats) if self.config.decode_graphs and replayable else None
         self.runner = ModelRunner(self.model, self.kv, self.device, limits, self.stats, agree, phases, graphs)
-        self.model.observe_routing(self.stats.record_route)
+        self.model.observe_routing(route_counting.observe)  # each step's routing counts for the engine stepping
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self._requests: dict[str, _RequestState] = {}
         self._ready: list[Result] = []
@@ -142,7 +143,8 @@ class Engine(Generates):
         if plan is None:
             self.runner.idle()
         else:
-            logits = self._forward(plan.prefill, plan.decode)
+            with route_counting.counting_for(self.stats.record_route):
+                logits = self._forward(plan.prefill, plan.decode)
             done = len(plan.prefill.completed) if plan.prefill else 0
             if plan.prefill:
                 self._first_tokens(plan.prefill, logits[:done])

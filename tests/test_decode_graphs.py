@@ -39,8 +39,9 @@ def test_replayed_steps_give_transformers_greedy_tokens_and_the_eager_engines_co
     loaded = load_model(str(tmp_path))
     requests = _requests(loaded.model.vocab_size, (6, 12, 20, 30))
     engines, tokens = {}, {}
-    for flag in (True, False):  # one after the other: the model feeds its routing counts to the newest engine
+    for flag in (True, False):
         engines[flag] = Engine(loaded, page_size=4, decode_graphs=flag)
+    for flag in (True, False):  # both built first: each step's routing counts for the engine stepping, not the newest
         tokens[flag] = [r.outputs[0].token_ids for r in engines[flag].generate(requests)]
     expected = [hf_greedy(hf, r.prompt_token_ids, r.sampling.max_tokens) for r in requests]
     assert tokens[True] == expected and tokens[False] == expected
