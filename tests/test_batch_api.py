@@ -1182,3 +1182,27 @@ def _deep_schema(depth: int) -> dict:
     for _ in range(depth):
         schema = {"type": "object", "properties": {"a": schema}}
     return schema
+
+
+def test_logprobs_of_characters_spanning_several_byte_tokens_keep_the_characters():
+    """Each token's piece was what decoding it added after the tokens before: a character whose UTF-8 bytes span
+    several byte tokens gave U+FFFD for its first token and "" for the rest, so logprobs' tokens and bytes lost every
+    CJK, emoji or accented character (and completions' text_offset counted the replacements)."""
+    from batchgen.connectors.checkpoint import load_model
+    from batchgen.engine.request import Completion, TokenLogprob
+    from batchgen.pipelines.openai_batch.wire_format import _chat_choice, _text_choice
+
+    tokenizer = load_model("tiny-moe").tokenizer
+    text = "日本語 ok, naïve café 🙂!"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.split())  # characters over several tokens
+    completion = Completion(index=0, token_ids=ids, text=text, finish_reason="length",
+                            logprobs=[TokenLogprob(t, -0.25, {t: -0.25}) for t in ids])
+    content = _chat_choice(completion, tokenizer)["logprobs"]["content"]
+    assert "".join(entry["token"] for entry in content) == text and "\ufffd" not in text
+    assert bytes(b for entry in content for b in entry["bytes"]) == text.encode("utf-8")
+    assert [entry["top_logprobs"][0]["token"] for entry in content] == [entry["token"] for entry in content]
+    completions = _text_choice(completion, tokenizer)["logprobs"]
+    assert "".join(completions["tokens"]) == text
+    assert [text[offset:].startswith(token) for token, offset in zip(completions["tokens"],
+                                                                      completions["text_offset"])] == [True] * len(ids)

@@ -310,17 +310,29 @@ def _token_pieces(logprobs: list[TokenLogprob], tokenizer: Any, context: int = 4
     """(text the token adds, its logprob, [(alternative's text, logprob)]) per generated token.
 
     A token decoded alone loses its leading space in SentencePiece-style tokenizers, so each piece
-    is what it adds after the few tokens before it; the pieces then concatenate to the text.
+    is what it adds after the few tokens before it. A character whose UTF-8 bytes span several byte tokens (CJK,
+    emoji, accents) is the piece of the token completing it, the tokens before adding "" (a partial character
+    decodes to U+FFFD, which is no text of the output: each token showed one, the character itself was lost).
+    The pieces then concatenate to the text, and their bytes to its bytes. An alternative's text is what it adds
+    with the tokens still waiting for their character ("" where it leaves one unfinished too).
     """
     ids = [lp.token_id for lp in logprobs]
+    unit = 0  # the first token whose text is not out yet
     for i, lp in enumerate(logprobs):
-        before = ids[max(0, i - context):i]
+        before = ids[max(0, unit - context):unit]
         prefix = tokenizer.decode(before, skip_special_tokens=True)
+        waiting = ids[unit:i]
 
-        def piece(token_id: int, before=before, prefix=prefix) -> str:
-            return tokenizer.decode([*before, token_id], skip_special_tokens=True)[len(prefix):]
+        def piece(token_id: int, before=before, prefix=prefix, waiting=waiting) -> str:
+            return tokenizer.decode([*before, *waiting, token_id], skip_special_tokens=True)[len(prefix):]
 
-        yield piece(lp.token_id), lp, [(piece(t), v) for t, v in lp.top.items()]
+        def shown(text: str, last: bool = i + 1 == len(ids)) -> str:  # a character going on in the next token: ""
+            return "" if text.endswith("\ufffd") and not last else text
+
+        text = shown(piece(lp.token_id))
+        yield text, lp, [(shown(piece(t)), v) for t, v in lp.top.items()]
+        if text or i + 1 == len(ids):
+            unit = i + 1
 
 
 def success_line(custom_id: str, body: dict[str, Any]) -> dict[str, Any]:
