@@ -80,8 +80,10 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", default="out", help="demo folder (default ./out)")
     p.add_argument("--rows", type=int, default=64, help="number of demo prompts (default 64)")
     _add_job_options(p)
-    p.set_defaults(max_tokens=32, temperature=0.0)
     return p
+
+
+DEMO_SAMPLING = {"max_tokens": 32, "temperature": 0.0}  # under --sampling-params and the sampling flags
 
 
 def _add_job_options(p: argparse.ArgumentParser) -> None:
@@ -198,10 +200,7 @@ def demo_command(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     prompts = out / "demo_prompts.parquet"
     pq.write_table(pa.table({"prompt": demo_prompts(args.rows)}), prompts, row_group_size=16)
-    args.model, args.input, args.output = "tiny-moe", str(prompts), str(results)
-    # a demo-sized KV budget: the engine's default takes a share of free memory per actor
-    args.engine = {"kv_budget_bytes": 64 << 20, "host_kv_budget_bytes": 64 << 20, **(args.engine or {})}
-    config = job_config(args)
+    config = demo_config(args, str(prompts), str(results))
     print(f"batchgen demo: {args.rows} prompts, model tiny-moe, {config.mode} pipeline -> {results}/")
     summary = _run(config, args)
     print(summary_text(summary))
@@ -311,6 +310,15 @@ def _budget(actor) -> str:
     if actor.device_memory_bytes is None:
         return ""
     return f" (weights streamed within {actor.device_memory_bytes / 2**20:.1f} MiB of device memory)"
+
+
+def demo_config(args: argparse.Namespace, prompts: str, results: str) -> JobConfig:
+    """The demo's job: tiny-moe over `prompts` into `results`, with a demo-sized KV budget (the engine's default
+    takes a share of free memory per actor) and DEMO_SAMPLING under what the command line sets."""
+    args.model, args.input, args.output = "tiny-moe", prompts, results
+    args.engine = {"kv_budget_bytes": 64 << 20, "host_kv_budget_bytes": 64 << 20, **(args.engine or {})}
+    args.sampling_params = {**DEMO_SAMPLING, **(args.sampling_params or {})}
+    return job_config(args)
 
 
 def _first_result(results: Path) -> dict[str, Any] | None:

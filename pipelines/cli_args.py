@@ -27,6 +27,17 @@ def parse_json_object(value: str | dict[str, Any] | None, what: str) -> dict[str
     return parsed
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (0 admitted nothing, and every batch waited for good)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def json_object(text: str) -> dict[str, Any]:
     """argparse type: a JSON object on the command line (sampling defaults, engine options, storage options)."""
     try:

@@ -138,6 +138,16 @@ class JobConfig:
                 raise JobError(str(exc)) from None
         if not isinstance(self.migrate, bool):
             raise JobError(f"migrate must be true or false, got {self.migrate!r}")
+        if self.list_outputs is not None and not isinstance(self.list_outputs, bool):  # "false" read as true
+            raise JobError(f"list_outputs must be true, false or null, got {self.list_outputs!r}")
+        if self.rows_per_file is not None and (not _is_int(self.rows_per_file) or self.rows_per_file < 1):
+            raise JobError(f"rows_per_file must be an integer >= 1, got {self.rows_per_file!r}")
+        for name in ("engine_num_cpus", "engine_num_gpus"):  # (a Ray actor may ask for none)
+            value = getattr(self, name)
+            if value is None and name == "engine_num_cpus":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise JobError(f"{name} must be a finite number >= 0, got {value!r}")
         for name in ("engine_resources", "prefill_resources", "decode_resources"):
             value = getattr(self, name)
             if not isinstance(value, dict) or not all(
@@ -277,6 +287,10 @@ def _run_planned(plan: JobPlan, on_progress: Callable[[Progress], None] | None, 
         for actor in (tracker, balancer):
             if actor is not None:
                 ray.kill(actor)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 _CPU_STAGE_CPUS = 0.25  # read, tokenize, write: light, and must never starve the engine actors

@@ -281,6 +281,18 @@ def test_the_api_key_defaults_to_the_environments(monkeypatch):
     assert parse().api_key is None
 
 
+@pytest.mark.parametrize("flag", ["--max-in-flight", "--max-batch-requests", "--max-upload-bytes"])
+def test_serve_limits_below_one_are_a_bad_command_line(flag, capsys):
+    """--max-in-flight 0 admitted no request: every batch stayed in_progress until it expired; --max-batch-requests 0
+    failed every batch."""
+    from batchgen.pipelines.cli import build_parser
+
+    for value in ("0", "-3"):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(["serve", "--model", "m", "--storage", "s", flag, value])
+        assert exit_.value.code == 2 and f"expected an integer >= 1, got {value}" in capsys.readouterr().err
+
+
 def test_health_and_models(server, client):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert [m.id for m in client.models.list()] == [SERVED]

@@ -271,3 +271,33 @@ def test_verbose_lets_rays_worker_output_and_log_lines_through_and_only_it(monke
     assert started["logging_level"] == (logging.INFO if verbose else logging.ERROR)
     assert started["ray.data level"] == (logging.INFO if verbose else logging.ERROR)
     assert started["released"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--rows-per-file", "0"], "rows_per_file must be an integer >= 1, got 0"),
+    (["--engine-num-cpus", "-1"], "engine_num_cpus must be a finite number >= 0, got -1.0"),
+    (["--engine-num-gpus", "-2"], "engine_num_gpus must be a finite number >= 0, got -2.0"),
+    (["--config", "list_outputs: 'false'"], "list_outputs must be true, false or null, got 'false'"),
+])
+def test_bad_job_values_are_a_bad_command_line(tmp_path, capsys, flags, message):
+    """They were accepted and failed later inside Ray or the sink, or (list_outputs "false") were read as true."""
+    if flags[0] == "--config":
+        (tmp_path / "c.yaml").write_text(flags[1] + "\n")
+        flags = ["--config", str(tmp_path / "c.yaml")]
+    code = main(["run", "--model", "m", "--input", "i", "--output", str(tmp_path / "out"), *flags, "--no-progress"])
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_demo_sampling_params_set_what_its_own_defaults_set(tmp_path):
+    """The demo's max_tokens 32 and temperature 0 were flag defaults, which win over --sampling-params: a demo given
+    {"max_tokens": 8, "temperature": 0.7} ran 32 greedy tokens."""
+    from batchgen.pipelines.cli import demo_config
+
+    args = build_parser().parse_args(["demo", "--out", str(tmp_path), "--sampling-params",
+                                      '{"max_tokens": 8, "temperature": 0.7}'])
+    assert demo_config(args, str(tmp_path / "p.parquet"), str(tmp_path / "r")).sampling_params == {
+        "max_tokens": 8, "temperature": 0.7}
+    plain = build_parser().parse_args(["demo", "--out", str(tmp_path)])
+    assert demo_config(plain, "p", "r").sampling_params == {"max_tokens": 32, "temperature": 0.0}
+    flags = build_parser().parse_args(["demo", "--out", str(tmp_path), "--max-tokens", "4"])
+    assert demo_config(flags, "p", "r").sampling_params == {"max_tokens": 4, "temperature": 0.0}

@@ -9,7 +9,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from batchgen.engine.request_normalizer import sampling_params
-from batchgen.pipelines.cli_args import chat_template_text, json_object
+from batchgen.pipelines.cli_args import chat_template_text, json_object, positive_int
 
 if TYPE_CHECKING:  # the server's modules load only when `serve` runs
     from fastapi import FastAPI
@@ -43,9 +43,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                                        "directory; required when --storage is remote)")
     p.add_argument("--storage-options", type=json_object, default=None,
                    help='fsspec options for --storage and --model as JSON, e.g. {"endpoint_url": "http://..."}')
-    p.add_argument("--max-upload-bytes", type=int, default=200 * 1024 * 1024, help="largest accepted upload")
-    p.add_argument("--max-batch-requests", type=int, default=50_000, help="most requests in one batch file")
-    p.add_argument("--max-in-flight", type=int, default=256,
+    p.add_argument("--max-upload-bytes", type=positive_int, default=200 * 1024 * 1024, help="largest accepted upload")
+    p.add_argument("--max-batch-requests", type=positive_int, default=50_000, help="most requests in one batch file")
+    p.add_argument("--max-in-flight", type=positive_int, default=256,
                    help="requests handed to the engine at once (a cancel aborts those of its batch)")
     p.add_argument("--sampling-params", type=json_object, default={},
                    help='defaults for the sampling fields a request body leaves out, as JSON, '
