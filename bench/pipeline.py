@@ -264,7 +264,8 @@ def run(args: argparse.Namespace, workdir: Path, log) -> dict:
     ray_init_s = time.perf_counter() - init_start
     ray_cpus = ray.cluster_resources().get("CPU", 0.0)
     # what the job gives each engine actor by default, and the torch threads that makes
-    actor_cpus = {m: engine_actor_cpus(JobConfig(model_dir, "", "", mode=m)) for m in SHAPES}
+    actor_cpus = {m: engine_actor_cpus(JobConfig(model_dir, "", "", mode=m), "single" if m == "single" else "decode")
+                  for m in SHAPES}  # (a split pipeline's two stages share the same nodes here: the same share)
     log(f"Ray: {ray_cpus:g} CPUs; CPUs per engine actor {actor_cpus}")
     # the engine actors plan like the engine alone, whose one-layer profile was made before its clock; a
     # profile is cached on disk per machine and thread count, so a deployed node has it from its first job:
