@@ -67,7 +67,8 @@ def main() -> None:
     model = resolve_preset(args.model) or args.model
     rng = random.Random(0)
     half = args.rows // 2
-    rows = [{"id": i, "prompt_token_ids": [rng.randrange(8, 4000) for _ in range(rng.randint(16, 48))],
+    vocab = min(4000, json.loads((Path(model) / "config.json").read_text())["vocab_size"])  # ids the model takes
+    rows = [{"id": i, "prompt_token_ids": [rng.randrange(8, vocab) for _ in range(rng.randint(16, 48))],
              "sampling_params": {"max_tokens": args.long_tokens if i < half else args.short_tokens,
                                  "temperature": 0.0, "ignore_eos": True}} for i in range(2 * half)]
     interleaved = [rows[i // 2] if i % 2 == 0 else rows[half + i // 2] for i in range(2 * half)]

@@ -103,8 +103,8 @@ def straggler(model: str, ranks: int, max_tokens: int, partition: bool) -> dict:
 
 
 def straggler_case(args: argparse.Namespace) -> tuple[dict, dict]:
-    """straggler_s.{single, partition, unpartitioned}, and the details (divergences from the single rank's
-    tokens recorded under `divergences.straggler_<case>`)."""
+    """straggler_s.{single, partition, unpartitioned}, and the details (each case's first divergence from the
+    single rank's tokens under `straggler.<case>.first_divergence`)."""
     model = args.straggler_model or args.model
     bandwidth = {threads: read_bandwidth(torch.device("cpu"), threads) for threads in (1, args.straggler_ranks)}
     runs = {"single": straggler(model, 1, args.straggler_tokens, partition=False),

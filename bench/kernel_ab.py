@@ -37,6 +37,7 @@ import torch
 
 from batchgen.engine.host_arena import host_arena
 from batchgen.kernels import (
+    activation_cpu,
     argmax_cpu,
     attention_cpu,
     linear_cpu,
@@ -51,8 +52,8 @@ from batchgen.kernels import (
 )
 from batchgen.kernels.c_library import CFunction
 
-C_MODULES = (argmax_cpu, attention_cpu, linear_cpu, moe_cpu, moe_packed_cpu, norm_cpu, prefill_cpu, rotary_cpu,
-             router_cpu, write_kv_cpu)
+C_MODULES = (activation_cpu, argmax_cpu, attention_cpu, linear_cpu, moe_cpu, moe_packed_cpu, norm_cpu, prefill_cpu,
+             rotary_cpu, router_cpu, write_kv_cpu)
 REPO = Path(__file__).resolve().parent.parent
 BASE_C_LIBRARY = "_kernel_ab_base_c_library"
 COLD_LAYERS = 6  # the MoE cases' calls per point; the cold ones read a different layer's 100 MB of weights in each
