@@ -262,13 +262,32 @@ def test_a_chat_template_option_is_the_template_itself_or_a_file_that_exists(tem
         chat_template_text(str(tmp_path / "missing.jinja"))
 
 
-def test_a_chat_template_that_does_not_compile_stops_serve_before_the_model_loads(tmp_path):
-    from batchgen.pipelines.openai_batch.serve_cli import run_serve
+def test_a_chat_template_that_does_not_compile_stops_serve_before_the_model_loads(tmp_path, capsys):
+    from batchgen.pipelines.cli import main
 
-    args = build_parser().parse_args(["serve", "--model", str(tmp_path / "absent"), "--storage", str(tmp_path / "s"),
-                                      "--chat-template", "{% for m in messages %}{{ m['content'] }"])
-    with pytest.raises(SystemExit, match=r"batchgen serve: error: chat_template does not compile: unexpected '}'"):
-        run_serve(args)  # (the model's absence would be the error had it been loaded first)
+    code = main(["serve", "--model", str(tmp_path / "absent"), "--storage", str(tmp_path / "s"),
+                 "--chat-template", "{% for m in messages %}{{ m['content'] }"])
+    # a bad command line (exit 2); the model's absence would be the error had it been loaded first
+    assert code == 2
+    assert "batchgen serve: error: chat_template does not compile: unexpected '}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--sampling-params", '{"temperature": -1}'], "invalid sampling parameter 'temperature'"),
+    (["--engine", '{"max_num_seqs": 0}'], "max_num_seqs"),
+    (["--ray-job", '{"concurrency": 2}'], "--ray-job apply to the other backend; this server runs --backend engine"),
+    (["--ray-address", "auto"], "--ray-address apply to the other backend"),
+    (["--backend", "ray", "--max-in-flight", "8"], "--max-in-flight apply to the other backend; this server runs "
+                                                   "--backend ray"),
+])
+def test_serve_refuses_bad_values_and_the_other_backends_options_as_a_bad_command_line(tmp_path, capsys, flags,
+                                                                                      message):
+    """A bad value exited with status 1 (as an unusable model does), and an option of the other backend was
+    ignored without a word (run refuses another mode's options)."""
+    from batchgen.pipelines.cli import main
+
+    code = main(["serve", "--model", str(tmp_path / "absent"), "--storage", str(tmp_path / "s"), *flags])
+    assert code == 2 and message in capsys.readouterr().err
 
 
 def test_the_api_key_defaults_to_the_environments(monkeypatch):

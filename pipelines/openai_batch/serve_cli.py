@@ -45,8 +45,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help='fsspec options for --storage and --model as JSON, e.g. {"endpoint_url": "http://..."}')
     p.add_argument("--max-upload-bytes", type=positive_int, default=200 * 1024 * 1024, help="largest accepted upload")
     p.add_argument("--max-batch-requests", type=positive_int, default=50_000, help="most requests in one batch file")
-    p.add_argument("--max-in-flight", type=positive_int, default=256,
-                   help="requests handed to the engine at once (a cancel aborts those of its batch)")
+    p.add_argument("--max-in-flight", type=positive_int, default=None,
+                   help="with --backend engine: requests handed to the engine at once (default 256; a cancel aborts "
+                        "those of its batch)")
     p.add_argument("--sampling-params", type=json_object, default={},
                    help='defaults for the sampling fields a request body leaves out, as JSON, '
                         'e.g. {"temperature": 0, "max_tokens": 256}')
@@ -74,14 +75,11 @@ def run_serve(args: argparse.Namespace) -> None:
     from batchgen.operators.engine_factory import load_engine
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    check_serve_options(args)  # a bad option value is a bad command line (exit 2), before the model loads
     loop = None
     try:
-        sampling_params(args.sampling_params)  # a bad default fails before the model loads, as a bad template does
-        if args.chat_template is not None:
-            chat_template_text(args.chat_template)
         store = open_store(args)
         if args.backend == "ray":
-            ray_job_config(args)  # bad job settings fail before Ray starts
             _connect_ray(args.ray_address)
         else:
             loop = EngineLoop(lambda: load_engine(args.model, args.storage_options, **args.engine))
@@ -95,6 +93,27 @@ def run_serve(args: argparse.Namespace) -> None:
     finally:
         if loop is not None:
             loop.close()
+
+
+def check_serve_options(args: argparse.Namespace) -> None:
+    """UsageError naming a bad option value, or an option of the other backend (given, it would be ignored)."""
+    from batchgen.engine import EngineConfig
+    from batchgen.pipelines.cli import UsageError
+
+    other = {"engine": {"--ray-job": bool(args.ray_job), "--ray-address": args.ray_address is not None},
+             "ray": {"--max-in-flight": args.max_in_flight is not None}}[args.backend]
+    given = [flag for flag, set_ in other.items() if set_]
+    if given:
+        raise UsageError(f"{' and '.join(given)} apply to the other backend; this server runs --backend {args.backend}")
+    try:
+        sampling_params(args.sampling_params)
+        if args.chat_template is not None:
+            chat_template_text(args.chat_template)
+        EngineConfig.from_kwargs(**args.engine)
+        if args.backend == "ray":
+            ray_job_config(args)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _connect_ray(address: str | None) -> None:
@@ -125,7 +144,8 @@ def create_serve_app(args: argparse.Namespace, loop: EngineLoop | None, store: B
     chat_template = None if args.chat_template is None else chat_template_text(args.chat_template)
     config = BackendConfig(
         served_model=served_model, default_sampling=args.sampling_params, chat_template=chat_template,
-        max_in_flight=args.max_in_flight, max_batch_requests=args.max_batch_requests)
+        max_batch_requests=args.max_batch_requests,
+        **({} if args.max_in_flight is None else {"max_in_flight": args.max_in_flight}))
     return create_app(store, _backend(args, loop, store, config), ServerConfig(
         served_model=served_model, api_key=args.api_key, max_upload_bytes=args.max_upload_bytes,
         allow_custom_completion_window=args.allow_custom_completion_window))
