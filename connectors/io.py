@@ -38,9 +38,9 @@ def list_files(uri: str, suffix: str, storage_options: dict[str, Any] | None = N
     try:
         if fsspec.core.has_magic(path):
             visible = {}
-            root = _glob_root(path)
+            root, chosen = _glob_root(path), _names_hidden(path)
             for match, info in fs.glob(path, detail=True).items():  # files, and folders read whole
-                if _hidden(posixpath.relpath(match, root)) and not _names_hidden(path):
+                if _hidden(posixpath.relpath(match, root)) and not chosen:
                     continue  # a wildcard's match inside a Spark _temporary/ or a .hidden folder
                 if info.get("type") == "directory":
                     visible.update(_visible_files(fs, match))
