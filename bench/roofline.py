@@ -116,31 +116,43 @@ class RooflineBound:
     bytes_read: float
 
 
-def _best_seconds(fn, repeats: int, device: torch.device) -> float:
+CPU_GEMM_SIZE = 2048
+GPU_GEMM_SIZE = 8192
+GPU_CALLS = 10  # back-to-back calls a timing on a GPU: one launch and synchronisation cost tens of us
+
+
+def _best_seconds(fn, repeats: int, device: torch.device, calls: int = 1) -> float:
+    """The best of `repeats` timings of `calls` back-to-back calls of fn, per call."""
     def timed() -> float:
         start = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return time.perf_counter() - start
+        return (time.perf_counter() - start) / calls
 
     timed()  # warm-up: allocator, thread pool, kernel selection
     return min(timed() for _ in range(repeats))
 
 
-def measure_peaks(device: torch.device | None = None, gemm_size: int = 2048, stream_mib: int = 512,
+def measure_peaks(device: torch.device | None = None, gemm_size: int | None = None, stream_mib: int = 512,
                   repeats: int = 5, dtype: torch.dtype = torch.float32) -> MachinePeaks:
     """Best-of-`repeats` GEMM FLOP/s in `dtype` (the systems' own: bfloat16 runs on a GPU's tensor cores, several
     times float32's rate) and streaming bandwidth, with torch's default thread count. On CPU the float32 GEMM is the
-    faster of torch.mm (BLAS) and the engine's own (oneDNN: 2.3x MKL on the dev box's AMD cores)."""
+    faster of torch.mm (BLAS) and the engine's own (oneDNN: 2.3x MKL on the dev box's AMD cores). On a GPU the GEMM
+    is GPU_GEMM_SIZE square, and each timing GPU_CALLS calls: a 2048-cube bfloat16 GEMM takes ~25 us on an H100's tensor
+    cores, about what one launch and synchronisation cost, and would measure half the peak (a bound half as tight)."""
     device = device or torch.device("cpu")
+    gpu = device.type == "cuda"
+    gemm_size = gemm_size or (GPU_GEMM_SIZE if gpu else CPU_GEMM_SIZE)
     a = torch.randn(gemm_size, gemm_size, device=device, dtype=dtype)
     b = torch.randn(gemm_size, gemm_size, device=device, dtype=dtype)
-    gemm = _best_seconds(lambda: torch.mm(a, b), repeats, device)
+    calls = GPU_CALLS if gpu else 1
+    gemm = _best_seconds(lambda: torch.mm(a, b), repeats, device, calls)
     if device.type == "cpu" and dtype == torch.float32:
         gemm = min(gemm, _best_seconds(lambda: gemm_onednn.linear(a, b), repeats, device))
     x, y = _stream_buffer(stream_mib, device), _stream_buffer(stream_mib, device)
-    copy = _best_seconds(lambda: y.copy_(x), repeats, device)
+    copy = _best_seconds(lambda: y.copy_(x), repeats, device, calls)
     nbytes = x.numel() * x.element_size()
     return MachinePeaks(matmul_flops=2 * gemm_size**3 / gemm, read_bandwidth=_read_rate(x, repeats, device),
                         copy_bandwidth=2 * nbytes / copy)
@@ -174,7 +186,7 @@ def _stream_buffer(stream_mib: int, device: torch.device) -> torch.Tensor:
 
 
 def _read_rate(x: torch.Tensor, repeats: int, device: torch.device) -> float:
-    seconds = _best_seconds(lambda: x.sum(), repeats, device)
+    seconds = _best_seconds(lambda: x.sum(), repeats, device, GPU_CALLS if device.type == "cuda" else 1)
     if device.type == "cpu" and _READ_SUM.unavailable() is None:
         seconds = min(seconds, _best_seconds(lambda: read_sum(x), repeats, device))
     return x.numel() * x.element_size() / seconds
