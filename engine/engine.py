@@ -498,7 +498,9 @@ class Engine(Generates):
         self.scheduler.admit(parent)
 
     def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-        """Each bad word's token ids, alone and after a space (as it appears mid-text), as vLLM bans them."""
+        """Each bad word's token ids, alone and after a space (as it appears mid-text), as vLLM bans them. A variant
+        holding a token past the model's vocabulary (a tokenizer larger than the embedding table) can never be
+        generated, so it needs no ban; banning its last token would index past the logits."""
         if not words:
             return ()
         if self.tokenizer is None:
@@ -506,7 +508,8 @@ class Engine(Generates):
         if words not in self._bad_words:  # tokenized once per list: admission checks it, each sample uses it
             variants = {tuple(self.tokenizer.encode(text, add_special_tokens=False))
                         for word in words for text in (word, " " + word.lstrip())}
-            self._bad_words[words] = tuple(sorted(v for v in variants if v))
+            vocab = self.model.vocab_size
+            self._bad_words[words] = tuple(sorted(v for v in variants if v and max(v) < vocab))
         return self._bad_words[words]
 
     def _check_packed(self, packed: torch.Tensor, num_tokens: int, problem: str) -> None:

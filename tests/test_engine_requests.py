@@ -400,15 +400,21 @@ def test_bad_words_must_be_words():
     assert SamplingParams(bad_words="river").bad_words == ("river",)
 
 
-def test_a_tokenizer_larger_than_the_models_vocabulary_fails_the_row_not_the_step(tmp_path):
+@pytest.fixture
+def over_vocabulary(tmp_path):
+    """A model of 256 tokens beside a tokenizer of 512."""
+    from tiny_models import save_tiny_checkpoint, tiny_tokenizer
+
+    save_tiny_checkpoint("llama", tmp_path)
+    tiny_tokenizer(512).save_pretrained(tmp_path)
+    return load_model(str(tmp_path))
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_fails_the_row_not_the_step(over_vocabulary):
     """Only prompt_token_ids were checked against the vocabulary: text or messages the tokenizer turned into an id
     past the embedding table (a tokenizer of 512 tokens beside a model of 256) failed the step's forward, and every
     request in it with an IndexError."""
-    from tiny_models import save_tiny_checkpoint, tiny_tokenizer
-
-    save_tiny_checkpoint("llama", tmp_path)  # a vocabulary of 256
-    tiny_tokenizer(512).save_pretrained(tmp_path)
-    loaded = load_model(str(tmp_path))
+    loaded = over_vocabulary
     text = 'hello world json {"a": 1}'
     over = next(t for t in loaded.tokenizer.encode(text) if t >= 256)
     ok = Request("ok", prompt_token_ids=[1, 2, 3], sampling=greedy(max_tokens=3))
@@ -420,3 +426,20 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_fails_the_row_not_the_ste
     for name, given in (("text", "prompt"), ("chat", "messages")):
         assert results[name].error == (f"{given}: the tokenizer gives token {over}, outside the model's vocabulary "
                                        "[0, 256)")
+
+
+def test_a_bad_word_spelt_past_the_models_vocabulary_bans_only_what_can_be_generated(over_vocabulary):
+    """A bad word whose tokens included one past the embedding table banned that id in the logits: an IndexError
+    that failed the step and every request in it. Such a spelling can never be generated, so it needs no ban; the
+    other bad words are still banned."""
+    loaded, prompt = over_vocabulary, [1, 2, 3]
+    assert max(loaded.tokenizer.encode(" t", add_special_tokens=False)) >= 256
+    reference = ReferenceRunner(loaded.model).generate([prompt], 12)[0]
+    first = loaded.tokenizer.decode([reference[0]])  # the reference's first token, as a bad word of one token
+    assert loaded.tokenizer.encode(first, add_special_tokens=False) == [reference[0]]
+    results = {r.request_id: r for r in Engine(loaded, page_size=4).generate([
+        Request("ok", prompt_token_ids=prompt, sampling=greedy(max_tokens=12)),
+        Request("bw", prompt_token_ids=prompt, sampling=greedy(max_tokens=12, bad_words=["t", first]))])}
+    assert results["ok"].error is None and results["ok"].outputs[0].token_ids == reference
+    banned = results["bw"].outputs[0].token_ids
+    assert results["bw"].error is None and len(banned) == 12 and banned[0] != reference[0]
