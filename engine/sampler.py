@@ -137,8 +137,9 @@ def _filtered_probs(logits: torch.Tensor, seqs: SequenceT[Sequence]) -> torch.Te
         kept = sorted_probs.masked_fill(drop, 0.0)
         # top-p over what top-k kept, renormalised (vLLM's and transformers' order); only rows that set top_p:
         # cumsum rounds to 1.0 before the tail, which a row without it would lose
+        # the most likely token always stays: a top_p that rounds to 0 in float32 (1e-300) dropped every token
         mass_before = (kept.cumsum(dim=-1) - kept) / kept.sum(dim=-1, keepdim=True)
-        drop |= (top_p.unsqueeze(1) < 1) & (mass_before >= top_p.unsqueeze(1))
+        drop |= (top_p.unsqueeze(1) < 1) & (mass_before >= top_p.unsqueeze(1)) & (rank > 0)
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     if bool((min_p > 0).any()):

@@ -13,6 +13,10 @@ from batchgen.engine.structured_outputs import StructuredOutputs
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy
 INT64 = range(-2**63, 2**63)
+FLOAT32_MAX = 3.4028234663852886e38  # the sampler's tensors are float32: a larger temperature would be inf there
+# the sampler divides positive logits by the penalty and multiplies negative ones: past these, float32 overflows to
+# inf (and NaN probabilities) or a penalty rounds to 0 or inf
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 @dataclass(frozen=True)
@@ -84,8 +88,9 @@ class SamplingParams:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
+            raise bad("temperature", f"must be a finite number >= 0 (at most float32's {FLOAT32_MAX:.4g}), got "
+                      f"{self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
@@ -108,8 +113,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise bad(name, f"must be a number in [-2, 2], got {value!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", f"must be a number > 0, got {self.repetition_penalty!r}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_number(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            raise bad("repetition_penalty", f"must be a number in [{low:g}, {high:g}], got {self.repetition_penalty!r}")
         if not isinstance(self.ignore_eos, bool):  # a "false" string counted as true: every row ran to max_tokens
             raise bad("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
         if self.structured_outputs is not None and self.min_tokens:

@@ -42,6 +42,9 @@ def greedy(**overrides) -> SamplingParams:
     ("max_tokens", 2.5, "max_tokens"), ("seed", 1.5, "seed"),  # integral floats (3.0) are integers, these are not
     ("temperature", 10**400, "temperature"), ("logit_bias", {"3": 10**400}, "bias 1000"),  # past a float: no overflow
     ("logit_bias", {"²": 1}, "token id '²'"),  # a digit int() refuses
+    # the sampler's float32 tensors: inf there (uniform draws, NaN beside min_tokens), or a penalty of 0 or inf
+    ("temperature", 1e39, "temperature"), ("repetition_penalty", 1e-50, "repetition_penalty"),
+    ("repetition_penalty", 1e50, "repetition_penalty"),
 ])
 def test_invalid_sampling_fields_are_named(field, value, message):
     with pytest.raises(InvalidRequestError, match=message):
@@ -146,6 +149,16 @@ def test_top_p_applies_to_what_top_k_kept_renormalised():
     probs = _filtered_probs(logits, rows)
     assert probs[0].tolist() == pytest.approx([0.5, 0.0, 0.0])
     assert probs[1].tolist() == pytest.approx([0.5, 0.3, 0.0])  # without top-k: 0.5 alone is short of 0.6
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
+    """top_p 1e-300 is 0 in float32, and every token's mass before it (0 for the first) reached it: every token was
+    dropped and the row drew token 0 at every step. The most likely token always stays (as for top_p 1e-30)."""
+    logits = torch.tensor([[0.1, 2.0, 0.3], [0.1, 2.0, 0.3]])
+    rows = [Sequence(i, f"r{i}", 0, [1], SamplingParams(temperature=1.0, top_p=p), frozenset(), i)
+            for i, p in enumerate((1e-300, 1e-30))]
+    probs = _filtered_probs(logits, rows)
+    assert probs[0].nonzero().flatten().tolist() == probs[1].nonzero().flatten().tolist() == [1]
 
 
 def test_a_tokenizer_with_named_chat_templates_renders_its_default(demo):
