@@ -536,10 +536,12 @@ class Engine(Generates):
         seq.generated.append(token)
         self.stats.generated_tokens += 1
         if seq.grammar is not None and not seq.grammar.accept_token(token):
-            # every token the grammar allows next was banned (bad_words): this request fails, the engine goes on
+            # the grammar allows no token here, or bad_words banned every one it does: this request fails, the
+            # engine goes on
+            why = "bad_words banned every one" if seq.bad_word_ids else "the grammar allows none here"
             self._requests[seq.request_id].error = (
                 f"structured_outputs: after {len(seq.generated) - 1} tokens no token the grammar allows was left to "
-                f"sample (bad_words banned every one)")
+                f"sample ({why})")
             reason = "error"
         else:
             reason = finish_reason(seq, self.tokenizer, self.max_model_len)

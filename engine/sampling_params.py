@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchgen.engine.errors import InvalidRequestError
-from batchgen.engine.structured_outputs import StructuredOutputs
+from batchgen.engine.structured_outputs import StructuredOutputs, is_unset
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy
 INT64 = range(-2**63, 2**63)
@@ -135,6 +135,8 @@ class SamplingParams:
         changes = {}
         for key, value in (values or {}).items():
             if value is None:  # before the name check: a Parquet struct has every field any row sets, null elsewhere
+                continue
+            if key == "structured_outputs" and is_unset(value):  # a struct of nulls: as unset as a null struct
                 continue
             if key not in fields:
                 raise InvalidRequestError(f"unknown sampling parameter '{key}'")

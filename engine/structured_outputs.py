@@ -15,11 +15,20 @@ from batchgen.engine.errors import InvalidRequestError
 from batchgen.engine.schema_support import unenforced_constraint
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+FLAGS = ("json_object", "disable_any_whitespace")  # the boolean fields: false is as good as unset
+
+
+def is_unset(value: Any) -> bool:
+    """Whether a structured_outputs value asks for nothing: null, or a struct whose every field is null (or a false
+    flag), as a Parquet struct column holds the fields other rows set. A `json` of false is a schema (one that
+    accepts nothing), not an unset field."""
+    return value is None or (isinstance(value, dict) and bool(value) and all(
+        v is None or (v is False and k in FLAGS) for k, v in value.items()))
 
 
 @dataclass(frozen=True)
 class StructuredOutputs:
-    json: str | None = None  # a JSON schema, as JSON text (a dict is accepted and serialised in key order)
+    json: str | None = None  # a JSON schema, as JSON text (a dict or bool is accepted and serialised, keys in order)
     regex: str | None = None
     choice: tuple[str, ...] | None = None  # the output is exactly one of these strings
     grammar: str | None = None  # EBNF (GBNF dialect), start rule `root`
@@ -28,7 +37,7 @@ class StructuredOutputs:
     # keep their one space, ", " and ": ", as vLLM's do)
 
     def __post_init__(self) -> None:
-        if isinstance(self.json, dict):
+        if isinstance(self.json, (dict, bool)):  # true and false are schemas too
             object.__setattr__(self, "json", json.dumps(self.json))
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
@@ -72,14 +81,14 @@ class StructuredOutputs:
     @classmethod
     def from_value(cls, value: Any) -> StructuredOutputs | None:
         """A StructuredOutputs from itself or a mapping (a Parquet struct, a JSON body); None stays None and
-        null fields are unset (all of them: no structured outputs); unknown keys are an error."""
-        if value is None or isinstance(value, cls):
+        null fields are unset (all of them: no structured outputs, `is_unset`); unknown keys are an error."""
+        if is_unset(value):
+            return None
+        if isinstance(value, cls):
             return value
         if not isinstance(value, dict):
             raise InvalidRequestError(f"invalid sampling parameter 'structured_outputs': expected an object, got "
                                       f"{type(value).__name__}")
-        if value and all(v is None or v is False for v in value.values()):
-            return None  # a struct whose every field is null (or false) in this row: unset, as a null struct
         known = {f.name for f in fields(cls)}
         value = {k: v for k, v in value.items() if v is not None}  # a struct's fields that other rows set
         unknown = sorted(set(value) - known)

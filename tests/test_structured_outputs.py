@@ -5,6 +5,7 @@ prefill/decode split; a spec that cannot compile fails its row alone."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 
@@ -189,17 +190,22 @@ def test_bad_specs_fail_their_row_alone(model):
 def test_a_grammar_whose_every_token_is_banned_fails_its_request_alone():
     """A choice of "z" with bad_words ["z"]: the tiny-moe tokenizer spells "z" one way, so the grammar's mask and
     the ban leave no token. The request fails with the reason; the engine and the other request go on (the
-    engine raised, failing every request)."""
+    engine raised, failing every request). A regex that matches nothing fails the same way, without blaming
+    bad_words it never had."""
     engine = Engine(load_model("tiny-moe"), page_size=16)
     dead_end = SamplingParams(max_tokens=8, temperature=0.0, n=2, structured_outputs=StructuredOutputs(choice=("z",)),
                               bad_words=["z"])
+    nothing = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=StructuredOutputs(regex=r"[^\s\S]"))
     plain = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    [failed, ok] = engine.generate([Request("z", prompt="What would you do?", sampling=dead_end),
-                                    Request("ok", prompt="What would you do?", sampling=plain)])
+    [failed, unmatched, ok] = engine.generate([Request("z", prompt="What would you do?", sampling=dead_end),
+                                               Request("none", prompt="What would you do?", sampling=nothing),
+                                               Request("ok", prompt="What would you do?", sampling=plain)])
     assert failed.error == ("structured_outputs: after 0 tokens no token the grammar allows was left to sample "
                             "(bad_words banned every one)") and not failed.outputs
+    assert unmatched.error == ("structured_outputs: after 0 tokens no token the grammar allows was left to sample "
+                               "(the grammar allows none here)") and not unmatched.outputs
     assert ok.ok and len(ok.outputs[0].token_ids) == 5
-    assert engine.metrics()["failed_requests"] == 1 and not engine.has_unfinished()
+    assert engine.metrics()["failed_requests"] == 2 and not engine.has_unfinished()
 
 
 @pytest.mark.parametrize("value,message", [
@@ -224,6 +230,25 @@ def test_a_struct_of_nulls_is_no_structured_output():
     assert specs[0] is None and specs[1].regex == "a+"
     with pytest.raises(InvalidRequestError, match="set exactly one of .*; got none"):  # an option and no kind
         SamplingParams(structured_outputs={**nulls, "disable_any_whitespace": True})
+
+
+def test_a_struct_of_nulls_over_job_defaults_leaves_them_as_a_null_struct_does():
+    """from_dict counted a struct of nulls as a change: it dropped the job's default spec and its min_tokens, so a
+    row's output depended on how its writer stored "unset"."""
+    nulls = {"json": None, "regex": None, "choice": None, "grammar": None, "json_object": False,
+             "disable_any_whitespace": None}
+    for defaults in (SamplingParams(min_tokens=5, max_tokens=10), SamplingParams(structured_outputs={"regex": "a+"})):
+        for unset in (None, nulls):
+            assert SamplingParams.from_dict({"structured_outputs": unset, "temperature": 0.5}, defaults) == \
+                dataclasses.replace(defaults, temperature=0.5)
+
+
+@pytest.mark.parametrize("schema", [False, True])
+def test_a_boolean_json_schema_is_a_schema(schema):
+    """`{"json": false}` (the schema no value satisfies) counted as an unset field: the row ran unconstrained; `true`
+    was refused as not a schema, though its JSON text was taken."""
+    spec = SamplingParams(structured_outputs={"json": schema}).structured_outputs
+    assert spec.json == json.dumps(schema) and spec.kind == "json"
 
 
 UNENFORCED = [  # a schema the backend compiles, an output breaking it, and the refusal's words
