@@ -262,6 +262,22 @@ UNENFORCED = [  # a schema the backend compiles, an output breaking it, and the 
     ({"allOf": [{"type": "string"}, {"maxLength": 2}]}, '"abcdef"', "'allOf' of 2 subschemas (at /; only the first"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]}, '{"a": 1}',
      "'required' naming 'b' outside 'properties' (at /)"),
+    ({"type": "object", "properties": {"price": {"type": "number", "multipleOf": 0.5}}, "required": ["price"]},
+     '{"price": 0.3}', "'multipleOf' on a number (at /properties/price; the backend compiles it for integers only)"),
+    ({"type": "string", "format": "regex"}, '"("', "format 'regex' (at /)"),
+    ({"type": "string", "format": "idn-email"}, '"x"', "format 'idn-email' (at /)"),
+    # where one keyword of an object is compiled, the others beside it are dropped
+    ({"anyOf": [{"type": "integer"}], "type": "string"}, "11", "'type' beside 'anyOf' (at /; only the 'anyOf' is"),
+    ({"type": "integer", "allOf": [{"minimum": 3}]}, "1", "'type' beside 'allOf' (at /"),
+    ({"$ref": "#/$defs/x", "maximum": 3, "$defs": {"x": {"type": "integer"}}}, "5", "'maximum' beside '$ref' (at /"),
+    ({"type": "integer", "enum": [1, 2], "minimum": 2}, "1", "'minimum' beside 'enum' (at /; only the 'enum' is"),
+    ({"const": 3, "minimum": 5}, "3", "'minimum' beside 'const' (at /"),
+    ({"type": "integer", "enum": [1, "a"]}, '"a"', "'type' beside 'enum' (at /"),
+    ({"type": "string", "format": "email", "maxLength": 3}, '"abcd@x.com"', "'maxLength' beside 'format' (at /"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 2}, '"aaa"', "'maxLength' beside 'pattern' (at /"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"},
+      "patternProperties": {"^x": {"type": "boolean"}}}, '{"x": "s"}',
+     "'patternProperties' beside an 'additionalProperties' schema (at /"),
 ]
 
 
@@ -291,7 +307,15 @@ def test_schemas_of_what_the_backend_enforces_pass_the_check():
                              "email": {"anyOf": [{"type": "string", "pattern": "^[a-z]+@[a-z]+$"}, {"type": "null"}]},
                              "pet": {"allOf": [{"$ref": "#/$defs/Pet"}]},
                              "id": {"oneOf": [{"type": "integer"}, {"type": "string"}]},
-                             "not": {"type": "boolean"}},  # a property named like a keyword is a name
+                             "not": {"type": "boolean"},  # a property named like a keyword is a name
+                             # annotations beside what is compiled; a type every listed value has
+                             "home": {"$ref": "#/$defs/Pet", "description": "where it lives", "title": "Home"},
+                             "nick": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None},
+                             "mood": {"type": "string", "enum": ["calm", "busy"]},
+                             "score": {"type": ["number", "null"], "const": 1.0}, "step": {"type": "integer",
+                                                                                          "multipleOf": 5},
+                             "when": {"type": "string", "format": "date-time"},
+                             "tag": {"type": "string", "format": "x-custom"}},  # an undefined format annotates
               "required": ["name", "age", "not"]}
     assert SamplingParams(structured_outputs={"json": person}).structured_outputs is not None
 
