@@ -94,8 +94,8 @@ class IndexedParquetSource(Datasource):
                  rows_per_block: int = 256) -> None:
         super().__init__()
         self.uri = uri
-        self.fs, sizes = list_files(uri, ".parquet", storage_options)
-        files = list(sizes)
+        self.fs, listed = list_files(uri, ".parquet", storage_options)
+        files = list(listed)
         self.skip = skip
         self.rows_per_block = rows_per_block
         self.fragments: list[_Fragment] = []
@@ -134,8 +134,11 @@ class IndexedParquetSource(Datasource):
         rows_of = {path: 0 for path in files}
         for fragment in self.fragments:
             rows_of[fragment.path] += fragment.num_rows
-        listing = [(posixpath.basename(path), sizes[path], rows_of[path]) for path in files]
-        self.digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:24]
+        listing = [(posixpath.basename(path), listed[path].size, rows_of[path]) for path in files]
+        self.digest = _digest(listing)
+        # and their versions (ETag, mtime: `ListedFile`): a file edited in place keeps its size and rows as often as
+        # not (one character of a prompt changed); a record key of its own, so that outputs recorded before it resume
+        self.versions_digest = _digest([(posixpath.basename(path), listed[path].version) for path in files])
 
     def _metadata(self, path: str) -> pq.FileMetaData:
         try:
@@ -227,6 +230,10 @@ def _reader(fs, fragments: list[_Fragment], skip: RangeSet, rows_per_block: int,
 
 _UNFIT = ("its values do not fit the type the input files' column types combine to; write the column with "
           "one type in every file")
+
+
+def _digest(listing: list) -> str:
+    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:24]
 
 
 def _check_values_fit(path: str, meta: pq.FileMetaData, schema: pa.Schema) -> None:

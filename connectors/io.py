@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import posixpath
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -29,9 +30,25 @@ OTHER_DATA_SUFFIXES = (".jsonl", ".json.gz", ".jsonl.gz", ".csv", ".csv.gz", ".t
                        ".arrow")
 
 
+# what a storage listing tells of a file's contents changing: an object store's ETag (S3: the content's MD5 for a
+# single-part upload) or generation, else the modification time (a local file rewritten in place)
+VERSION_KEYS = ("ETag", "etag", "md5Hash", "generation", "mtime", "LastModified", "last_modified", "created")
+
+
+@dataclass(frozen=True)
+class ListedFile:
+    size: int  # bytes
+    version: str  # the first of VERSION_KEYS the listing gives, as text; "" where it gives none
+
+
+def listed_file(info: dict[str, Any]) -> ListedFile:
+    version = next((info[key] for key in VERSION_KEYS if info.get(key) is not None), "")
+    return ListedFile(int(info.get("size") or 0), str(version))
+
+
 def list_files(uri: str, suffix: str, storage_options: dict[str, Any] | None = None) -> tuple[
-        fsspec.AbstractFileSystem, dict[str, int]]:
-    """{path: size in bytes} of `uri` itself when it is a file, else of every file under it (or matching it, a glob
+        fsspec.AbstractFileSystem, dict[str, ListedFile]]:
+    """{path: size and version} of `uri` itself when it is a file, else of every file under it (or matching it, a glob
     pattern such as s3://bucket/prompts/*.parquet) whose name ends in `suffix` (any case), sorted by path."""
     fs, path = filesystem(uri, storage_options)
     fs.invalidate_cache(path)  # object-store listings are cached per filesystem instance
@@ -47,14 +64,14 @@ def list_files(uri: str, suffix: str, storage_options: dict[str, Any] | None = N
                 else:
                     visible[match] = info
         elif fs.isfile(path):
-            return fs, {path: fs.size(path)}
+            return fs, {path: listed_file(fs.info(path))}
         elif not fs.isdir(path):
             raise StorageError(f"input {uri!r} does not exist")
         else:
             visible = _visible_files(fs, path)
     except (OSError, PermissionError) as exc:
         raise StorageError(f"cannot read input {uri!r}: {exc}") from exc
-    files = {p: int(info.get("size") or 0) for p, info in sorted(visible.items()) if p.lower().endswith(suffix)}
+    files = {p: listed_file(info) for p, info in sorted(visible.items()) if p.lower().endswith(suffix)}
     if not files:
         raise StorageError(f"input {uri!r} holds no '*{suffix}' files")
     others = [p for p in visible if p.lower().endswith(OTHER_DATA_SUFFIXES)]

@@ -238,7 +238,7 @@ def plan_job(config: JobConfig) -> JobPlan:
     except OSError as exc:
         raise JobError(f"output {config.output!r}: cannot take its lease: {exc}") from exc
     try:
-        _claim_output(config, source.num_rows, source.digest)
+        _claim_output(config, source.num_rows, source.digest, source.versions_digest)
         parts = recover_output_parts(config.output, config.storage_options)
     except BaseException:
         lease.release()
@@ -451,11 +451,11 @@ def _check_output(config: JobConfig) -> None:
         raise JobError(str(exc)) from exc
 
 
-def _claim_output(config: JobConfig, total_rows: int, input_digest: str) -> None:
+def _claim_output(config: JobConfig, total_rows: int, input_digest: str, input_versions: str) -> None:
     """Record which job the output belongs to; refuse to mix a different job's rows into it."""
     fs, path = filesystem(config.output, config.storage_options)
     manifest = posixpath.join(path, MANIFEST)
-    mine = job_record(config, total_rows, input_digest)
+    mine = job_record(config, total_rows, input_digest, input_versions)
     fs.invalidate_cache(path)
     if fs.exists(manifest):
         try:
@@ -466,18 +466,22 @@ def _claim_output(config: JobConfig, total_rows: int, input_digest: str) -> None
         # a key the record lacks was not recorded by the version that wrote it (input_digest): not compared
         differing = sorted(k for k in mine if k in theirs and theirs[k] != mine[k])
         if differing:
+            edited = (" (an input file was rewritten since: its ETag or modification time changed)"
+                      if differing == ["input_versions"] else "")
             raise JobError(f"output {config.output!r} holds results of a different job (differs in "
-                           f"{differing}); give a new output path or remove the old one")
+                           f"{differing}){edited}; give a new output path or remove the old one")
         return
     with fs.open(manifest, "w") as f:
         json.dump(mine, f, indent=2)
 
 
-def job_record(config: JobConfig, total_rows: int, input_digest: str) -> dict:
+def job_record(config: JobConfig, total_rows: int, input_digest: str, input_versions: str) -> dict:
     """What identifies a job's output, as its record file holds it: through JSON, so a rerun's record compares
     equal to the one read back (JSON makes a logit_bias's token ids strings and tuples lists). `input_digest`:
-    the input files' names, sizes and rows (IndexedParquetSource.digest)."""
-    return json.loads(json.dumps({"input": config.input, "input_digest": input_digest, "model": config.model,
+    the input files' names, sizes and rows (IndexedParquetSource.digest); `input_versions`: their names and
+    versions (versions_digest)."""
+    return json.loads(json.dumps({"input": config.input, "input_digest": input_digest,
+                                  "input_versions": input_versions, "model": config.model,
                                   "total_rows": total_rows,
                                   "sampling_params": SamplingParams.from_dict(config.sampling_params).to_dict(),
                                   "list_outputs": config.samples_as_lists, "chat_template": config.chat_template}))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -17,7 +19,7 @@ from batchgen.connectors.indexed_parquet import (
     recover_output_parts,
     write_parquet_ordered,
 )
-from batchgen.connectors.io import StorageError
+from batchgen.connectors.io import ListedFile, StorageError, listed_file
 
 
 def test_range_set_merges_and_masks():
@@ -62,6 +64,28 @@ def test_the_input_is_globbed_any_case_read_in_one_column_order_and_digested(tmp
     assert IndexedParquetSource(str(tmp_path / "f*")).digest == digest
     pq.write_table(pa.table({"a": [1, 2], "b": ["x", "a longer prompt"]}), tmp_path / "f0.parquet")  # same rows
     assert IndexedParquetSource(str(tmp_path / "f*")).digest != digest
+
+
+def test_a_file_rewritten_in_place_at_the_same_size_and_rows_changes_the_versions_digest(tmp_path):
+    """One character of a prompt changed keeps a file's size and rows: the digest of names, sizes and rows alone let
+    a rerun pair the old outputs with the new prompts. The listing's version (here the modification time; an ETag
+    on S3) is digested too."""
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["hello there"]}), path)
+    before = IndexedParquetSource(str(path))
+    assert IndexedParquetSource(str(path)).versions_digest == before.versions_digest
+    size = path.stat().st_size
+    pq.write_table(pa.table({"prompt": ["jello there"]}), path)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # a later write, a coarse clock
+    after = IndexedParquetSource(str(path))
+    assert path.stat().st_size == size and after.digest == before.digest
+    assert after.versions_digest != before.versions_digest
+
+
+def test_a_listings_version_is_the_object_stores_etag_else_the_modification_time():
+    assert listed_file({"size": 5, "ETag": '"abc"', "LastModified": "t"}) == ListedFile(5, '"abc"')
+    assert listed_file({"size": 5, "mtime": 1.5}) == ListedFile(5, "1.5")
+    assert listed_file({"size": None}) == ListedFile(0, "")
 
 
 def test_a_globs_wildcards_skip_hidden_folders_unless_the_pattern_names_them(tmp_path):

@@ -15,22 +15,25 @@ def test_a_rerun_of_the_same_job_matches_its_record_whatever_json_makes_of_it(tm
     sampling = {"max_tokens": 4, "temperature": 0, "logit_bias": {"7": -100, 9: 2.5}, "stop": ["x", "y"]}
     config = JobConfig(model="m", input="in", output=str(tmp_path / "out"), sampling_params=sampling)
     (tmp_path / "out").mkdir()
-    _claim_output(config, total_rows=10, input_digest="d1")
+    _claim_output(config, total_rows=10, input_digest="d1", input_versions="v1")
     record = json.loads(next((tmp_path / "out").iterdir()).read_text())
-    assert record == job_record(config, 10, "d1")
+    assert record == job_record(config, 10, "d1", "v1")
     assert record["sampling_params"]["logit_bias"] == {"7": -100.0, "9": 2.5}
-    _claim_output(config, total_rows=10, input_digest="d1")  # the rerun resumes: token ids read back as strings
+    # the rerun resumes: token ids read back as strings
+    _claim_output(config, total_rows=10, input_digest="d1", input_versions="v1")
     for other in ({**sampling, "logit_bias": {"7": -99}}, {**sampling, "stop": ["x"]}):
         with pytest.raises(JobError, match=r"holds results of a different job \(differs in \['sampling_params'\]\)"):
             _claim_output(JobConfig(**{**config.__dict__, "sampling_params": other}), total_rows=10,
-                          input_digest="d1")
+                          input_digest="d1", input_versions="v1")
     with pytest.raises(JobError, match=r"differs in \['chat_template'\]"):  # other prompts from the same rows
         _claim_output(JobConfig(**{**config.__dict__, "chat_template": "{{ 'x' }}"}), total_rows=10,
-                      input_digest="d1")
+                      input_digest="d1", input_versions="v1")
     with pytest.raises(JobError, match=r"differs in \['total_rows'\]"):
-        _claim_output(config, total_rows=11, input_digest="d1")
+        _claim_output(config, total_rows=11, input_digest="d1", input_versions="v1")
     with pytest.raises(JobError, match=r"differs in \['input_digest'\]"):  # a file edited, same rows in all
-        _claim_output(config, total_rows=10, input_digest="d2")
+        _claim_output(config, total_rows=10, input_digest="d2", input_versions="v1")
+    with pytest.raises(JobError, match=r"differs in \['input_versions'\]\) \(an input file was rewritten since"):
+        _claim_output(config, total_rows=10, input_digest="d1", input_versions="v2")  # same sizes and rows
 
 
 def test_a_damaged_job_record_is_a_job_error_and_an_older_one_without_newer_fields_resumes(tmp_path):
@@ -38,11 +41,11 @@ def test_a_damaged_job_record_is_a_job_error_and_an_older_one_without_newer_fiel
     record = tmp_path / "_batchgen_job.json"
     record.write_text('{"input": "in", "mod')
     with pytest.raises(JobError, match="damaged job record"):
-        _claim_output(config, total_rows=3, input_digest="d")
-    older = job_record(config, 3, "d")
-    del older["input_digest"], older["chat_template"]
+        _claim_output(config, total_rows=3, input_digest="d", input_versions="v1")
+    older = job_record(config, 3, "d", "v1")
+    del older["input_digest"], older["input_versions"], older["chat_template"]
     record.write_text(json.dumps(older))
-    _claim_output(config, total_rows=3, input_digest="d")
+    _claim_output(config, total_rows=3, input_digest="d", input_versions="v1")
 
 
 @pytest.mark.parametrize("nodes,actors,light,expected", [
