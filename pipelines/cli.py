@@ -291,7 +291,7 @@ def summary_text(s: JobSummary) -> str:
         "batchgen: job complete",
         f"  output       {s.output} ({s.files} part files, input order)",
         f"  rows         {p.total_rows} total: {p.rows} written by this run, {p.skipped_rows} already there",
-        f"  errors       {p.errors} rows with an error (see the 'error' column)",
+        f"  errors       {s.error_rows} rows with an error (see the 'error' column; {p.errors} by this run)",
         f"  BCT          {s.bct_s:.1f} s (start to last row written)",
         f"  throughput   {p.tokens_per_s:.1f} generated tokens/s ({p.generated_tokens} tokens)",
         f"  per row      completion time p50 {seconds(s.completion_time_p50_s)}, "

@@ -180,6 +180,7 @@ class JobSummary:
     files: int
     completion_time_p50_s: float | None  # over every row in the output, within QuantileSketch's 0.5 %
     completion_time_p99_s: float | None
+    error_rows: int  # rows of the output with an error, those of earlier runs included (progress: this run's)
     engine_actors: list[EngineActorReady] = field(default_factory=list)  # each engine actor started by the run
     balancing: BalancerStats | None = None  # MIGRATE between the engine actors, when there was a balancer
     stage_split: StageSplit | None = None  # the planner's split of engine_actors, when asked for
@@ -494,8 +495,11 @@ def _summarise(config: JobConfig, progress: Progress) -> JobSummary:
         raise JobError(f"the job ended with {written.count} of {progress.total_rows} rows in "
                        f"{config.output!r}; run it again to finish the rest")
     fs, _ = filesystem(config.output, config.storage_options)
-    times = QuantileSketch()  # one part file's column in memory at a time, not every row's value
+    times = QuantileSketch()  # one part file's columns in memory at a time, not every row's value
+    errors = 0
     for part in parts:
         with fs.open(part.path, "rb") as f:
-            times.add_many(pq.read_table(f, columns=["completion_time_s"]).column(0).to_numpy())
-    return JobSummary(progress, config.output, len(parts), times.quantile(0.5), times.quantile(0.99))
+            table = pq.read_table(f, columns=["completion_time_s", ERROR])
+        times.add_many(table.column(0).to_numpy())
+        errors += len(table) - table.column(1).null_count
+    return JobSummary(progress, config.output, len(parts), times.quantile(0.5), times.quantile(0.99), errors)

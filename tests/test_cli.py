@@ -120,13 +120,22 @@ def test_run_with_bad_rows_exits_zero_and_reports_them(ray_cluster, tiny_moe_dir
     captured = capfd.readouterr()  # the progress bar writes to the terminal's descriptor, past the stderr filter
     assert code == 0
     assert "rows         5 total: 5 written by this run, 0 already there" in captured.out
-    assert "errors       1 rows with an error" in captured.out
+    assert "errors       1 rows with an error (see the 'error' column; 1 by this run)" in captured.out
     assert "BatchGen (weights streamed within 6.0 MiB of device memory) constructed in" in captured.out
     assert "row" in captured.err and "tok/s" in captured.err and "ETA" in captured.err  # the progress bar
     table = read_output(str(tmp_path / "out"))
     assert table.column("id").to_pylist() == [0, 1, 2, 3, 4]
     assert "missing prompt" in table.column("error")[4].as_py()
     assert table.column("generated_token_ids").to_pylist()[:4] == engine_outputs(tiny_moe_dir, workload(4))
+    # the rerun of the finished job writes nothing, and its summary still counts the output's error rows (it
+    # counted this run's: 0)
+    assert main(["run", "--model", tiny_moe_dir, "--input", str(input_dir), "--output", str(tmp_path / "out"),
+                 "--mode", "single", "--batch-size", "2", "--sampling-params", json.dumps(SAMPLING),
+                 "--engine", json.dumps({"host_kv_budget_bytes": 32 << 20, "max_model_len": 512}),
+                 "--device-memory-mb", "6"]) == 0
+    captured = capfd.readouterr()
+    assert "rows         5 total: 0 written by this run, 5 already there" in captured.out
+    assert "errors       1 rows with an error (see the 'error' column; 0 by this run)" in captured.out
 
 
 def test_run_renders_messages_rows_with_the_jobs_chat_template(ray_cluster, tiny_moe_dir, tmp_path):

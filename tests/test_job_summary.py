@@ -1,4 +1,4 @@
-"""The job summary reads completion times from the output's part files one file at a time: its quantiles
+"""The job summary reads completion times and errors from the output's part files one file at a time: its quantiles
 are those of every row, within the sketch's relative error, with no Ray and no engine needed."""
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ def test_completion_time_quantiles_are_those_of_every_row_in_the_output(tmp_path
     sink = OrderedParquetSink(str(tmp_path))
     for start in range(0, ROWS, 700):  # several part files, as several write tasks leave them
         rows = np.arange(start, min(ROWS, start + 700))
-        sink.write([pa.table({ROW_INDEX: rows, "completion_time_s": pa.array(times[rows], mask=errors[rows])})], None)
+        sink.write([pa.table({ROW_INDEX: rows, "completion_time_s": pa.array(times[rows], mask=errors[rows]),
+                              "error": pa.array(["failed"] * len(rows), mask=~errors[rows])})], None)
     config = JobConfig(model="tiny-moe", input="unused", output=str(tmp_path))
     summary = _summarise(config, Progress(total_rows=ROWS, skipped_rows=0))
-    assert summary.files == 5
+    assert summary.files == 5 and summary.error_rows == int(errors.sum()) == 31  # every file's, whichever run wrote it
     timed = np.sort(times[~errors])
     for q, value in ((0.5, summary.completion_time_p50_s), (0.99, summary.completion_time_p99_s)):
         exact = timed[int(q * len(timed))]
