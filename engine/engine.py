@@ -498,16 +498,18 @@ class Engine(Generates):
         self.scheduler.admit(parent)
 
     def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-        """Each bad word's token ids, alone and after a space (as it appears mid-text), as vLLM bans them. A variant
-        holding a token past the model's vocabulary (a tokenizer larger than the embedding table) can never be
-        generated, so it needs no ban; banning its last token would index past the logits."""
+        """Each bad word's token ids, leading spaces stripped, alone and after a space (as it appears mid-text):
+        vLLM's spellings, but the spaced one also where it tokenizes to another length (vLLM then leaves it out, and
+        " story" of one token is generated freely where "story" is banned). A spelling holding a token past the
+        model's vocabulary (a tokenizer larger than the embedding table) can never be generated, so it needs no
+        ban; banning its last token would index past the logits."""
         if not words:
             return ()
         if self.tokenizer is None:
             raise InvalidRequestError("bad_words needs the model's tokenizer; this model has none")
         if words not in self._bad_words:  # tokenized once per list: admission checks it, each sample uses it
             variants = {tuple(self.tokenizer.encode(text, add_special_tokens=False))
-                        for word in words for text in (word, " " + word.lstrip())}
+                        for word in words for text in (word.lstrip(), " " + word.lstrip())}
             vocab = self.model.vocab_size
             self._bad_words[words] = tuple(sorted(v for v in variants if v and max(v) < vocab))
         return self._bad_words[words]

@@ -1,12 +1,13 @@
 """Batched sampling with per-row parameters.
 
 Every row carries its own temperature / top-k / top-p / min-p, logit bias and penalties; each runs
-once over the rows that use it. Logits are adjusted in this order, before greedy and sampled picks
-alike: logit bias, repetition penalty (prompt and generated tokens), presence and frequency
-penalties (generated tokens), bad words, the min_tokens ban on stop tokens, then a structured-output row's
-grammar mask (every token its grammar forbids next is -inf). Seeded rows draw their noise
-from a generator seeded per (seed, sample, step), so a seeded sequence samples the same tokens
-whatever batch it lands in.
+once over the rows that use it. Logits are adjusted in vLLM's order, before greedy and sampled picks alike: a
+structured-output row's grammar mask (every token its grammar forbids next is -inf; vLLM applies it before its
+sampler, so a row's logprobs are over what its grammar allows), then logit bias, repetition penalty (prompt and
+generated tokens), presence and frequency penalties (generated tokens), bad words and the min_tokens ban on stop
+tokens; a sampled row's then temperature, min-p, top-k (every token tied with the k-th stays) and top-p over what
+those kept, renormalised. Seeded rows draw their noise from a generator seeded per (seed, sample, step), so a
+seeded sequence samples the same tokens whatever batch it lands in.
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ def sample_next_tokens(logits: torch.Tensor, seqs: SequenceT[Sequence], generato
     """Pick one token per row and record logprobs on sequences that asked for them."""
     logits = logits.float()
     rows = _RowKinds.of(seqs)
-    # logprobs are the model's own (vLLM's default, "raw"): before biases, penalties, bans and a grammar's mask
+    if rows.structured:
+        mask_logits(logits, [s.grammar for s in seqs])
+    # logprobs are the model's own (vLLM's default, "raw"): before biases, penalties and bans (after the grammar's
+    # mask, which vLLM applies before its sampler)
     raw = logits[rows.logprobs] if rows.logprobs else None
     if rows.adjusted:
         index = torch.tensor(rows.adjusted, dtype=torch.long, device=logits.device)
         logits[index] = adjust_logits(logits[index], [seqs[i] for i in rows.adjusted])
     _suppress_early_stop(logits, [(i, seqs[i]) for i in rows.early])
-    if rows.structured:
-        mask_logits(logits, [s.grammar for s in seqs])
     tokens = ops.argmax(logits)
     if rows.sampled:
         index = torch.tensor(rows.sampled, dtype=torch.long, device=logits.device)
@@ -130,21 +132,23 @@ def _filtered_probs(logits: torch.Tensor, seqs: SequenceT[Sequence]) -> torch.Te
     top_k = torch.tensor([s.sampling.top_k for s in seqs], device=device)
     top_p = torch.tensor([s.sampling.top_p for s in seqs], device=device)
     min_p = torch.tensor([s.sampling.min_p for s in seqs], device=device)
+    if bool((min_p > 0).any()):  # first, as vLLM's sampler runs it: top-p's mass is then over what it kept
+        floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
     if bool((top_k > 0).any()) or bool((top_p < 1).any()):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(probs.shape[-1], device=device).unsqueeze(0)
-        drop = (top_k.unsqueeze(1) > 0) & (rank >= top_k.unsqueeze(1))
+        # below the k-th probability (vLLM's and transformers' rule: a token tied with the k-th stays)
+        kth = sorted_probs.gather(1, (top_k.clamp(min=1) - 1).clamp(max=probs.shape[-1] - 1).unsqueeze(1))
+        drop = (top_k.unsqueeze(1) > 0) & (sorted_probs < kth)
         kept = sorted_probs.masked_fill(drop, 0.0)
-        # top-p over what top-k kept, renormalised (vLLM's and transformers' order); only rows that set top_p:
+        # top-p over what min-p and top-k kept, renormalised (vLLM's order); only rows that set top_p:
         # cumsum rounds to 1.0 before the tail, which a row without it would lose
         # the most likely token always stays: a top_p that rounds to 0 in float32 (1e-300) dropped every token
         mass_before = (kept.cumsum(dim=-1) - kept) / kept.sum(dim=-1, keepdim=True)
         drop |= (top_p.unsqueeze(1) < 1) & (mass_before >= top_p.unsqueeze(1)) & (rank > 0)
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    if bool((min_p > 0).any()):
-        floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < floor, 0.0)
     return probs
 
 
@@ -159,14 +163,15 @@ def _exponential_noise(shape: torch.Size, seqs: SequenceT[Sequence], generator: 
 
 
 def _record_logprobs(raw: torch.Tensor, rows: list[int], seqs: SequenceT[Sequence], tokens: list[int]) -> None:
-    """`raw`: the logits of `rows`, as the model gave them."""
+    """`raw`: the logits of `rows`, as the model gave them (masked by a grammar)."""
     logprobs = torch.log_softmax(raw, dim=-1)
     top_n = max(seqs[i].sampling.logprobs for i in rows)
     top_vals, top_ids = logprobs.topk(max(top_n, 1), dim=-1)
     chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in rows], device=raw.device)).squeeze(1)
     for j, i in enumerate(rows):
         n = seqs[i].sampling.logprobs
-        top = dict(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()))
+        # a token the row's grammar forbids (-inf) is no alternative
+        top = {t: v for t, v in zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()) if v != float("-inf")}
         entry = TokenLogprob(token_id=tokens[i], logprob=float(chosen[j]), top=top)
         if seqs[i].logprobs is None:
             seqs[i].logprobs = []

@@ -359,6 +359,8 @@ def test_completions_batch_matches_engine(client, engine, loop):
     assert len(logprobs["tokens"]) == tokens_body["usage"]["completion_tokens"]
     assert all(1 <= len(top) <= 2 and lp <= 0 for top, lp in zip(logprobs["top_logprobs"],
                                                             logprobs["token_logprobs"]))
+    assert all(top[token] == lp for top, token, lp in zip(logprobs["top_logprobs"], logprobs["tokens"],
+                                                         logprobs["token_logprobs"]))  # greedy: the likeliest
     assert batch.usage.input_tokens == sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in out)
 
 
@@ -1237,3 +1239,14 @@ def test_logprobs_of_characters_spanning_several_byte_tokens_keep_the_characters
     assert "".join(completions["tokens"]) == text
     assert [text[offset:].startswith(token) for token, offset in zip(completions["tokens"],
                                                                       completions["text_offset"])] == [True] * len(ids)
+
+
+def test_completions_top_logprobs_hold_the_sampled_token_and_the_likelier_of_tokens_reading_the_same():
+    """OpenAI's completions return the sampled token's logprob among the alternatives (up to logprobs + 1): a token
+    a bias forced from outside the top was missing, and of two alternatives reading "" (partial characters) the less
+    likely one was kept."""
+    from batchgen.pipelines.openai_batch.wire_format import _top_by_text
+
+    top = _top_by_text("escri", -8.44, [("=", -4.73), ("", -5.0), ("", -6.0)])
+    assert top == {"=": -4.73, "": -5.0, "escri": -8.44} and list(top) == ["=", "", "escri"]
+    assert _top_by_text("=", -4.73, [("=", -4.73), ("a", -5.0)]) == {"=": -4.73, "a": -5.0}

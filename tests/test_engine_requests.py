@@ -131,13 +131,26 @@ def test_tiny_temperatures_are_greedy_and_top_k_minus_one_disables_top_k(engine)
 def test_a_row_without_top_k_or_top_p_keeps_its_whole_distribution_beside_rows_that_set_them():
     """A row with top_k 0 and top_p 1 goes through the sort and cumsum when another row of the step uses top-k;
     a dominant token's probability rounds to 1.0 in float32 there, and every tail token fell at top_p 1."""
-    logits = torch.zeros(2, 1000)
-    logits[:, 0] = 30.0  # p0 = 1 - 9e-11: 1.0 in float32; each other token 9e-14
+    logits = torch.linspace(0.0, -1.0, 1000).repeat(2, 1)  # distinct: no ties at the k-th
+    logits[:, 0] = 30.0  # p0 = 1.0 in float32; each other token under 1e-13
     rows = [Sequence(i, f"r{i}", 0, [1], SamplingParams(temperature=1.0, top_k=k), frozenset(), i)
             for i, k in enumerate((5, 0))]
     probs = _filtered_probs(logits, rows)
     assert torch.equal(probs[1], torch.softmax(logits[1], dim=-1))  # the batch does not change this row's draw
     assert int((probs[0] > 0).sum()) == 5
+
+
+def test_min_p_applies_before_top_p_and_top_k_keeps_ties():
+    """vLLM's sampler runs min-p before top-k and top-p, so top-p's mass is over what min-p kept: probabilities
+    [.506, .307, .186, ...] at min_p 0.25 keep three tokens, renormalised [.506, .307, .186] / .999, and top_p 0.75
+    then keeps two (min-p last kept all three). top-k keeps every token tied with the k-th (vLLM masks the logits
+    below the k-th value; transformers too): ranks kept only k."""
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.3, -0.5, -1.0, 0.0, -3.0], [10.0, 9.5, 9.5, 9.5, 7.0, 0.0, 0.0, 0.0]])
+    rows = [Sequence(0, "p", 0, [1], SamplingParams(temperature=1.0, min_p=0.25, top_p=0.75), frozenset(), 0),
+            Sequence(1, "k", 0, [1], SamplingParams(temperature=1.0, top_k=2), frozenset(), 1)]
+    probs = _filtered_probs(logits, rows)
+    assert probs[0].nonzero().flatten().tolist() == [0, 1]
+    assert probs[1].nonzero().flatten().tolist() == [0, 1, 2, 3]
 
 
 def test_top_p_applies_to_what_top_k_kept_renormalised():
@@ -267,9 +280,8 @@ def test_logprobs_report_the_chosen_token_and_top_alternatives(engine):
         assert entry.logprob <= 0
 
 
-def test_logprobs_are_the_models_own_whatever_bias_or_grammar_shapes_the_pick(engine):
-    """vLLM's default (raw logprobs): a token forced by a +100 bias reported about 0, and tokens a mask banned
-    filled the top alternatives with -inf."""
+def test_logprobs_are_the_models_own_whatever_bias_shapes_the_pick(engine):
+    """vLLM's default (raw logprobs): a token forced by a +100 bias reported about 0."""
     [plain] = engine.generate([Request("p", prompt="a b c", sampling=greedy(logprobs=5, max_tokens=1))])
     model = plain.outputs[0].logprobs[0].top
     second = sorted(model, key=model.get)[-2]

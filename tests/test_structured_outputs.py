@@ -187,6 +187,29 @@ def test_bad_specs_fail_their_row_alone(model):
     assert 'grammar does not compile' in results["rule"].error and '"missing" is not defined' in results["rule"].error
 
 
+def test_logprobs_of_a_structured_row_are_over_what_its_grammar_allows(model):
+    """vLLM masks the logits with the grammar before its sampler, so its raw logprobs are over the tokens the grammar
+    allows: a forced token about 0, alternatives only allowed ones. They were the unmasked model's: a forced token
+    at -8, and top alternatives the grammar forbade (no use for classifying with a choice and its logprobs)."""
+    spec = StructuredOutputs(choice=("positive", "negative"))
+    [result] = Engine(model, page_size=16).generate([Request("c", prompt="The review was", sampling=SamplingParams(
+        max_tokens=16, temperature=0.0, logprobs=3, structured_outputs=spec))])
+    entries = result.outputs[0].logprobs
+    assert result.outputs[0].text in ("positive", "negative") and entries
+    matcher = GrammarBackend(model.tokenizer, model.model.vocab_size, [model.tokenizer.eos_token_id]).matcher(spec)
+    forced = 0
+    for entry in entries:
+        logits = torch.zeros(1, model.model.vocab_size)
+        mask_logits(logits, [matcher])
+        allowed = set(torch.isfinite(logits[0]).nonzero().flatten().tolist())
+        assert entry.token_id in allowed and set(entry.top) <= allowed and len(entry.top) == min(3, len(allowed))
+        if len(allowed) == 1:
+            forced += 1
+            assert entry.logprob == pytest.approx(0.0, abs=1e-6)
+        assert matcher.accept_token(entry.token_id)
+    assert forced  # a choice of two words has steps with one token left
+
+
 def test_a_grammar_whose_every_token_is_banned_fails_its_request_alone():
     """A choice of "z" with bad_words ["z"]: the tiny-moe tokenizer spells "z" one way, so the grammar's mask and
     the ban leave no token. The request fails with the reason; the engine and the other request go on (the

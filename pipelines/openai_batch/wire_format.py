@@ -301,9 +301,19 @@ def _text_choice(c: Completion, tokenizer: Any) -> dict[str, Any]:
         pieces = list(_token_pieces(c.logprobs, tokenizer))
         tokens = [piece for piece, _, _ in pieces]
         logprobs = {"tokens": tokens, "token_logprobs": [lp.logprob for _, lp, _ in pieces],
-                    "top_logprobs": [dict(top) for _, _, top in pieces],
+                    "top_logprobs": [_top_by_text(piece, lp.logprob, top) for piece, lp, top in pieces],
                     "text_offset": [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]}
     return {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+
+def _top_by_text(piece: str, logprob: float, top: list[tuple[str, float]]) -> dict[str, float]:
+    """A completions token's alternatives by text, the sampled token's among them (OpenAI: "the API will always
+    return the logprob of the sampled token, so there may be up to logprobs+1 elements"); where two tokens read the
+    same (partial characters read ""), the likelier one's."""
+    alternatives: dict[str, float] = {}
+    for text, value in sorted([*top, (piece, logprob)], key=lambda item: -item[1]):
+        alternatives.setdefault(text, value)
+    return alternatives
 
 
 def _token_pieces(logprobs: list[TokenLogprob], tokenizer: Any, context: int = 4):
