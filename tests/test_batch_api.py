@@ -558,6 +558,11 @@ def test_per_request_errors_go_to_error_file(client, engine):
     bad = {
         "bad-temperature": ({"prompt": "x", "temperature": -1}, "temperature"),
         "too-long": ({"prompt": too_long, "max_tokens": 2}, "prompt has"),
+        # the prompt fits, the tokens asked for do not: a 400 (OpenAI, vLLM), not a completion cut at the context
+        "over-context": ({"prompt": [5] * (engine.max_model_len - 3), "max_tokens": 4},
+                         "'max_tokens' or 'max_completion_tokens' is too large: 4. This model's maximum context length "
+                         f"is {engine.max_model_len} tokens and your request has {engine.max_model_len - 3} input "
+                         f"tokens (4 > {engine.max_model_len} - {engine.max_model_len - 3})"),
         "logit-bias": ({"prompt": "x", "logit_bias": {"5": 300}}, "logit_bias': bias 300"),
         "bias-outside-vocab": ({"prompt": "x", "logit_bias": {str(engine.normalizer.vocab_size): 1}},
                                "logit_bias: token"),

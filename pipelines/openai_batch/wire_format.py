@@ -180,8 +180,17 @@ class RequestBuilder:
             values["structured_outputs"] = structured
         options = ChatOptions.from_values(*(body.get(name) for name in CHAT_OPTION_FIELDS))
         prompt_ids = self.normalizer.prompt_ids(**_prompt(body, chat), chat=options)
+        room = self.normalizer.max_model_len - len(prompt_ids)
+        wanted = values["max_tokens"]
+        # a prompt that fits with too many tokens asked for: OpenAI's and vLLM's 400 (a prompt that does not fit is
+        # the engine's own error)
+        if room > 0 and isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > room:
+            raise InvalidRequestError(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {wanted}. This model's maximum context "
+                f"length is {self.normalizer.max_model_len} tokens and your request has {len(prompt_ids)} input "
+                f"tokens ({wanted} > {self.normalizer.max_model_len} - {len(prompt_ids)})")
         if chat and values["max_tokens"] is None and not self.default_max_tokens:
-            values["max_tokens"] = max(1, self.normalizer.max_model_len - len(prompt_ids))
+            values["max_tokens"] = max(1, room)
         sampling = sampling_params(values, self.defaults)
         best_of = body.get("best_of")
         if best_of is not None and best_of != sampling.n:  # n as it resolved: a null n is the default
