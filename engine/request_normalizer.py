@@ -128,7 +128,9 @@ def sampling_params(values: Any, defaults: SamplingParams | None = None) -> Samp
 
 def chat_turns(messages: Any) -> list[dict[str, str]]:
     """Chat messages as [{role, content}] text turns (OpenAI's content parts joined; developer -> system), with a
-    message's `name` and a tool message's `tool_call_id` kept for the template, as vLLM passes them."""
+    message's `name`, a tool message's `tool_call_id` and an assistant message's reasoning (`reasoning` or
+    `reasoning_content`, given to the template under both names: thinking models' templates print it in their
+    think block) kept for the template, as vLLM passes them."""
     messages = plain(messages, "messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError(f"messages: expected a non-empty list of {{role, content}}, got {describe(messages)}")
@@ -143,11 +145,15 @@ def chat_turns(messages: Any) -> list[dict[str, str]]:
         for key in TURN_FIELDS:
             if message.get(key) is not None:
                 turn[key] = text_value(message[key], f"messages[{i}].{key}")
+        given = next((key for key in REASONING_FIELDS if message.get(key) is not None), None)
+        if given is not None and role == "assistant":
+            turn["reasoning"] = turn["reasoning_content"] = text_value(message[given], f"messages[{i}].{given}")
         turns.append(turn)
     return turns
 
 
 TURN_FIELDS = ("name", "tool_call_id")  # a message's fields besides role and content that reach the chat template
+REASONING_FIELDS = ("reasoning", "reasoning_content")  # an assistant message's thinking, under either name
 
 
 def _message_text(content: Any, i: int, role: str) -> str:
@@ -161,7 +167,7 @@ def _message_text(content: Any, i: int, role: str) -> str:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise InvalidRequestError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
         texts.append(part["text"])
-    return "\n".join(texts)
+    return "\n".join(text for text in texts if text)  # empty parts left out, as vLLM joins them
 
 
 def text_value(value: Any, field: str) -> str:

@@ -201,6 +201,23 @@ def test_a_messages_name_and_tool_call_id_reach_the_chat_template(demo):
         normalizer.prompt_ids(messages=[{"role": "user", "name": 3, "content": "hi"}])
 
 
+def test_an_assistants_reasoning_reaches_the_template_and_empty_content_parts_are_left_out(demo):
+    """vLLM gives an assistant message's `reasoning` (or `reasoning_content`) to the template under both names, which
+    thinking models' templates print in their think block: it was dropped. Empty text parts are left out of the
+    joined content, as vLLM joins them (["a", "", "b"] gave "a\n\nb")."""
+    from batchgen.engine import RequestNormalizer
+
+    template = ("{% for m in messages %}{{ m.role }}: {% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+                "</think>{% endif %}{{ m.content }}{{ '\n' }}{% endfor %}")
+    normalizer = RequestNormalizer(demo.tokenizer, demo.model.vocab_size, 4096, chat_template=template)
+    parts = [{"type": "text", "text": t} for t in ("a", "", "b")]
+    for key in ("reasoning", "reasoning_content"):
+        messages = [{"role": "user", "content": parts}, {"role": "assistant", key: "two plus two", "content": "4"},
+                    {"role": "user", "content": "and 3 + 3?"}]
+        want = "user: a\nb\nassistant: <think>two plus two</think>4\nuser: and 3 + 3?\n"
+        assert normalizer.prompt_ids(messages=messages) == demo.tokenizer.encode(want, add_special_tokens=False)
+
+
 def test_samples_of_one_seeded_request_never_share_a_step_seed():
     """Sample i at step s + 7919 drew sample i + 1's numbers at step s: n > 1 outputs past 7,919 tokens correlated."""
     samples = [Sequence(i, "r", i, [1], SamplingParams(seed=7, n=4), frozenset(), i) for i in range(4)]
