@@ -7,6 +7,7 @@ driver, the CLI), not later inside a Ray actor.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,8 +76,7 @@ class EngineConfig:
             raise ValueError(f"engine mode must be one of {MODES}, got {self.mode!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"engine dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if not isinstance(self.device, str) or not (self.device in ("auto", "cpu", "cuda")
-                                                     or self.device.startswith("cuda:")):
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             raise ValueError(f"engine device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("page_size", "max_prefill_tokens", "ep_size", "tp_size"):
             _check_int(name, getattr(self, name), minimum=1)
@@ -103,7 +103,10 @@ class EngineConfig:
         if self.batch_invariant and (self.ranks > 1 or self.device_memory_bytes is not None):
             raise ValueError("engine option batch_invariant runs one engine's kernels in one process on its own "
                              "weights: it cannot be combined with ep_size, tp_size or device_memory_bytes")
-        if self.stream_host_kv not in (None, True, False):
+        if self.weight_streaming == "layer" and self.device_memory_bytes is None:
+            raise ValueError("engine option weight_streaming 'layer' streams weights within device_memory_bytes; "
+                             "without it every weight stays on the device and nothing would stream")
+        if self.stream_host_kv is not None and not isinstance(self.stream_host_kv, bool):  # (0 == False)
             raise ValueError(f"engine option stream_host_kv must be true, false or null, got {self.stream_host_kv!r}")
         for name in ("staging_fraction", "refill_threshold"):
             value = getattr(self, name)
@@ -143,6 +146,9 @@ class EngineConfig:
         return dataclasses.replace(base or cls(), **overrides)
 
 
+INT64_MAX = 2**63 - 1  # sizes and the seed reach C and torch as 64-bit integers
+
+
 def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"engine option {name} must be an integer >= {minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= INT64_MAX:
+        raise ValueError(f"engine option {name} must be an integer in [{minimum}, 2^63 - 1], got {value!r}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import math
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field, replace
@@ -24,7 +25,7 @@ from batchgen.engine.generation import Generates
 from batchgen.engine.grammar import GrammarBackend
 from batchgen.engine.host_view import host_pages_in_place, streams_host_kv
 from batchgen.engine.kv_budget import plan_kv_budget
-from batchgen.engine.kv_manager import KVManager
+from batchgen.engine.kv_manager import KVBudget, KVManager
 from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.migration import MigratedRequest, MigratedSample
 from batchgen.engine.model_runner import MicroBatchLimits, ModelRunner
@@ -60,6 +61,20 @@ class _RequestState:
     error: str | None = None  # why a sample failed: the request's Result says so once every sample is done
 
 
+def _check_device_pages(kv: KVManager, budget: KVBudget, config: EngineConfig) -> None:
+    """ValueError naming kv_budget_bytes when its device pages (the staging pool apart) are no more than the
+    scheduler's reserve: every request would fail as not fitting, or the engine never schedule one."""
+    if kv.device.num_pages > kv.reserve_pages:
+        return
+    page_bytes = kv.geometry.page_bytes
+    resident_share = 1 - budget.staging_bytes / budget.device_bytes
+    least = math.ceil((kv.reserve_pages + 1) * page_bytes / resident_share)
+    staging = ", the staging pool apart" if budget.staging_bytes else ""
+    raise ValueError(f"engine option kv_budget_bytes ({config.kv_budget_bytes}) holds {kv.device.num_pages} device KV "
+                     f"pages of {config.page_size} tokens ({page_bytes} bytes each{staging}); an engine needs more "
+                     f"than its reserve of {kv.reserve_pages}: at least {least} bytes")
+
+
 class Engine(Generates):
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, group: RankGroup | None = None,
                  **overrides):
@@ -67,6 +82,9 @@ class Engine(Generates):
         rank's share of the experts (ep_size) or of the heads and columns (tp_size), and every step is taken
         together with the other ranks."""
         config = EngineConfig.from_kwargs(config, **overrides)
+        if config.max_model_len is not None and config.max_model_len > loaded.max_model_len:  # as vLLM refuses it
+            raise ValueError(f"engine option max_model_len ({config.max_model_len}) is more than the model's context "
+                             f"length ({loaded.max_model_len})")
         if config.batch_invariant:
             refusal = invariance_refusal(loaded.device.type, loaded.dtype)
             if refusal is not None:
@@ -80,7 +98,7 @@ class Engine(Generates):
         self.device = loaded.device
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
-        self.max_model_len = min(self.config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        self.max_model_len = self.config.max_model_len or loaded.max_model_len
         self.normalizer = RequestNormalizer(self.tokenizer, self.model.vocab_size, self.max_model_len)
         spec = self.model.kv_spec()
         stream_host = streams_host_kv(self.config.stream_host_kv, self.device.type)
@@ -90,6 +108,7 @@ class Engine(Generates):
         budget = plan_kv_budget(self.config, stream_host)
         self.kv = KVManager(spec, self.config.page_size, loaded.dtype, budget, self.device, stream_host,
                             self.config.prefix_caching)
+        _check_device_pages(self.kv, budget, self.config)
         self.scheduler = Scheduler(self.config, self.kv)
         coroutine = self.config.mode == "coroutine"
         # lockstep runs one unbounded batch, except that a device-memory budget bounds its activations too

@@ -4,6 +4,7 @@ composition, memory budget, evictions or arrival order."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from tiny_models import ALL_ARCHITECTURES, kv_bytes_per_token, prompts, save_tiny_checkpoint
@@ -358,3 +359,51 @@ def test_results_stream_as_sequences_finish(moe_case):
     assert metrics["completion_time_p50"] <= metrics["completion_time_p99"]
     assert metrics["mean_expert_batch"] > metrics["mean_decode_expert_batch"] > 0  # prefill batches are larger
     assert sum(metrics["expert_histogram"]) > 0
+
+
+@pytest.mark.parametrize("options,named", [
+    (dict(seed=2**64), "seed must be an integer in [0, 2^63 - 1]"),  # was: torch's unnamed overflow in the engine
+    (dict(kv_budget_bytes=2**70), "kv_budget_bytes must be an integer in [1, 2^63 - 1]"),
+    (dict(device="cuda:abc"), "device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),  # torch refused it in the actor
+    (dict(device="cuda:-1"), "device must be"),
+    (dict(stream_host_kv=0), "stream_host_kv must be true, false or null"),  # 0 == False passed, then became True
+    (dict(weight_streaming="layer"), "weight_streaming 'layer' streams weights within device_memory_bytes"),
+])
+def test_engine_options_that_could_not_run_as_given_are_refused_by_name(options, named):
+    from batchgen.engine import EngineConfig
+
+    with pytest.raises(ValueError, match=re.escape(named)):
+        EngineConfig(**options)
+
+
+@pytest.mark.parametrize("mode", ["coroutine", "lockstep"])
+def test_a_kv_budget_of_no_more_pages_than_the_reserve_is_refused_with_its_minimum(moe_case, mode):
+    """A budget holding no page (or only the scheduler's reserve) built an engine whose every request then failed as
+    not fitting: a job reported them row by row and exited 0."""
+    loaded = moe_case[0]
+    page = kv_bytes_per_token(loaded) * 4
+    with pytest.raises(ValueError, match=r"engine option kv_budget_bytes \(1\) holds 0 device KV pages of 4 tokens "
+                                         rf"\({page} bytes each.*at least \d+ bytes"):
+        Engine(loaded, mode=mode, page_size=4, kv_budget_bytes=1, host_kv_budget_bytes=page * 8, staging_fraction=0.25,
+               max_num_seqs=4, b_attn=4, b_moe=64, refill_threshold=0.5)
+    least = int(re.search(r"at least (\d+) bytes", _refusal(loaded, mode, page)).group(1))
+    Engine(loaded, mode=mode, page_size=4, kv_budget_bytes=least, host_kv_budget_bytes=page * 8,
+           staging_fraction=0.25, max_num_seqs=4, b_attn=4, b_moe=64, refill_threshold=0.5)  # the minimum builds
+
+
+def test_a_max_model_len_past_the_models_context_is_refused(moe_case):
+    """It was clamped to the model's silently (the config still said the larger): vLLM refuses it."""
+    loaded = moe_case[0]
+    with pytest.raises(ValueError, match=rf"max_model_len \(1000000\) is more than the model's context length "
+                                         rf"\({loaded.max_model_len}\)"):
+        Engine(loaded, max_model_len=1_000_000)
+    assert Engine(loaded, max_model_len=loaded.max_model_len, kv_budget_bytes=8 << 20, host_kv_budget_bytes=8 << 20,
+                  max_num_seqs=4, b_attn=4, b_moe=64, refill_threshold=0.5, staging_fraction=0.25).max_model_len \
+        == loaded.max_model_len
+
+
+def _refusal(loaded, mode, page) -> str:
+    with pytest.raises(ValueError) as refused:
+        Engine(loaded, mode=mode, page_size=4, kv_budget_bytes=page * 2, host_kv_budget_bytes=page * 8,
+               staging_fraction=0.25, max_num_seqs=4, b_attn=4, b_moe=64, refill_threshold=0.5)
+    return str(refused.value)
