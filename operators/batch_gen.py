@@ -38,6 +38,7 @@ from batchgen.operators.columns import (
     RowOutcome,
     RowParser,
     check_input_columns,
+    lists_outputs,
     output_columns,
     report_finished,
 )
@@ -76,7 +77,7 @@ class BatchGen:
         defaults = SamplingParams.from_dict(sampling_params)
         if chat_template is not None:
             check_chat_template(chat_template)  # before the model loads
-        self.list_outputs = defaults.n > 1 if list_outputs is None else bool(list_outputs)
+        self.list_outputs = lists_outputs(list_outputs, defaults)
         self.loop = EngineLoop(lambda: load_engine(model, storage_options, **engine_options),
                                on_work=self.lending and self.lending.on_work)
         self.engine = self.loop.engine

@@ -60,6 +60,19 @@ def check_input_columns(names: Sequence[str], where: str = "the input") -> None:
         raise InputColumnsError(f"{where} already has output column(s) {clash}; rename or drop them")
 
 
+def lists_outputs(list_outputs: Any, defaults: SamplingParams) -> bool:
+    """The output schema's mode: lists (a row's samples) as `list_outputs` asks, or where it is None when the
+    sampling defaults ask for n > 1. ValueError naming a value that is not a bool ("false" was read as true), or
+    false beside such defaults (every row would be an error)."""
+    if list_outputs is None:
+        return defaults.n > 1
+    if not isinstance(list_outputs, bool):
+        raise ValueError(f"list_outputs must be true, false or null, got {list_outputs!r}")
+    if defaults.n > 1 and not list_outputs:
+        raise ValueError(f"sampling n={defaults.n} needs list outputs; drop list_outputs=False")
+    return list_outputs
+
+
 def output_schema(list_outputs: bool) -> pa.Schema:
     def maybe_list(t: pa.DataType) -> pa.DataType:
         return pa.list_(t) if list_outputs else t

@@ -15,7 +15,7 @@ from batchgen.connectors.checkpoint_files import load_tokenizer
 from batchgen.engine import RequestNormalizer, SamplingParams
 from batchgen.operators import stage_columns as sc
 from batchgen.operators.blocks import Block, names, rows, to_block, with_columns
-from batchgen.operators.columns import ERROR, INPUT_COLUMNS, RowParser, check_input_columns
+from batchgen.operators.columns import ERROR, INPUT_COLUMNS, RowParser, check_input_columns, lists_outputs
 
 
 class Tokenize:
@@ -23,7 +23,7 @@ class Tokenize:
                  storage_options: dict[str, Any] | None = None, list_outputs: bool | None = None,
                  chat_template: str | None = None) -> None:
         defaults = SamplingParams.from_dict(sampling_params)
-        list_outputs = defaults.n > 1 if list_outputs is None else bool(list_outputs)
+        list_outputs = lists_outputs(list_outputs, defaults)
         # no weights here, so no vocabulary or context checks: the prefill engine runs those
         self.parser = RowParser(RequestNormalizer(load_tokenizer(model, storage_options), chat_template=chat_template),
                                 defaults, list_outputs)

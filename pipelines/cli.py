@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from batchgen.operators.work_balancer import BalancerStats
-from batchgen.pipelines.cli_args import chat_template_text, json_object, parse_json_object
+from batchgen.pipelines.cli_args import (
+    chat_template_text,
+    json_object,
+    parse_json_object,
+    positive_int,
+    positive_number,
+)
 from batchgen.pipelines.driver_priority import driver_yields_cpu
 from batchgen.pipelines.openai_batch.serve_cli import add_serve_parser, run_serve
 from batchgen.pipelines.pipeline import (
@@ -78,7 +84,7 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
                                           "through the Ray pipeline with the tiny-moe preset and writes "
                                           "OUT/results/ (replaced on every run).")
     p.add_argument("--out", default="out", help="demo folder (default ./out)")
-    p.add_argument("--rows", type=int, default=64, help="number of demo prompts (default 64)")
+    p.add_argument("--rows", type=positive_int, default=64, help="number of demo prompts (default 64)")
     _add_job_options(p)
     return p
 
@@ -96,7 +102,7 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=kind, help=f"sampling default '{name}'")
     p.add_argument("--sampling-params", type=json_object, help="sampling defaults as JSON (rows override)")
     p.add_argument("--engine", type=json_object, help='EngineConfig fields as JSON, e.g. {"max_num_seqs": 512}')
-    p.add_argument("--device-memory-mb", type=float,
+    p.add_argument("--device-memory-mb", type=positive_number,
                    help="device memory per engine for weights, KV and activations together: weights stay in host "
                         "memory and what does not fit streams to the device (engine option device_memory_bytes)")
     p.add_argument("--engine-num-cpus", type=float, help="CPUs per engine actor (default: a share of the cluster)")

@@ -45,7 +45,7 @@ from batchgen.engine.planner.stage_split import StageSplit
 from batchgen.engine.quantile_sketch import QuantileSketch
 from batchgen.operators import BatchGen, Decode, Prefill, Tokenize, engine_actor_pool
 from batchgen.operators.actor_ready import EngineActorReady
-from batchgen.operators.columns import ERROR, check_input_columns
+from batchgen.operators.columns import ERROR, check_input_columns, lists_outputs
 from batchgen.operators.work_balancer import BalancerStats, start_work_balancer
 from batchgen.pipelines.job_planning import plan_stages
 from batchgen.pipelines.output_lease import STALE_S, LeaseHeld, OutputLease
@@ -112,8 +112,8 @@ class JobConfig:
         for name in ("batch_size", "concurrency", "prefill_concurrency", "decode_concurrency",
                      "tokenize_concurrency", "rows_per_block"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise JobError(f"{name} must be an integer >= 1, got {value!r}")
+            if not _is_count(value):  # (true is an int to Python: one-row blocks)
+                raise JobError(f"{name} must be an integer in [1, 2^63 - 1], got {value!r}")
         defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
                     for f in dataclasses.fields(self)}
         ignored = [name for name in other_mode_options(self.mode) if getattr(self, name) != defaults[name]]
@@ -138,10 +138,8 @@ class JobConfig:
                 raise JobError(str(exc)) from None
         if not isinstance(self.migrate, bool):
             raise JobError(f"migrate must be true or false, got {self.migrate!r}")
-        if self.list_outputs is not None and not isinstance(self.list_outputs, bool):  # "false" read as true
-            raise JobError(f"list_outputs must be true, false or null, got {self.list_outputs!r}")
-        if self.rows_per_file is not None and (not _is_int(self.rows_per_file) or self.rows_per_file < 1):
-            raise JobError(f"rows_per_file must be an integer >= 1, got {self.rows_per_file!r}")
+        if self.rows_per_file is not None and not _is_count(self.rows_per_file):
+            raise JobError(f"rows_per_file must be an integer in [1, 2^63 - 1], got {self.rows_per_file!r}")
         for name in ("engine_num_cpus", "engine_num_gpus"):  # (a Ray actor may ask for none)
             value = getattr(self, name)
             if value is None and name == "engine_num_cpus":
@@ -162,15 +160,15 @@ class JobConfig:
         if engine.ranks > 1 and self.mode != "single":
             raise JobError(f"ep_size {engine.ep_size}, tp_size {engine.tp_size}: an engine over several ranks runs "
                            "in single mode (the prefill stage runs one rank per actor)")
-        if defaults.n > 1 and self.list_outputs is False:
-            raise JobError(f"sampling n={defaults.n} needs list outputs; drop list_outputs=False")
+        try:
+            lists_outputs(self.list_outputs, defaults)
+        except ValueError as exc:
+            raise JobError(str(exc)) from None
 
     @property
     def samples_as_lists(self) -> bool:
         """The output schema's mode (operators/columns.py): lists when asked, or when n > 1."""
-        if self.list_outputs is not None:
-            return self.list_outputs
-        return SamplingParams.from_dict(self.sampling_params).n > 1
+        return lists_outputs(self.list_outputs, SamplingParams.from_dict(self.sampling_params))
 
 
 @dataclass
@@ -290,8 +288,9 @@ def _run_planned(plan: JobPlan, on_progress: Callable[[Progress], None] | None, 
                 ray.kill(actor)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _is_count(value: Any) -> bool:
+    """A positive integer (not a bool) that fits the 64-bit ints Arrow and the read tasks hold it in."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value < 2**63
 
 
 _CPU_STAGE_CPUS = 0.25  # read, tokenize, write: light, and must never starve the engine actors

@@ -312,6 +312,16 @@ def test_serve_limits_below_one_are_a_bad_command_line(flag, capsys):
         assert exit_.value.code == 2 and f"expected an integer >= 1, got {value}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("port", ["70000", "-1", "http"])
+def test_a_port_past_tcps_is_a_bad_command_line(port, capsys):
+    """The server loaded the model, then failed to bind with a traceback."""
+    from batchgen.pipelines.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["serve", "--model", "m", "--storage", "s", "--port", port])
+    assert exit_.value.code == 2 and "expected a port number in [0, 65535]" in capsys.readouterr().err
+
+
 def test_health_and_models(server, client):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert [m.id for m in client.models.list()] == [SERVED]

@@ -283,10 +283,13 @@ def test_verbose_lets_rays_worker_output_and_log_lines_through_and_only_it(monke
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--rows-per-file", "0"], "rows_per_file must be an integer >= 1, got 0"),
+    (["--rows-per-file", "0"], "rows_per_file must be an integer in [1, 2^63 - 1], got 0"),
     (["--engine-num-cpus", "-1"], "engine_num_cpus must be a finite number >= 0, got -1.0"),
     (["--engine-num-gpus", "-2"], "engine_num_gpus must be a finite number >= 0, got -2.0"),
     (["--config", "list_outputs: 'false'"], "list_outputs must be true, false or null, got 'false'"),
+    # true is an int to Python (one-row blocks); past int64 the read tasks overflowed
+    (["--config", "rows_per_block: true"], "rows_per_block must be an integer in [1, 2^63 - 1], got True"),
+    (["--config", "batch_size: 9223372036854775808"], "batch_size must be an integer in [1, 2^63 - 1], got 9223"),
 ])
 def test_bad_job_values_are_a_bad_command_line(tmp_path, capsys, flags, message):
     """They were accepted and failed later inside Ray or the sink, or (list_outputs "false") were read as true."""
@@ -295,6 +298,26 @@ def test_bad_job_values_are_a_bad_command_line(tmp_path, capsys, flags, message)
         flags = ["--config", str(tmp_path / "c.yaml")]
     code = main(["run", "--model", "m", "--input", "i", "--output", str(tmp_path / "out"), *flags, "--no-progress"])
     assert code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["run", "--model", "m", "--input", "i", "--output", "o", "--device-memory-mb", "nan"],
+     "expected a finite number > 0, got nan"),
+    (["run", "--model", "m", "--input", "i", "--output", "o", "--device-memory-mb", "inf"],
+     "expected a finite number > 0, got inf"),
+    (["demo", "--rows", "-3"], "expected an integer >= 1, got -3"),
+])
+def test_option_values_no_command_can_use_are_a_bad_command_line(tmp_path, monkeypatch, capsys, argv, message):
+    """--device-memory-mb nan or inf reached int() past the checks (a traceback); demo --rows -3 deleted the
+    previous results, then failed with a traceback."""
+    monkeypatch.chdir(tmp_path)
+    kept = tmp_path / "out" / "results" / "keep.txt"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("earlier results")
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert kept.read_text() == "earlier results"
 
 
 def test_demo_sampling_params_set_what_its_own_defaults_set(tmp_path):

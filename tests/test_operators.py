@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import pickle
+import re
 import threading
 import time
 
@@ -228,6 +229,19 @@ def test_n_samples_come_back_as_one_list_per_sample(tiny_moe_dir, batchgen, prom
     # a scalar-mode operator refuses n > 1 for the row instead of changing the schema
     scalar = call(batchgen, pa.table({"prompt": prompts[:1], "sampling_params": [{"n": 3}]}))
     assert "needs list outputs" in scalar.column("error")[0].as_py()
+
+
+@pytest.mark.parametrize("stage", ["BatchGen", "Tokenize"])
+@pytest.mark.parametrize("sampling,list_outputs,named", [
+    ({}, "false", "list_outputs must be true, false or null, got 'false'"),  # bool("false"): list outputs
+    ({"n": 2}, False, "sampling n=2 needs list outputs; drop list_outputs=False"),  # every row an error
+])
+def test_stage_constructors_refuse_an_output_mode_they_cannot_honour(tiny_moe_dir, stage, sampling, list_outputs,
+                                                                    named):
+    import batchgen.operators as operators
+
+    with pytest.raises(ValueError, match=re.escape(named)):
+        getattr(operators, stage)(tiny_moe_dir, sampling, list_outputs=list_outputs)
 
 
 @pytest.fixture(scope="module")

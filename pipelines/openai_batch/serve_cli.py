@@ -9,7 +9,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from batchgen.engine.request_normalizer import sampling_params
-from batchgen.pipelines.cli_args import chat_template_text, json_object, positive_int
+from batchgen.pipelines.cli_args import chat_template_text, json_object, port_number, positive_int
 
 if TYPE_CHECKING:  # the server's modules load only when `serve` runs
     from fastapi import FastAPI
@@ -35,7 +35,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the name requests use in 'model' (default: the last path "
                                                "component of --model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--api-key", default=os.environ.get("BATCHGEN_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $BATCHGEN_API_KEY; unset = no auth)")
