@@ -106,8 +106,13 @@ class Engine(Generates):
         if refusal is not None:
             raise ValueError(f"engine option stream_host_kv false attends on host KV pages in place: {refusal}")
         budget = plan_kv_budget(self.config, stream_host)
-        self.kv = KVManager(spec, self.config.page_size, loaded.dtype, budget, self.device, stream_host,
-                            self.config.prefix_caching)
+        try:
+            self.kv = KVManager(spec, self.config.page_size, loaded.dtype, budget, self.device, stream_host,
+                                self.config.prefix_caching)
+        except (OSError, MemoryError, RuntimeError) as exc:  # mmap's ENOMEM, torch's out of memory
+            raise MemoryError(f"the KV pools of engine options kv_budget_bytes ({self.config.kv_budget_bytes}) and "
+                              f"host_kv_budget_bytes ({self.config.host_kv_budget_bytes}) could not be allocated: "
+                              f"{exc}") from exc
         _check_device_pages(self.kv, budget, self.config)
         self.scheduler = Scheduler(self.config, self.kv)
         coroutine = self.config.mode == "coroutine"

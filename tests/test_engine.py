@@ -407,3 +407,13 @@ def _refusal(loaded, mode, page) -> str:
         Engine(loaded, mode=mode, page_size=4, kv_budget_bytes=page * 2, host_kv_budget_bytes=page * 8,
                staging_fraction=0.25, max_num_seqs=4, b_attn=4, b_moe=64, refill_threshold=0.5)
     return str(refused.value)
+
+
+def test_kv_pools_the_machine_cannot_map_are_a_memory_error_naming_the_budgets(moe_case):
+    """A host budget past the machine failed the constructor with mmap's bare "[Errno 12] Cannot allocate memory".
+    256 TiB: past x86-64's 128 TiB of user address space, whatever the kernel's overcommit policy."""
+    loaded = moe_case[0]
+    with pytest.raises(MemoryError, match=r"the KV pools of engine options kv_budget_bytes \(8388608\) and "
+                                          r"host_kv_budget_bytes \(281474976710656\) could not be allocated"):
+        Engine(loaded, page_size=4, kv_budget_bytes=8 << 20, host_kv_budget_bytes=1 << 48, staging_fraction=0.25,
+               max_num_seqs=4, b_attn=4, b_moe=64, refill_threshold=0.5)
