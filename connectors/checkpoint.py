@@ -26,6 +26,7 @@ from safetensors.torch import load as load_safetensors_bytes
 
 from batchgen.connectors.checkpoint_files import (
     CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
     CheckpointError,
     list_checkpoint_files,
     metadata_dir,
@@ -44,7 +45,6 @@ from batchgen.engine.models.weight_names import WeightTarget, checkpoint_name, c
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
 # quantization settings some tools keep beside config.json instead of in its quantization_config
 QUANTIZATION_FILES = ("quantize_config.json", "quant_config.json", "quantization_config.json")
 QUANTIZATION_TENSORS = frozenset({"qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_shape",

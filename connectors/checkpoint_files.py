@@ -24,6 +24,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 # Small files copied next to config.json for transformers (tokenizers, chat templates, generation config).
 METADATA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
 TEMPLATES_DIR = "additional_chat_templates"  # a tokenizer's named chat templates, one .jinja file each
+GENERATION_CONFIG_FILE = "generation_config.json"
+# what a checkpoint's generation config may recommend as sampling defaults, as vLLM's server takes them (transformers'
+# max_new_tokens is max_tokens)
+GENERATION_DEFAULTS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 
 
 class CheckpointError(ValueError):
@@ -47,6 +51,25 @@ def load_config(uri: str | os.PathLike, storage_options: dict[str, Any] | None =
             return AutoConfig.from_pretrained(meta_dir)
         except (OSError, ValueError, TypeError, KeyError) as exc:
             raise CheckpointError(f"{uri}/{CONFIG_FILE} is not a valid config: {exc}") from exc
+
+
+def load_generation_defaults(uri: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The sampling defaults the checkpoint's generation_config.json recommends, as vLLM's OpenAI server applies them
+    (its `--generation-config auto`): those of GENERATION_DEFAULTS set apart from transformers' own defaults, as
+    SamplingParams fields. {} without the file."""
+    from transformers import GenerationConfig
+
+    with _small_files(uri, storage_options) as (meta_dir, files, uri):
+        if GENERATION_CONFIG_FILE not in files:
+            return {}
+        try:
+            given = GenerationConfig.from_pretrained(meta_dir).to_diff_dict()
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise CheckpointError(f"{uri}/{GENERATION_CONFIG_FILE} is not a valid generation config: {exc}") from exc
+    defaults = {key: given[key] for key in GENERATION_DEFAULTS if given.get(key) is not None}
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    return defaults
 
 
 @contextmanager

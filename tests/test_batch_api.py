@@ -312,6 +312,31 @@ def test_serve_limits_below_one_are_a_bad_command_line(flag, capsys):
         assert exit_.value.code == 2 and f"expected an integer >= 1, got {value}" in capsys.readouterr().err
 
 
+def test_serve_defaults_are_the_models_generation_config_under_sampling_params(tmp_path):
+    """vLLM's server applies the sampling defaults a checkpoint's generation_config.json recommends (Qwen3's
+    temperature 0.6, top_p 0.95, top_k 20) to the fields a request leaves out; they were never read.
+    --generation-config vllm leaves them out, as vLLM's does."""
+    from tiny_models import save_tiny_checkpoint
+    from transformers import GenerationConfig
+
+    from batchgen.pipelines.cli import build_parser
+    from batchgen.pipelines.openai_batch.serve_cli import serve_sampling_defaults
+
+    save_tiny_checkpoint("llama", tmp_path)
+
+    def defaults(*flags):
+        return serve_sampling_defaults(build_parser().parse_args(["serve", "--model", str(tmp_path), "--storage",
+                                                                  str(tmp_path / "store"), *flags]))
+
+    assert defaults() == {}  # transformers' own generation defaults recommend nothing
+    GenerationConfig(do_sample=True, temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=7, eos_token_id=2,
+                     num_beams=1).save_pretrained(tmp_path)
+    assert defaults() == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 7}
+    assert defaults("--sampling-params", '{"temperature": 0, "seed": 3}') == {
+        "temperature": 0, "top_p": 0.95, "top_k": 20, "max_tokens": 7, "seed": 3}
+    assert defaults("--generation-config", "vllm") == {}
+
+
 @pytest.mark.parametrize("port", ["70000", "-1", "http"])
 def test_a_port_past_tcps_is_a_bad_command_line(port, capsys):
     """The server loaded the model, then failed to bind with a traceback."""

@@ -19,6 +19,8 @@ if TYPE_CHECKING:  # the server's modules load only when `serve` runs
     from batchgen.pipelines.openai_batch.store import BatchStore
     from batchgen.pipelines.pipeline import JobConfig
 
+log = logging.getLogger(__name__)
+
 # JobConfig fields `serve` sets itself from its own options, or per batch
 _SET_BY_SERVE = ("model", "input", "output", "sampling_params", "engine", "storage_options", "list_outputs",
                  "chat_template")
@@ -51,6 +53,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--sampling-params", type=json_object, default={},
                    help='defaults for the sampling fields a request body leaves out, as JSON, '
                         'e.g. {"temperature": 0, "max_tokens": 256}')
+    p.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+                   help="auto (default): the sampling defaults the model's generation_config.json recommends "
+                        "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) apply under "
+                        "--sampling-params, as vLLM's server applies them; vllm: they do not")
     p.add_argument("--engine", type=json_object, default={},
                    help='EngineConfig fields as JSON, e.g. {"max_num_seqs": 512}')
     p.add_argument("--chat-template", help="Jinja chat template (a file or the template itself) that renders "
@@ -143,12 +149,25 @@ def create_serve_app(args: argparse.Namespace, loop: EngineLoop | None, store: B
     served_model = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
     chat_template = None if args.chat_template is None else chat_template_text(args.chat_template)
     config = BackendConfig(
-        served_model=served_model, default_sampling=args.sampling_params, chat_template=chat_template,
+        served_model=served_model, default_sampling=serve_sampling_defaults(args), chat_template=chat_template,
         max_batch_requests=args.max_batch_requests,
         **({} if args.max_in_flight is None else {"max_in_flight": args.max_in_flight}))
     return create_app(store, _backend(args, loop, store, config), ServerConfig(
         served_model=served_model, api_key=args.api_key, max_upload_bytes=args.max_upload_bytes,
         allow_custom_completion_window=args.allow_custom_completion_window))
+
+
+def serve_sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling defaults of a request body's unset fields: --sampling-params over those the model's generation
+    config recommends (with --generation-config auto: vLLM's server default)."""
+    from batchgen.connectors.checkpoint_files import load_generation_defaults
+
+    recommended = load_generation_defaults(args.model, args.storage_options) if args.generation_config == "auto" \
+        else {}
+    if recommended:
+        log.info("sampling defaults from the model's generation config: %s (--sampling-params overrides them; "
+                 "--generation-config vllm leaves them out)", recommended)
+    return {**recommended, **args.sampling_params}
 
 
 def _backend(args: argparse.Namespace, loop: EngineLoop | None, store: BatchStore,
