@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import posixpath
 import uuid
 from dataclasses import dataclass
@@ -23,6 +24,41 @@ def filesystem(uri: str, storage_options: dict[str, Any] | None = None
     S3 storage options use s3fs names (`key`, `secret`, `endpoint_url`, `client_kwargs`, ...).
     """
     return url_to_fs(uri, **(storage_options or {}))
+
+
+# options every fsspec filesystem takes through its base class's **kwargs (its listings cache, its instance cache)
+GENERIC_STORAGE_OPTIONS = frozenset({"use_listings_cache", "listings_expiry_time", "max_paths", "skip_instance_cache"})
+
+
+def check_storage_options(uris: list[str], storage_options: dict[str, Any] | None) -> None:
+    """ValueError naming storage options that no filesystem of `uris` takes: fsspec passes them on and the
+    filesystems drop what they do not know, so a mistyped `endpoint_ur` sent an S3 job to AWS itself. (One set of
+    options serves every URI of a job, so an S3 key beside a local output is fine.)"""
+    if not storage_options:
+        return
+    taken = set(GENERIC_STORAGE_OPTIONS)
+    for uri in uris:
+        protocol = fsspec.core.split_protocol(str(uri))[0] or "file"
+        try:
+            kind = fsspec.get_filesystem_class(protocol)
+        except (ImportError, ValueError):  # no implementation installed: its own error comes when it is opened
+            return
+        taken |= _init_parameters(kind)
+    unknown = sorted(set(storage_options) - taken)
+    if unknown:
+        raise ValueError(f"unknown storage option(s) {unknown} for {', '.join(sorted(set(map(str, uris))))}; "
+                         f"known: {sorted(taken)}")
+
+
+def _init_parameters(kind: type) -> set[str]:
+    """The keyword parameters a filesystem class's constructors (its own and its bases') name."""
+    names = set()
+    for cls in kind.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            names |= {p.name for p in inspect.signature(init).parameters.values()
+                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"}
+    return names
 
 
 # data files a job reads only in Parquet: met beside Parquet files, they are an error, not rows left out silently

@@ -38,7 +38,7 @@ from batchgen.connectors.indexed_parquet import (
     RangeSet,
     recover_output_parts,
 )
-from batchgen.connectors.io import StorageError, check_writable, filesystem
+from batchgen.connectors.io import StorageError, check_storage_options, check_writable, filesystem
 from batchgen.engine import EngineConfig, SamplingParams
 from batchgen.engine.chat import check_chat_template
 from batchgen.engine.planner.stage_split import StageSplit
@@ -160,8 +160,11 @@ class JobConfig:
         if engine.ranks > 1 and self.mode != "single":
             raise JobError(f"ep_size {engine.ep_size}, tp_size {engine.tp_size}: an engine over several ranks runs "
                            "in single mode (the prefill stage runs one rank per actor)")
+        if not isinstance(self.storage_options, dict):
+            raise JobError(f"storage_options must be a mapping, got {self.storage_options!r}")
         try:
             lists_outputs(self.list_outputs, defaults)
+            check_storage_options([self.input, self.output, self.model], self.storage_options)
         except ValueError as exc:
             raise JobError(str(exc)) from None
 

@@ -36,8 +36,8 @@ def test_config_file_holds_the_options_and_the_command_line_overrides_it(tmp_pat
     assert job.engine == {"max_num_seqs": 32, "page_size": 32}
     assert job.storage_options == {"endpoint_url": "http://x"}
     # an object option as the JSON text the command line takes (it raised a TypeError), and one that is not JSON
-    config.write_text(yaml.safe_dump({"model": "m", "input": "i", "output": "o", "sampling_params": '{"top_k": 3}',
-                                      "storage_options": '{"anon": true}'}))
+    config.write_text(yaml.safe_dump({"model": "m", "input": "s3://b/i", "output": "o",
+                                      "sampling_params": '{"top_k": 3}', "storage_options": '{"anon": true}'}))
     job = job_config(build_parser().parse_args(["run", "--config", str(config), "--storage-options", '{"key": "k"}']))
     assert job.sampling_params == {"top_k": 3} and job.storage_options == {"anon": True, "key": "k"}
     for engine in ("max_num_seqs=3", [1]):
@@ -290,6 +290,8 @@ def test_verbose_lets_rays_worker_output_and_log_lines_through_and_only_it(monke
     # true is an int to Python (one-row blocks); past int64 the read tasks overflowed
     (["--config", "rows_per_block: true"], "rows_per_block must be an integer in [1, 2^63 - 1], got True"),
     (["--config", "batch_size: 9223372036854775808"], "batch_size must be an integer in [1, 2^63 - 1], got 9223"),
+    # fsspec hands options on and the filesystems drop what they do not know: a typo sent the job to AWS itself
+    (["--storage-options", '{"endpoint_ur": "http://minio:9000"}'], "unknown storage option(s) ['endpoint_ur']"),
 ])
 def test_bad_job_values_are_a_bad_command_line(tmp_path, capsys, flags, message):
     """They were accepted and failed later inside Ray or the sink, or (list_outputs "false") were read as true."""

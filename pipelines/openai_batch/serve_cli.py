@@ -8,6 +8,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from batchgen.connectors.io import check_storage_options
 from batchgen.engine.request_normalizer import sampling_params
 from batchgen.pipelines.cli_args import chat_template_text, json_object, port_number, positive_int
 
@@ -112,6 +113,7 @@ def check_serve_options(args: argparse.Namespace) -> None:
     if given:
         raise UsageError(f"{' and '.join(given)} apply to the other backend; this server runs --backend {args.backend}")
     try:
+        check_storage_options([args.storage, args.model], args.storage_options)
         sampling_params(args.sampling_params)
         if args.chat_template is not None:
             chat_template_text(args.chat_template)
