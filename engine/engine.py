@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import itertools
-import math
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field, replace
@@ -25,7 +24,7 @@ from batchgen.engine.generation import Generates
 from batchgen.engine.grammar import GrammarBackend
 from batchgen.engine.host_view import host_pages_in_place, streams_host_kv
 from batchgen.engine.kv_budget import plan_kv_budget
-from batchgen.engine.kv_manager import KVBudget, KVManager
+from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.migration import MigratedRequest, MigratedSample
 from batchgen.engine.model_runner import MicroBatchLimits, ModelRunner
@@ -61,18 +60,15 @@ class _RequestState:
     error: str | None = None  # why a sample failed: the request's Result says so once every sample is done
 
 
-def _check_device_pages(kv: KVManager, budget: KVBudget, config: EngineConfig) -> None:
-    """ValueError naming kv_budget_bytes when its device pages (the staging pool apart) are no more than the
-    scheduler's reserve: every request would fail as not fitting, or the engine never schedule one."""
-    if kv.device.num_pages > kv.reserve_pages:
+def _check_room(kv: KVManager, config: EngineConfig) -> None:
+    """ValueError when the KV budgets hold no page any sequence could run in (the device pool, or in coroutine mode
+    host pages it decodes from): every request would fail as not fitting. How many it takes depends on each
+    request, whose own error says."""
+    if kv.device.num_pages or (config.mode == "coroutine" and min(kv.host_decode_pages, kv.host.num_pages)):
         return
-    page_bytes = kv.geometry.page_bytes
-    resident_share = 1 - budget.staging_bytes / budget.device_bytes
-    least = math.ceil((kv.reserve_pages + 1) * page_bytes / resident_share)
-    staging = ", the staging pool apart" if budget.staging_bytes else ""
-    raise ValueError(f"engine option kv_budget_bytes ({config.kv_budget_bytes}) holds {kv.device.num_pages} device KV "
-                     f"pages of {config.page_size} tokens ({page_bytes} bytes each{staging}); an engine needs more "
-                     f"than its reserve of {kv.reserve_pages}: at least {least} bytes")
+    raise ValueError(f"the KV budgets (engine options kv_budget_bytes {config.kv_budget_bytes} and "
+                     f"host_kv_budget_bytes {config.host_kv_budget_bytes}, given or planned) hold no page of "
+                     f"{config.page_size} tokens ({kv.geometry.page_bytes} bytes) a sequence could run in")
 
 
 class Engine(Generates):
@@ -113,7 +109,7 @@ class Engine(Generates):
             raise MemoryError(f"the KV pools of engine options kv_budget_bytes ({self.config.kv_budget_bytes}) and "
                               f"host_kv_budget_bytes ({self.config.host_kv_budget_bytes}) could not be allocated: "
                               f"{exc}") from exc
-        _check_device_pages(self.kv, budget, self.config)
+        _check_room(self.kv, self.config)
         self.scheduler = Scheduler(self.config, self.kv)
         coroutine = self.config.mode == "coroutine"
         # lockstep runs one unbounded batch, except that a device-memory budget bounds its activations too

@@ -254,7 +254,8 @@ def fixed_config(config: EngineConfig, loaded: LoadedModel, limits: MemoryLimits
     settings = {name: value for name, value in FIXED.items() if getattr(config, name) is None}
     max_num_seqs = config.max_num_seqs or FIXED["max_num_seqs"]
     max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
-    wanted = PoolGeometry(loaded.model.kv_spec(), 1, loaded.dtype).page_bytes * max_num_seqs * max_model_len
+    geometry = PoolGeometry(loaded.model.kv_spec(), config.page_size, loaded.dtype)  # whole pages per sequence
+    wanted = geometry.page_bytes * geometry.pages_for(max_model_len) * max_num_seqs
     if config.kv_budget_bytes is None:
         settings["kv_budget_bytes"] = min(wanted, limits.device_kv_bytes)
     if config.host_kv_budget_bytes is None:
