@@ -891,7 +891,8 @@ def test_engine_failure_fails_every_batch_keeping_what_finished(engine, tmp_path
     from fastapi.testclient import TestClient
 
     loop = EngineLoop(lambda: _BrokenEngine(engine.normalizer), max_outstanding=64)
-    args = build_parser().parse_args(["serve", "--model", "broken", "--storage", str(tmp_path / "storage")])
+    args = build_parser().parse_args(["serve", "--model", "broken", "--storage", str(tmp_path / "storage"),
+                                      "--generation-config", "vllm"])  # no checkpoint to read one from
     app = create_serve_app(args, loop, open_store(args))
     with TestClient(app) as http:
         def run_batch(custom_ids: str) -> dict:
