@@ -228,6 +228,12 @@ class Engine(Generates):
         if not len(prefilled.first_token_ids) == len(prefilled.first_logprobs) == sampling.n:  # else it never ends
             raise InvalidRequestError(f"the prefilled prompt carries {len(prefilled.first_token_ids)} first tokens "
                                       f"and {len(prefilled.first_logprobs)} logprobs for n = {sampling.n} samples")
+        # ids the embedding table lacks failed the step (every request of the actor's engine) with an IndexError
+        self.normalizer.prompt_ids(prompt_token_ids=prefilled.request.prompt_token_ids)
+        self._check_in_vocabulary(prefilled.first_token_ids, "the prefilled prompt's first tokens")
+        if sampling.logprobs is not None and None in prefilled.first_logprobs:  # its logprobs would be a token short
+            raise InvalidRequestError("the request asks for logprobs; the prefilled prompt carries no first-token "
+                                      "logprobs")
         self.normalizer.check_length(prefilled.num_tokens, sampling)  # (a prefill engine of a longer context)
         self.scheduler.check_fits(min(prefilled.num_tokens + sampling.max_tokens, self.max_model_len),
                                   prefilled.num_tokens, sampling.n, imported=True)
@@ -365,9 +371,19 @@ class Engine(Generates):
         request = migrated.request
         prompt_ids = self.admissible_prompt(request)
         for sample in migrated.samples:
+            self._check_in_vocabulary(sample.generated, f"migrated sample {sample.index}'s generated tokens")
             if sample.kv is not None:
                 self._check_packed(sample.kv, sample.kv_len, "the migrated KV does not fit this engine (both must "
                                    "run the same model and KV dtype)")
+            if sample.finish_reason is not None:
+                continue
+            if len(sample.generated) >= request.sampling.max_tokens:  # it would run one token past
+                raise InvalidRequestError(f"migrated sample {sample.index} is unfinished with {len(sample.generated)} "
+                                          f"tokens, max_tokens {request.sampling.max_tokens}")
+            if sample.kv is not None and sample.kv_len != len(prompt_ids) + len(sample.generated) - 1:
+                raise InvalidRequestError(f"migrated sample {sample.index}'s KV holds {sample.kv_len} tokens, not its "
+                                          f"prompt's {len(prompt_ids)} and generated tokens' {len(sample.generated)} "
+                                          "but the last")
         self.stats.mark_start()
         self.stats.migrated_in += 1
         submitted = from_wall(migrated.submitted_at)
@@ -533,6 +549,13 @@ class Engine(Generates):
             vocab = self.model.vocab_size
             self._bad_words[words] = tuple(sorted(v for v in variants if v and max(v) < vocab))
         return self._bad_words[words]
+
+    def _check_in_vocabulary(self, token_ids: list[int], what: str) -> None:
+        """InvalidRequestError naming the first of `token_ids` (`what`) outside this model's vocabulary."""
+        vocab = self.model.vocab_size
+        outside = [t for t in token_ids if not 0 <= t < vocab]
+        if outside:
+            raise InvalidRequestError(f"{what}: token {outside[0]} is outside the vocabulary [0, {vocab})")
 
     def _check_packed(self, packed: torch.Tensor, num_tokens: int, problem: str) -> None:
         """InvalidRequestError (`problem`: the reason) unless `packed` holds `num_tokens` tokens of KV laid out

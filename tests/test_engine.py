@@ -220,6 +220,40 @@ def test_prefilled_samples_that_fit_the_device_one_at_a_time_land_together_on_th
     assert [o.token_ids for o in results[0].outputs] == [expected[4]] * 3
 
 
+def test_a_prefilled_prompt_this_model_could_not_have_made_is_refused_and_the_engine_goes_on(moe_case):
+    """First tokens or prompt ids past the vocabulary (a prefill engine of a larger vocabulary and the same KV layout)
+    were adopted, and the next step failed with an IndexError: every request of the decode actor, and every later
+    batch on it. An empty prompt, or no first-token logprobs for a request asking for logprobs (one logprob short,
+    misaligned), were adopted silently."""
+    from dataclasses import replace
+
+    from batchgen.engine import InvalidRequestError
+
+    loaded, batch, expected = moe_case
+    vocab = loaded.model.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    [good] = PrefillExporter(Engine(loaded, page_size=8)).prefill(
+        [Request("r", prompt_token_ids=batch[1], sampling=params)]).outputs
+    prompt = list(good.request.prompt_token_ids)
+    cases = [
+        (replace(good, first_token_ids=[vocab]),
+         f"the prefilled prompt's first tokens: token {vocab} is outside the vocabulary [0, {vocab})"),
+        (replace(good, request=replace(good.request, prompt_token_ids=[*prompt[:-1], vocab + 3])),
+         f"token {vocab + 3} is outside the vocabulary"),
+        (replace(good, request=replace(good.request, prompt_token_ids=[]), kv=good.kv[:0]), "prompt is empty"),
+        (replace(good, first_logprobs=[None]), "the prefilled prompt carries no first-token logprobs"),
+    ]
+    decode = Engine(loaded, page_size=8)
+    decode.add_request(Request("other", prompt_token_ids=batch[0], sampling=GREEDY))
+    for bad, named in cases:
+        with pytest.raises(InvalidRequestError, match=re.escape(named)):
+            decode.add_prefilled(bad)
+    decode.add_prefilled(good)
+    results = {r.request_id: r for r in decode.stream([])}
+    assert results["other"].outputs[0].token_ids == expected[0]
+    assert results["r"].outputs[0].token_ids == expected[1] and len(results["r"].outputs[0].logprobs) == MAX_TOKENS
+
+
 def test_samples_forked_beside_their_prompt_share_its_whole_pages_in_admission_too(moe_case):
     """n=3 of a 30-token prompt: its 4 pages of 8 and one more per other sample fit the device's 10, its whole
     pages shared by the forks. Admission counted a whole copy per sample (12 pages) and refused the request, and a

@@ -5,11 +5,14 @@ outputs, penalties, bad words, n > 1 and samples that finished before the move."
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+import torch
 from tiny_models import kv_bytes_per_token
 
 from batchgen.connectors.checkpoint import load_model
@@ -195,6 +198,40 @@ def test_a_request_mid_prefill_is_not_movable_and_bad_imports_are_refused(demo):
     other = Engine(load_model("tiny-moe", dtype="bfloat16"))
     with pytest.raises(InvalidRequestError, match="does not fit this engine"):
         other.import_request(migrated)
+
+
+def test_migrated_samples_that_could_not_have_come_from_this_model_are_refused_before_anything_changes(demo):
+    """A generated token past the vocabulary crashed the target's next step (every request of its engine with it);
+    KV of the wrong length for the sample's tokens, or a sample left unfinished at max_tokens, decoded on silently
+    (other tokens; one token past max_tokens)."""
+    source = Engine(demo, page_size=16)
+    source.add_request(Request("m", prompt=PROMPTS[0], sampling=SamplingParams(temperature=0.0, max_tokens=8,
+                                                                             ignore_eos=True)))
+    for _ in range(4):
+        source.step()
+    snapshot = source.snapshot_request("m")
+    [sample] = snapshot.samples
+    assert sample.finish_reason is None and len(sample.generated) >= 2
+    vocab, geometry = demo.model.vocab_size, source.kv.geometry
+    shorter = sample.kv_len - 1
+    k, v = geometry.packed_views(sample.kv, sample.kv_len)
+    cases = [
+        (replace(sample, generated=[*sample.generated[:-1], vocab]),
+         f"migrated sample 0's generated tokens: token {vocab} is outside the vocabulary [0, {vocab})"),
+        (replace(sample, kv=torch.cat([k[:, :shorter].reshape(-1).view(torch.uint8),
+                                       v[:, :shorter].reshape(-1).view(torch.uint8)]), kv_len=shorter),
+         f"migrated sample 0's KV holds {shorter} tokens, not its prompt's"),
+        (replace(sample, generated=sample.generated * 8), "migrated sample 0 is unfinished with"),
+    ]
+    target = Engine(demo, page_size=16)
+    for bad, named in cases:
+        with pytest.raises(InvalidRequestError, match=re.escape(named)):
+            target.import_request(replace(snapshot, samples=[bad]))
+        assert not target.has_unfinished()
+    target.import_request(snapshot)  # the sample as it was continues as it would have
+    alone = Engine(demo, page_size=16).generate([Request("m", prompt=PROMPTS[0], sampling=SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True))])
+    assert [r.outputs[0].token_ids for r in target.stream([])] == [alone[0].outputs[0].token_ids]
 
 
 @pytest.mark.parametrize("mode", ["coroutine", "lockstep"])
