@@ -219,9 +219,7 @@ class Engine(Generates):
         if prefilled.request.request_id in self._requests:
             raise InvalidRequestError(f"duplicate request_id {prefilled.request.request_id!r}")
         same = "prefill and decode engines must run the same model and KV dtype"
-        if prefilled.kv_layout and prefilled.kv_layout != self.kv.geometry.layout:
-            raise InvalidRequestError(f"the prefilled KV is {prefilled.kv_layout}, this decode engine's is "
-                                      f"{self.kv.geometry.layout} ({same})")
+        self._check_layout(prefilled.kv_layout, "prefilled KV", "prefill and decode engines")
         self._check_packed(prefilled.kv, prefilled.num_tokens - prefilled.kv_start,
                            f"the prefilled KV does not fit this decode engine ({same})")
         sampling = prefilled.request.sampling
@@ -324,7 +322,7 @@ class Engine(Generates):
         first = state.samples[0]
         request = Request(request_id, list(first.prompt_ids), sampling=state.request.sampling)
         migrated = MigratedRequest(request, [], to_wall(first.submitted_at), to_wall(first.first_scheduled_at),
-                                   state.error)
+                                   state.error, kv_layout=self.kv.geometry.layout)
         for seq in state.samples:
             if seq.phase is Phase.WAITING and not seq.recomputing:
                 continue
@@ -370,6 +368,7 @@ class Engine(Generates):
         InvalidRequestError (nothing changed) when this engine cannot run it."""
         request = migrated.request
         prompt_ids = self.admissible_prompt(request)
+        self._check_layout(migrated.kv_layout, "migrated KV", "the two engines")
         for sample in migrated.samples:
             self._check_in_vocabulary(sample.generated, f"migrated sample {sample.index}'s generated tokens")
             if sample.kv is not None:
@@ -549,6 +548,13 @@ class Engine(Generates):
             vocab = self.model.vocab_size
             self._bad_words[words] = tuple(sorted(v for v in variants if v and max(v) < vocab))
         return self._bad_words[words]
+
+    def _check_layout(self, layout: str, what: str, engines: str) -> None:
+        """InvalidRequestError unless KV laid out as `layout` ("": unknown) is this engine's: another model's of as
+        many bytes per token (other layers and heads) passed the size check and decoded garbage."""
+        if layout and layout != self.kv.geometry.layout:
+            raise InvalidRequestError(f"the {what} is {layout}, this engine's is {self.kv.geometry.layout} ({engines} "
+                                      "must run the same model and KV dtype)")
 
     def _check_in_vocabulary(self, token_ids: list[int], what: str) -> None:
         """InvalidRequestError naming the first of `token_ids` (`what`) outside this model's vocabulary."""

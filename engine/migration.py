@@ -37,6 +37,7 @@ class MigratedRequest:
     submitted_at: float
     first_scheduled_at: float | None
     error: str | None = None  # why a finished sample failed: the request's Result is that error
+    kv_layout: str = ""  # the source engine's PoolGeometry.layout ("": unknown, the sizes alone are checked)
 
     @property
     def kv_bytes(self) -> int:

@@ -234,6 +234,28 @@ def test_migrated_samples_that_could_not_have_come_from_this_model_are_refused_b
     assert [r.outputs[0].token_ids for r in target.stream([])] == [alone[0].outputs[0].token_ids]
 
 
+def test_a_request_migrated_from_another_models_engine_of_as_many_kv_bytes_is_refused(tmp_path):
+    """4 layers of 1 KV head hold as many bytes a token as 2 layers of 2: only the sizes were checked, and the KV
+    decoded into other tokens. A moved request carries its engine's KV layout now, as a prefill hand-off does."""
+    from tiny_models import prompts, save_tiny_checkpoint
+
+    save_tiny_checkpoint("mixtral", tmp_path / "a", num_hidden_layers=2, num_key_value_heads=2)
+    save_tiny_checkpoint("mixtral", tmp_path / "c", num_hidden_layers=4, num_key_value_heads=1)
+    first, other = load_model(str(tmp_path / "a")), load_model(str(tmp_path / "c"))
+    assert kv_bytes_per_token(first) == kv_bytes_per_token(other)
+    source = Engine(first, page_size=4)
+    source.add_request(Request("m", prompt_token_ids=prompts(vocab_size=first.model.vocab_size, lengths=(9,))[0],
+                               sampling=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)))
+    for _ in range(3):
+        source.step()
+    moved = source.export_request("m")
+    target = Engine(other, page_size=4)
+    with pytest.raises(InvalidRequestError, match=re.escape(f"the migrated KV is {source.kv.geometry.layout}, this "
+                                                            f"engine's is {target.kv.geometry.layout}")):
+        target.import_request(moved)
+    Engine(first, page_size=4).import_request(moved)  # its own model's engine takes it
+
+
 @pytest.mark.parametrize("mode", ["coroutine", "lockstep"])
 def test_samples_preempted_by_recompute_finish_as_unconstrained_and_move_without_kv(demo, mode):
     """Device and host pools too small to keep every sequence: samples are preempted by recompute (KV dropped,

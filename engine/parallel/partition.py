@@ -85,7 +85,8 @@ def split_heads(migrated: MigratedRequest, whole: PoolGeometry, part: PoolGeomet
     if whole.spec.num_kv_heads == heads:
         return migrated
     mine = slice(rank * heads, (rank + 1) * heads)
-    return _with_kv(migrated, lambda s: _packed([t[:, :, mine] for t in whole.packed_views(s.kv, s.kv_len)]))
+    return _with_kv(migrated, lambda s: _packed([t[:, :, mine] for t in whole.packed_views(s.kv, s.kv_len)]),
+                    part.layout)
 
 
 def join_heads(parts: list[MigratedRequest], whole: PoolGeometry, part: PoolGeometry) -> MigratedRequest:
@@ -98,13 +99,13 @@ def join_heads(parts: list[MigratedRequest], whole: PoolGeometry, part: PoolGeom
         views = [part.packed_views(p[sample.index].kv, sample.kv_len) for p in by_index]
         return _packed([torch.cat([v[i] for v in views], dim=2) for i in (0, 1)])
 
-    return _with_kv(parts[0], joined)
+    return _with_kv(parts[0], joined, whole.layout)
 
 
-def _with_kv(migrated: MigratedRequest, kv_of) -> MigratedRequest:
-    """`migrated` with each unfinished sample's KV replaced by kv_of(sample)."""
+def _with_kv(migrated: MigratedRequest, kv_of, layout: str) -> MigratedRequest:
+    """`migrated` with each unfinished sample's KV replaced by kv_of(sample), laid out as `layout`."""
     samples = [s if s.kv is None else dataclasses.replace(s, kv=kv_of(s)) for s in migrated.samples]
-    return dataclasses.replace(migrated, samples=samples)
+    return dataclasses.replace(migrated, samples=samples, kv_layout=layout)
 
 
 def _packed(kv: list[torch.Tensor]) -> torch.Tensor:
