@@ -196,8 +196,11 @@ def test_a_request_mid_prefill_is_not_movable_and_bad_imports_are_refused(demo):
     with pytest.raises(InvalidRequestError, match="duplicate request_id"):
         target.import_request(migrated)
     other = Engine(load_model("tiny-moe", dtype="bfloat16"))
-    with pytest.raises(InvalidRequestError, match="does not fit this engine"):
+    with pytest.raises(InvalidRequestError, match=r"the migrated KV is torch.float32 .*, this engine's is torch."
+                                                  r"bfloat16 .* \(the two engines must run the same model and KV"):
         other.import_request(migrated)
+    with pytest.raises(InvalidRequestError, match="does not fit this engine"):  # no layout given: the sizes differ
+        other.import_request(replace(migrated, kv_layout=""))
 
 
 def test_migrated_samples_that_could_not_have_come_from_this_model_are_refused_before_anything_changes(demo):
