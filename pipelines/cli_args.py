@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,37 +29,25 @@ def parse_json_object(value: str | dict[str, Any] | None, what: str) -> dict[str
     return parsed
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1 (0 admitted nothing, and every batch waited for good)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+def _argument_type(parse: Callable[[str], Any], accepts: Callable[[Any], bool], expected: str):
+    """An argparse type: parse(text) where accepts() it, else a bad command line saying `expected`."""
+    def argument(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not accepts(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return value
+    return argument
 
 
-def positive_number(text: str) -> float:
-    """An argparse type: a finite number > 0 (nan and inf reached int() past the checks: a traceback)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
-    return value
-
-
-def port_number(text: str) -> int:
-    """An argparse type: a TCP port (0-65535; past it the server loaded the model, then failed to bind)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number in [0, 65535], got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number in [0, 65535], got {value}")
-    return value
+# 0 admitted nothing, and every batch waited for good
+positive_int = _argument_type(int, lambda value: value >= 1, "an integer >= 1")
+# nan and inf reached int() past the checks: a traceback
+positive_number = _argument_type(float, lambda value: 0 < value < math.inf, "a finite number > 0")
+# past it the server loaded the model, then failed to bind
+port_number = _argument_type(int, lambda value: 0 <= value <= 65535, "a port number in [0, 65535]")
 
 
 def json_object(text: str) -> dict[str, Any]:
