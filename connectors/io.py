@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import inspect
 import posixpath
 import uuid
@@ -31,23 +32,24 @@ GENERIC_STORAGE_OPTIONS = frozenset({"use_listings_cache", "listings_expiry_time
 
 
 def check_storage_options(uris: list[str], storage_options: dict[str, Any] | None) -> None:
-    """ValueError naming storage options that no filesystem of `uris` takes: fsspec passes them on and the
-    filesystems drop what they do not know, so a mistyped `endpoint_ur` sent an S3 job to AWS itself. (One set of
-    options serves every URI of a job, so an S3 key beside a local output is fine.)"""
+    """ValueError naming a storage option that no filesystem of `uris` takes by name but that is close to one they
+    do: fsspec hands options on and the filesystems drop what they do not use, so a mistyped `endpoint_ur` sent an
+    S3 job to AWS itself. Names close to none pass (s3fs's `profile`, HTTP's `headers` reach their sessions through
+    **kwargs). One set of options serves every URI of a job, so an S3 key beside a local output is fine."""
     if not storage_options:
         return
     taken = set(GENERIC_STORAGE_OPTIONS)
     for uri in uris:
         protocol = fsspec.core.split_protocol(str(uri))[0] or "file"
         try:
-            kind = fsspec.get_filesystem_class(protocol)
+            taken |= _init_parameters(fsspec.get_filesystem_class(protocol))
         except (ImportError, ValueError):  # no implementation installed: its own error comes when it is opened
-            return
-        taken |= _init_parameters(kind)
-    unknown = sorted(set(storage_options) - taken)
-    if unknown:
-        raise ValueError(f"unknown storage option(s) {unknown} for {', '.join(sorted(set(map(str, uris))))}; "
-                         f"known: {sorted(taken)}")
+            continue
+    for name in sorted(set(storage_options) - taken):
+        near = difflib.get_close_matches(name, taken, n=1, cutoff=0.8)
+        if near:
+            raise ValueError(f"unknown storage option {name!r} (did you mean {near[0]!r}?) for "
+                             f"{', '.join(sorted(set(map(str, uris))))}")
 
 
 def _init_parameters(kind: type) -> set[str]:

@@ -6,8 +6,10 @@ keywords, `multipleOf` on numbers, the formats `regex`, `iri`, `iri-reference`, 
 only the first of several `allOf` subschemas, and generates no property that `required` names outside `properties`.
 Where a schema object combines keywords it compiles one and drops the rest: beside `anyOf`, `oneOf`, `allOf` or
 `$ref`, every other constraint; beside `enum` or `const`, every other constraint (a `type` that every listed value has
-changes nothing); beside `format`, the lengths and `pattern`; beside `pattern`, the lengths; `patternProperties`
-beside an `additionalProperties` schema. Each was checked against the installed backend: a matcher accepted an output
+changes nothing); beside `format`, a `pattern`; `patternProperties` beside an `additionalProperties` schema. Lengths
+beside `format` or `pattern` are dropped too, but pass: pydantic writes them for every URL field (`HttpUrl`: format
+uri, lengths 1-2083) and constrained string, and refusing those models would refuse most schemas with a URL (the
+README names the gap). Each was checked against the installed backend: a matcher accepted an output
 breaking it. A schema using one is refused by name, as vLLM refuses what its xgrammar backend cannot honour, instead of
 giving outputs that break their row's spec without an error. `oneOf` is compiled as `anyOf` (an output may match more
 than one of its subschemas): left alone, as the discriminated unions it is written for do not overlap. Keywords that
@@ -70,10 +72,8 @@ def _unenforced_here(node: dict) -> tuple[str, str] | None:
         return "'multipleOf' on a number", "the backend compiles it for integers only"
     if node.get("format") in UNENFORCED_FORMATS:
         return f"format '{node['format']}'", ""
-    for first, dropped in (("format", ("minLength", "maxLength", "pattern")), ("pattern", ("minLength", "maxLength"))):
-        beside = [k for k in dropped if first in node and k in node]
-        if beside:
-            return f"'{beside[0]}' beside '{first}'", f"only the '{first}' is compiled"
+    if "format" in node and "pattern" in node:
+        return "'pattern' beside 'format'", "only the 'format' is compiled"
     if "patternProperties" in node and isinstance(node.get("additionalProperties"), dict):
         return "'patternProperties' beside an 'additionalProperties' schema", "the latter takes every other name"
     return None

@@ -160,7 +160,7 @@ class JobConfig:
         if engine.ranks > 1 and self.mode != "single":
             raise JobError(f"ep_size {engine.ep_size}, tp_size {engine.tp_size}: an engine over several ranks runs "
                            "in single mode (the prefill stage runs one rank per actor)")
-        if not isinstance(self.storage_options, dict):
+        if self.storage_options is not None and not isinstance(self.storage_options, dict):  # (None: none)
             raise JobError(f"storage_options must be a mapping, got {self.storage_options!r}")
         try:
             lists_outputs(self.list_outputs, defaults)
