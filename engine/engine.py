@@ -78,9 +78,7 @@ class Engine(Generates):
         rank's share of the experts (ep_size) or of the heads and columns (tp_size), and every step is taken
         together with the other ranks."""
         config = EngineConfig.from_kwargs(config, **overrides)
-        if config.max_model_len is not None and config.max_model_len > loaded.max_model_len:  # as vLLM refuses it
-            raise ValueError(f"engine option max_model_len ({config.max_model_len}) is more than the model's context "
-                             f"length ({loaded.max_model_len})")
+        loaded.context_length(config.max_model_len)  # before planning for it
         if config.batch_invariant:
             refusal = invariance_refusal(loaded.device.type, loaded.dtype)
             if refusal is not None:
@@ -94,7 +92,7 @@ class Engine(Generates):
         self.device = loaded.device
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
-        self.max_model_len = self.config.max_model_len or loaded.max_model_len
+        self.max_model_len = loaded.context_length(self.config.max_model_len)
         self.normalizer = RequestNormalizer(self.tokenizer, self.model.vocab_size, self.max_model_len)
         spec = self.model.kv_spec()
         stream_host = streams_host_kv(self.config.stream_host_kv, self.device.type)

@@ -77,6 +77,10 @@ def run_plan(args: argparse.Namespace) -> int:
                             storage_options=args.storage_options, weights=curves is None)
     except (ValueError, OSError) as exc:  # CheckpointError, PresetError, an unsupported model; storage errors
         raise UsageError(f"model {args.model!r} is not readable: {exc}") from None
+    try:
+        loaded.context_length(config.max_model_len)  # (the plan clamped a longer one without a word)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if curves is not None:
         check_curves_fit(curves, loaded)
     if curves is None:

@@ -415,6 +415,9 @@ def test_batchgen_plan_prints_the_plan_and_the_split(loaded, tmp_path, capsys):
     assert main(["plan", "--model", model_dir, "--curves", str(curves), "--engine", '{"dtype": "bfloat16"}']) == 2
     assert (f"the cost curves were measured for another model or dtype (kv_bytes_per_token {kv} there, {kv // 2} "
             f"here)") in capsys.readouterr().err
+    assert main(["plan", "--model", model_dir, "--curves", str(curves), "--engine", '{"max_model_len": 1000000}']) == 2
+    assert (f"engine option max_model_len (1000000) is more than the model's context length "
+            f"({loaded.max_model_len})") in capsys.readouterr().err  # it was planned for the model's, silently
     saved = tmp_path / "saved.json"
     assert main(["plan", "--model", model_dir, "--curves", str(curves), "--save-curves", str(saved)]) == 2
     assert "pick one" in capsys.readouterr().err

@@ -32,3 +32,11 @@ class LoadedModel:
     def device(self) -> torch.device:
         """Where the model computes: its final norm's device (always resident, also when weights stream)."""
         return self.model.norm.weight.device
+
+    def context_length(self, max_model_len: int | None) -> int:
+        """The context an engine option max_model_len asks for (None: the model's); ValueError past the model's, as
+        vLLM refuses it (it was clamped without a word)."""
+        if max_model_len is not None and max_model_len > self.max_model_len:
+            raise ValueError(f"engine option max_model_len ({max_model_len}) is more than the model's context length "
+                             f"({self.max_model_len})")
+        return max_model_len or self.max_model_len

@@ -28,7 +28,7 @@ def offload_plan(loaded: LoadedModel, config: EngineConfig, device_type: str) ->
     units = weight_units(model, config.weight_streaming)
     top_k = max((m.gate.top_k for m in model.modules() if isinstance(m, SparseMoE)), default=1)
     per_token = activation_bytes_per_token(loaded, top_k)
-    max_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+    max_len = loaded.context_length(config.max_model_len)
     geometry = PoolGeometry(model.kv_spec(), config.page_size, loaded.dtype)
     # the longest sequence's pages on the device beside the staging pool, which coroutine mode takes out of the same
     # budget (the planner picks no larger share than the fixed settings' where a larger one would leave it no room):

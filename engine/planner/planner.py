@@ -98,7 +98,7 @@ def plan_engine(loaded: LoadedModel, config: EngineConfig, workload: WorkloadSha
                 progress: bool | None = None) -> Plan:
     """Search the unset planned fields of `config` for the shortest predicted BCT of `workload`."""
     curves = curves or curves_for(loaded, progress, config.batch_invariant)
-    max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+    max_model_len = loaded.context_length(config.max_model_len)
     spec = loaded.model.kv_spec()
     if loaded.device.type == "meta":  # planning from cost curves measured elsewhere: their device's memory
         device_type, free, host_free = curves.device_type, curves.device_free_bytes, curves.host_free_bytes
@@ -253,7 +253,7 @@ def fixed_config(config: EngineConfig, loaded: LoadedModel, limits: MemoryLimits
     """The unset fields at FIXED values, KV budgets sized for max_num_seqs full contexts within `limits`."""
     settings = {name: value for name, value in FIXED.items() if getattr(config, name) is None}
     max_num_seqs = config.max_num_seqs or FIXED["max_num_seqs"]
-    max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+    max_model_len = loaded.context_length(config.max_model_len)
     geometry = PoolGeometry(loaded.model.kv_spec(), config.page_size, loaded.dtype)  # whole pages per sequence
     wanted = geometry.page_bytes * geometry.pages_for(max_model_len) * max_num_seqs
     if config.kv_budget_bytes is None:
