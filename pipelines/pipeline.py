@@ -41,6 +41,7 @@ from batchgen.connectors.indexed_parquet import (
 from batchgen.connectors.io import StorageError, check_storage_options, check_writable, filesystem
 from batchgen.engine import EngineConfig, SamplingParams
 from batchgen.engine.chat import check_chat_template
+from batchgen.engine.config import INT64_MAX
 from batchgen.engine.planner.stage_split import StageSplit
 from batchgen.engine.quantile_sketch import QuantileSketch
 from batchgen.operators import BatchGen, Decode, Prefill, Tokenize, engine_actor_pool
@@ -293,7 +294,7 @@ def _run_planned(plan: JobPlan, on_progress: Callable[[Progress], None] | None, 
 
 def _is_count(value: Any) -> bool:
     """A positive integer (not a bool) that fits the 64-bit ints Arrow and the read tasks hold it in."""
-    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value < 2**63
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= INT64_MAX
 
 
 _CPU_STAGE_CPUS = 0.25  # read, tokenize, write: light, and must never starve the engine actors
