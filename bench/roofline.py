@@ -33,7 +33,7 @@ float read_sum_f32(const float *x, int64_t n, int threads) {
     float total = 0.f;
 #pragma omp parallel num_threads(threads) reduction(+ : total)
     {
-        v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+        vec s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             const float *p = x + b * 4 * LANES;
@@ -42,7 +42,7 @@ float read_sum_f32(const float *x, int64_t n, int threads) {
             s2 += load(p + 2 * LANES);
             s3 += load(p + 3 * LANES);
         }
-        v16 s = (s0 + s1) + (s2 + s3);
+        vec s = (s0 + s1) + (s2 + s3);
         for (int i = 0; i < LANES; i++) total += s[i];
     }
     for (int64_t i = blocks * 4 * LANES; i < n; i++) total += x[i];

@@ -30,21 +30,21 @@ VECTORS
 SILU
 
 /* 1 / (1 + e^-x) from e^-|x| (no overflow either side) */
-static inline v16 sigmoid_v(v16 x) {
-    const v16 zero = {0};
-    v16i negative = x < zero;
-    v16 e = exp_neg_v(blend(negative, x, zero - x));
+static inline vec sigmoid_v(vec x) {
+    const vec zero = {0};
+    veci negative = x < zero;
+    vec e = exp_neg_v(blend(negative, x, zero - x));
     return blend(negative, e, zero + 1.f) / (1.f + e);
 }
 
 /* the `rest` (< LANES) elements from `from` as one vector, zero-padded: they take the same lanes' arithmetic as
    any other element, whatever their position */
-static inline v16 padded(const float *from, int64_t rest) {
+static inline vec padded(const float *from, int64_t rest) {
     float lanes[LANES] = {0};
     memcpy(lanes, from, rest * sizeof(float));
     return load(lanes);
 }
-static inline void store_part(float *to, v16 v, int64_t rest) {
+static inline void store_part(float *to, vec v, int64_t rest) {
     float lanes[LANES];
     store(lanes, v);
     memcpy(to, lanes, rest * sizeof(float));

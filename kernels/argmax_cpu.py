@@ -25,18 +25,22 @@ _SOURCE = r"""
 
 VECTOR
 
-static inline v16i blend_int(v16i mask, v16i a, v16i b) { return (a & mask) | (b & ~mask); }
+static inline veci blend_int(veci mask, veci a, veci b) { return (a & mask) | (b & ~mask); }
 
 static int64_t row_argmax(const float *restrict s, int64_t n) {
     int64_t j = 0, at = 0;
     float best;
     if (n >= LANES) {
-        v16 m = load(s);
-        v16i index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, where = index, nan = m != m;
+        vec m = load(s);
+#if LANES == 16
+        veci index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, where = index, nan = m != m;
+#else
+        veci index = {0, 1, 2, 3, 4, 5, 6, 7}, where = index, nan = m != m;
+#endif
         for (j = LANES; j + LANES <= n; j += LANES) {
-            v16 x = load(s + j);
+            vec x = load(s + j);
             index += LANES;
-            v16i larger = x > m;
+            veci larger = x > m;
             m = blend(larger, x, m);
             where = blend_int(larger, index, where);
             nan |= x != x;

@@ -7,7 +7,7 @@ they lie, one page at a time, with an online softmax, every query head reusing t
 from cache, so every cached K/V byte is read from memory once. What bounds it is the memory, so the
 next page (of the sequence, or the next sequence's first) is prefetched row by row while the current
 one is computed (the pages lie scattered through the pool), query heads sharing a KV head go four at
-a time over each K/V row (their weighted V sums held in vector registers across a page's tokens, 64 dims
+a time over each K/V row (their weighted V sums held in vector registers across a page's tokens, 16-64 dims
 at a time), and the softmax's exponentials are a polynomial the compiler vectorises
 instead of a libm call each. Sequences are split over up to `torch.get_num_threads()` threads of the
 OpenMP pool torch itself runs on (no threads started per call, none spinning against torch's), one per
@@ -71,28 +71,29 @@ VECTORS
 ROW_MAX
 
 /* acc[x] += sum_t w[x][t] V[t] for the same c heads: each V row read once for all of them. Four heads take the
-   output dims 64 at a time, their 4 x 4 vector sums held in registers over the page's tokens (kept in memory, each
-   FMA cost a load and a store of its sum: the kernel's hottest loop). */
+   output dims ROW_VECS vectors at a time (64 with AVX-512, 16 with AVX2), their sums held in registers over the
+   page's tokens (kept in memory, each FMA cost a load and a store of its sum: the kernel's hottest loop). */
 static void accumulate(int c, const float *restrict w, int page, const float *restrict vh, int64_t vstride, int n,
                        int dv, float *restrict acc, const char *next, int next_n) {
     int d0 = 0;
     if (c == 4) {
-        for (; d0 + 64 <= dv; d0 += 64) {
-            v16 a[4][4];
+        for (; d0 + ROW_VECS * LANES <= dv; d0 += ROW_VECS * LANES) {
+            vec a[4][ROW_VECS];
             for (int x = 0; x < 4; x++)
-                for (int j = 0; j < 4; j++) a[x][j] = load(acc + x * dv + d0 + 16 * j);
+                for (int j = 0; j < ROW_VECS; j++) a[x][j] = load(acc + x * dv + d0 + LANES * j);
             for (int t = 0; t < n; t++) {
                 const float *restrict vt = vh + t * vstride + d0;
                 if (d0 == 0 && t < next_n)  /* the next page's rows, fetched while this one is summed */
                     for (int o = 0; o < dv * 4; o += 64) __builtin_prefetch(next + t * vstride * 4 + o, 0, 3);
-                v16 v0 = load(vt), v1 = load(vt + 16), v2 = load(vt + 32), v3 = load(vt + 48);
+                vec vc[ROW_VECS];
+                for (int j = 0; j < ROW_VECS; j++) vc[j] = load(vt + LANES * j);
                 for (int x = 0; x < 4; x++) {
                     float wx = w[x * page + t];
-                    a[x][0] += wx * v0; a[x][1] += wx * v1; a[x][2] += wx * v2; a[x][3] += wx * v3;
+                    for (int j = 0; j < ROW_VECS; j++) a[x][j] += wx * vc[j];
                 }
             }
             for (int x = 0; x < 4; x++)
-                for (int j = 0; j < 4; j++) store(acc + x * dv + d0 + 16 * j, a[x][j]);
+                for (int j = 0; j < ROW_VECS; j++) store(acc + x * dv + d0 + LANES * j, a[x][j]);
         }
     }
     for (int t = 0; t < n && d0 < dv; t++) {  /* what the blocks left: other head counts, dims past the last 64 */

@@ -49,58 +49,79 @@ static inline float exp_neg(float x) {
 
 
 VECTOR_SOURCE = r"""
-typedef float v16 __attribute__((vector_size(64)));  /* one AVX-512 register; the compiler lowers it elsewhere */
+/* One vector register of floats: AVX-512's sixteen, else AVX2's eight. A vector wider than the target's registers
+   is no machine type to GCC: it lives in memory and every operation goes through the stack (the packed MoE kernel
+   ran at 4 GFLOP/s on an AVX2 AMD EPYC with AVX-512-wide vectors). REGISTERS is how many the target has, which sizes
+   the kernels' register tiles. */
+#if defined(__AVX512F__)
 #define LANES 16
+#define REGISTERS 32
+#else
+#define LANES 8
+#define REGISTERS 16
+#endif
+typedef float vec __attribute__((vector_size(4 * LANES)));
+/* vectors of one V row that four query rows' (or heads') weighted sums keep in registers: 4 x 4 sums + 4 operands +
+   a broadcast of AVX-512's 32 registers, 4 x 2 + 2 + 1 of AVX2's 16 */
+#define ROW_VECS (REGISTERS / 8)
 
-static inline v16 load(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline vec load(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
+static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
-typedef int32_t v16i __attribute__((vector_size(64)));  /* a comparison's lanes: all ones where true */
+typedef int32_t veci __attribute__((vector_size(4 * LANES)));  /* a comparison's lanes: all ones where true */
 
 /* a where mask, else b, lane by lane */
-static inline v16 blend(v16i mask, v16 a, v16 b) {
-    v16i ai, bi, r;
+static inline vec blend(veci mask, vec a, vec b) {
+    veci ai, bi, r;
     memcpy(&ai, &a, sizeof ai);
     memcpy(&bi, &b, sizeof bi);
     r = (ai & mask) | (bi & ~mask);
-    v16 out;
+    vec out;
     memcpy(&out, &r, sizeof out);
     return out;
 }
 
-/* lanes of two vectors picked by index (0-15 the first's, 16-31 the second's); GCC before 12 has only
+/* lanes of two vectors picked by index (0 to LANES - 1 the first's, then the second's); GCC before 12 has only
    __builtin_shuffle, which takes the indices as a vector */
 #if defined(__clang__) || __GNUC__ >= 12
 #define SHUFFLE __builtin_shufflevector
 #else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (veci){__VA_ARGS__})
 #endif
 
 /* Pins a vector to a register: a value two FMAs use is otherwise folded into each as a memory operand, loaded
-   twice, and the loop runs out of load slots before FMA slots (on AVX-512, where a v16 is one register). */
+   twice, and the loop runs out of load slots before FMA slots. */
 #if defined(__AVX512F__)
 #define IN_REGISTER(v) __asm__("" : "+v"(v))
+#elif defined(__AVX__)
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
 #else
 #define IN_REGISTER(v) ((void)0)
 #endif
-"""  # C source of 16-float vectors, their unaligned loads and stores, blends and shuffles (needs string.h, stdint.h)
+"""  # C source of register-wide float vectors, their loads and stores, blends and shuffles (needs string.h, stdint.h)
 
 
 ROW_MAX_SOURCE = r"""
 /* the largest of s[0, n): a running maximum per lane, then the lanes' by halves; lane by lane the maximum is a chain
    of dependent compares (~30 % of the prefill attention kernel's time) */
 static inline float row_max(const float *restrict s, int64_t n) {
-    v16 m = (v16){0} - INFINITY;
+    vec m = (vec){0} - INFINITY;
     int64_t j = 0;
     for (; j + LANES <= n; j += LANES) {
-        v16 x = load(s + j);
+        vec x = load(s + j);
         m = blend(x > m, x, m);
     }
-    v16 h = SHUFFLE(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+#if LANES == 16
+    vec h = SHUFFLE(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     m = blend(h > m, h, m);
     h = SHUFFLE(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
     m = blend(h > m, h, m);
     h = SHUFFLE(m, m, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+#else
+    vec h = SHUFFLE(m, m, 4, 5, 6, 7, 0, 1, 2, 3);
+    m = blend(h > m, h, m);
+    h = SHUFFLE(m, m, 2, 3, 0, 1, 6, 7, 4, 5);
+#endif
     m = blend(h > m, h, m);
     float best = m[0] > m[1] ? m[0] : m[1];
     for (; j < n; j++) best = s[j] > best ? s[j] : best;
@@ -110,13 +131,16 @@ static inline float row_max(const float *restrict s, int64_t n) {
 
 
 DOT_PAIRS_SOURCE = VECTOR_SOURCE + r"""
-#define BLOCK 8  /* token rows per register block: 2 x 8 accumulators + 3 operands fit 32 vector registers */
+/* token rows per register block: 2 x BLOCK accumulators + 3 operands fit the registers (2 x 8 + 3 of AVX-512's 32,
+   2 x 4 + 3 of AVX2's 16), and the 2 x BLOCK sums are LANES vectors, one lane_sums */
+#define BLOCK (LANES / 2)
 
-/* s[i] = the sum of v[i]'s lanes, for sixteen vectors at once: each level adds lanes j and j + 8 (then + 4, + 2, + 1)
-   of two vectors into one, so 15 vector adds do the work of 16 horizontal sums. The association is the same for
-   every lane and every vector (the halves tree: ((l0 + l8) + (l4 + l12)) ... ), whichever rows are filled. */
-static inline void lane_sums(const v16 *v, float *s) {
-    v16 w[8], x[4], y[2], z;
+/* s[i] = the sum of v[i]'s lanes, for LANES vectors at once: each level adds lanes j and j + LANES / 2 (then / 4 ...)
+   of two vectors into one, so LANES - 1 vector adds do the work of LANES horizontal sums. The association is the same
+   for every lane and every vector (the halves tree: ((l0 + l8) + (l4 + l12)) ... ), whichever rows are filled. */
+#if LANES == 16
+static inline void lane_sums(const vec *v, float *s) {
+    vec w[8], x[4], y[2], z;
     for (int i = 0; i < 8; i++)
         w[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
              + SHUFFLE(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -130,6 +154,19 @@ static inline void lane_sums(const v16 *v, float *s) {
       + SHUFFLE(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     store(s, z);
 }
+#else
+static inline void lane_sums(const vec *v, float *s) {
+    vec w[4], x[2], z;
+    for (int i = 0; i < 4; i++)  /* lanes 0-3: vector 2i's lanes j + j + 4, lanes 4-7: vector 2i + 1's */
+        w[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+             + SHUFFLE(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)  /* lanes 2m + k: vector 4i + m's lanes k mod 2 */
+        x[i] = SHUFFLE(w[2 * i], w[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13)
+             + SHUFFLE(w[2 * i], w[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    z = SHUFFLE(x[0], x[1], 0, 2, 4, 6, 8, 10, 12, 14) + SHUFFLE(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15);
+    store(s, z);
+}
+#endif
 
 /* s[r] = wa . x_r and s[BLOCK + r] = wb . x_r for the n (a constant after inlining, <= BLOCK) rows x_r = x + r * stride
    (s[r] past n: anything):
@@ -144,14 +181,14 @@ static inline __attribute__((always_inline)) void dot_pairs(int n, const float *
                                                             int64_t stride, int len, float *s,
                                                             const float *na, const float *nb,
                                                             const float *fa, const float *fb) {
-    v16 acc[2 * BLOCK], *va = acc, *vb = acc + BLOCK;
+    vec acc[2 * BLOCK], *va = acc, *vb = acc + BLOCK;
     int e = 0;
     if (len < LANES) {
-        for (int r = 0; r < n; r++) va[r] = vb[r] = (v16){0};
+        for (int r = 0; r < n; r++) va[r] = vb[r] = (vec){0};
     } else {  /* the first products start the sums: zeroing them all first compiles to a memset on the stack */
-        v16 ka = load(wa), kb = load(wb);
+        vec ka = load(wa), kb = load(wb);
         for (int r = 0; r < n; r++) {
-            v16 xr = load(x + r * stride);
+            vec xr = load(x + r * stride);
             va[r] = ka * xr;
             vb[r] = kb * xr;
         }
@@ -162,9 +199,9 @@ static inline __attribute__((always_inline)) void dot_pairs(int n, const float *
         __builtin_prefetch(nb + e, 0, 3);
         __builtin_prefetch(fa + e, 0, 2);
         __builtin_prefetch(fb + e, 0, 2);
-        v16 ka = load(wa + e), kb = load(wb + e);
+        vec ka = load(wa + e), kb = load(wb + e);
         for (int r = 0; r < n; r++) {
-            v16 xr = load(x + r * stride + e);
+            vec xr = load(x + r * stride + e);
             IN_REGISTER(xr);  /* one load for its two FMAs (an Intel Xeon's gate/up and down passes 15-20 % faster) */
             va[r] += ka * xr;
             vb[r] += kb * xr;
@@ -183,11 +220,13 @@ static void dot_pairs_n(int n, const float *wa, const float *wb, const float *x,
         case 1: dot_pairs(1, wa, wb, x, stride, len, s, na, nb, fa, fb); break;
         case 2: dot_pairs(2, wa, wb, x, stride, len, s, na, nb, fa, fb); break;
         case 3: dot_pairs(3, wa, wb, x, stride, len, s, na, nb, fa, fb); break;
+#if BLOCK == 8
         case 4: dot_pairs(4, wa, wb, x, stride, len, s, na, nb, fa, fb); break;
         case 5: dot_pairs(5, wa, wb, x, stride, len, s, na, nb, fa, fb); break;
         case 6: dot_pairs(6, wa, wb, x, stride, len, s, na, nb, fa, fb); break;
         case 7: dot_pairs(7, wa, wb, x, stride, len, s, na, nb, fa, fb); break;
-        default: dot_pairs(8, wa, wb, x, stride, len, s, na, nb, fa, fb); break;
+#endif
+        default: dot_pairs(BLOCK, wa, wb, x, stride, len, s, na, nb, fa, fb); break;
     }
 }
 
@@ -202,14 +241,14 @@ static inline void team_share(int64_t items, int64_t *first, int64_t *last) {
 
 SILU_SOURCE = r"""
 /* exp_neg lane by lane (the same polynomial; the nearest integer power as the truncation of t - 1/2, t <= 0) */
-static inline v16 exp_neg_v(v16 x) {
-    const v16 zero = {0};
+static inline vec exp_neg_v(vec x) {
+    const vec zero = {0};
     x = blend(x < zero - 87.f, zero - 87.f, x);
-    v16 t = x * 1.44269504f;
-    v16i n = __builtin_convertvector(t - 0.5f, v16i);
-    v16 f = t - __builtin_convertvector(n, v16);
-    v16i bits = (n + 127) << 23;
-    v16 scale;
+    vec t = x * 1.44269504f;
+    veci n = __builtin_convertvector(t - 0.5f, veci);
+    vec f = t - __builtin_convertvector(n, vec);
+    veci bits = (n + 127) << 23;
+    vec scale;
     memcpy(&scale, &bits, sizeof scale);
     return EXP2_TAYLOR(f) * scale;
 }
@@ -220,13 +259,13 @@ static inline float silu_mul(float g, float u) {
     return g * (g < 0.f ? e : 1.f) / (1.f + e) * u;
 }
 
-static inline v16 silu_mul_v(v16 g, v16 u) {
-    const v16 zero = {0};
-    v16i negative = g < zero;
-    v16 e = exp_neg_v(blend(negative, g, zero - g));
+static inline vec silu_mul_v(vec g, vec u) {
+    const vec zero = {0};
+    veci negative = g < zero;
+    vec e = exp_neg_v(blend(negative, g, zero - g));
     return g * blend(negative, e, zero + 1.f) / (1.f + e) * u;
 }
-"""  # C source of the experts' silu(gate) * up, a float or sixteen (after EXP_NEG_SOURCE and VECTOR_SOURCE)
+"""  # C source of the experts' silu(gate) * up, a float or a vector (after EXP_NEG_SOURCE and VECTOR_SOURCE)
 
 
 ROUTE_ROWS_SOURCE = r"""
@@ -322,6 +361,17 @@ class CFunction:
         if observer is not None:
             observer(loaded, args, result)
         return result
+
+
+_LANES = CFunction("vector_lanes", "#include <stdint.h>\n#include <string.h>\n" + VECTOR_SOURCE
+                   + "int vector_lanes(void) { return LANES; }\n", "vector_lanes", (), ctypes.c_int)
+
+
+@functools.cache
+def vector_lanes() -> int:
+    """Floats in one of the kernels' vectors, as the compiler targets this CPU (16 with AVX-512, else 8): layouts
+    packed for a kernel's register tiles (moe_packed_cpu) must agree with it. 16 where no kernel builds."""
+    return 16 if _LANES.unavailable() else _LANES()
 
 
 _observers = threading.local()  # `observer`: told of every kernel call on this thread (kernels/capture.py)

@@ -5,6 +5,8 @@ They look at metadata only (no device synchronisation) and name the offending te
 
 import torch
 
+from batchgen.kernels import moe_packed_cpu
+
 
 def _require(condition: bool, op: str, message) -> None:
     """`message`: a string, or a function making it (only when the check fails: the checks run on every call)."""
@@ -34,14 +36,15 @@ def check_moe_inputs(x, w_gate_up, w_down, topk_weights, topk_ids) -> None:
 def check_packed_moe_inputs(x, w_gate_up, w_down, topk_weights, topk_ids) -> None:
     op = "fused_moe_packed"
     _require(x.dim() == 2, op, lambda: f"x must be [T, D], got {_shape(x)}")
-    _require(w_gate_up.dim() == 4 and w_gate_up.shape[3] == 32, op,
-             lambda: f"w_gate_up must be packed [E, I/16, D, 32], got {_shape(w_gate_up)}")
+    gate, wide = moe_packed_cpu.gate_columns(), moe_packed_cpu.down_columns()
+    _require(w_gate_up.dim() == 4 and w_gate_up.shape[3] == wide, op,
+             lambda: f"w_gate_up must be packed [E, I/{gate}, D, {wide}] on this CPU, got {_shape(w_gate_up)}")
     num_experts, blocks, dim, _ = w_gate_up.shape
     _require(dim == x.shape[1], op, lambda: f"w_gate_up {_shape(w_gate_up)} does not match x {_shape(x)} in D")
     _require(
-        dim % 32 == 0 and tuple(w_down.shape) == (num_experts, dim // 32, blocks * 16, 32),
+        dim % wide == 0 and tuple(w_down.shape) == (num_experts, dim // wide, blocks * gate, wide),
         op,
-        lambda: f"w_down must be packed [E, D/32, I, 32] = {[num_experts, dim // 32, blocks * 16, 32]}, "
+        lambda: f"w_down must be packed [E, D/{wide}, I, {wide}] = {[num_experts, dim // wide, blocks * gate, wide]}, "
                 f"got {_shape(w_down)}",
     )
     _require(w_gate_up.is_contiguous() and w_down.is_contiguous(), op, lambda: "packed weights must be contiguous")

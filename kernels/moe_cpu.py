@@ -1,28 +1,28 @@
 """Grouped MoE experts for float32 CPU tensors: a C kernel for the experts few tokens were routed to.
 
-An expert that gets a handful of rows is a GEMV: its time is the read of its weights. One BLAS call per
-projection per expert reads them on one core and pays a call's overhead each (in decode tail steps, at 1-8
-rows per expert, 3.5-8x the read of the weights). This kernel reads the weights of all such experts in one
-call, split evenly over `torch.get_num_threads()` threads of the OpenMP pool torch runs its own ops on (no
-threads started per call, none left spinning against torch's): first every (expert, eight intermediate columns)
-item computes silu(gate) * up for the expert's rows, then every item of sixteen output columns sums the down
-projection and adds it, weighted, into the token's output row (threads own disjoint output columns, so no two
-write the same element and the order of the sum is fixed). An expert of at most `dot_rows` rows takes the
-dot-product path (moe_crossover.py measures, per CPU, up to how many rows it wins): eight token rows at a time
-against two weight rows (gate and up; two output columns), the sixteen sums in vector registers, so each weight
-element is loaded once for the eight; the next weight rows are prefetched meanwhile.
-An expert of more rows takes the blocked path: its rows transposed, LANES to a vector (a lane per row), each weight
-element broadcast against the vector (eight gate and eight up rows at once, no horizontal sums), so each is loaded
-once per LANES rows at 2 FMAs a cycle; a last partial block of at most `dot_rows` rows goes to the dot-product path
-instead of a padded block (in the same item, while its weight rows are in cache). On the dev box's 2 threads a
-16-expert 512 x 1024 layer at 8 / 16 / 20 / 24 rows per expert on average (random top-2 routing) took 3.2-3.6 /
-5.5-5.6 / 5.2-6.2 / 5.8-6.9 ms this way, 3.4-4.5 / 6.6-7.8 / 7.8-9.4 / 9.0-10.0 ms with every partial block padded,
-and 4.0 / 7.1 / - / 8.9 ms with the dot path up to 16 rows and oneDNN above. Experts with more rows than SMALL_ROWS
-are GEMMs oneDNN (MKL on Intel) runs faster (gemm_onednn.py), a pair of calls per expert (moe_torch.py). The kernel
-groups a call's rows by expert itself (a counting sort, torch's order) and runs the small experts in the same call, so
-a call reads nothing back to the host unless an expert got more than SMALL_ROWS rows: a decode step's forward of any
-batch size can be recorded and replayed (kernels/capture.py). A call of at most FEW_TOKENS tokens (a decode step's
-tail) runs every expert on the dot-product path.
+An expert that gets a handful of rows is a GEMV: its time is the read of its weights. One BLAS call per projection per
+expert reads them on one core and pays a call's overhead each (in decode tail steps, at 1-8 rows per expert, 3.5-8x the
+read of the weights). This kernel reads the weights of all such experts in one call, split evenly over
+`torch.get_num_threads()` threads of the OpenMP pool torch runs its own ops on (no threads started per call, none left
+spinning against torch's): first every (expert, COLUMN_BLOCK intermediate columns) item computes silu(gate) * up for the
+expert's rows, then every item of sixteen output columns sums the down projection and adds it, weighted, into the
+token's output row (threads own disjoint output columns, so no two write the same element and the order of the sum is
+fixed). An expert of at most `dot_rows` rows takes the dot-product path (moe_crossover.py measures, per CPU, up to how
+many rows it wins): BLOCK token rows at a time (half a vector register's floats: 8 with AVX-512, 4 with AVX2) against
+two weight rows (gate and up; two output columns), the sums in vector registers, so each weight element is loaded once
+for the BLOCK; the next weight rows are prefetched meanwhile. An expert of more rows takes the blocked path: its rows
+transposed, LANES to a vector (a lane per row), each weight element broadcast against the vector (COLUMN_BLOCK gate and
+as many up rows at once, no horizontal sums), so each is loaded once per LANES rows at 2 FMAs a cycle; a last partial
+block of at most `dot_rows` rows goes to the dot-product path instead of a padded block (in the same item, while its
+weight rows are in cache). On the dev box's 2 threads (an AVX-512 Intel Xeon) a 16-expert 512 x 1024 layer at 8 / 16 /
+20 / 24 rows per expert on average (random top-2 routing) took 3.2-3.6 / 5.5-5.6 / 5.2-6.2 / 5.8-6.9 ms this way,
+3.4-4.5 / 6.6-7.8 / 7.8-9.4 / 9.0-10.0 ms with every partial block padded, and 4.0 / 7.1 / - / 8.9 ms with the dot path
+up to 16 rows and oneDNN above. Experts with more rows than SMALL_ROWS are GEMMs oneDNN (MKL on Intel) runs faster
+(gemm_onednn.py), a pair of calls per expert (moe_torch.py). The kernel groups a call's rows by expert itself (a
+counting sort, torch's order) and runs the small experts in the same call, so a call reads nothing back to the host
+unless an expert got more than SMALL_ROWS rows: a decode step's forward of any batch size can be recorded and replayed
+(kernels/capture.py). A call of at most FEW_TOKENS tokens (a decode step's tail) runs every expert on the dot-product
+path.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from batchgen.kernels.moe_torch import RoutedRows
 # the dev box, random top-2 routing: at 48 rows per expert on average 11.0 ms with the blocked path up to 64 rows
 # against 14.6 ms with oneDNN above 16)
 SMALL_ROWS = 64
-LANES = 16  # rows per vector of the blocked path
 FEW_TOKENS = 16  # tokens of a call up to which one kernel call groups and runs them (the dot path's row counts)
 THREAD_BYTES = 256 << 10  # bytes a pass of glue moves (row copies, silu, scatter): less is not worth a second thread
 INVARIANT_ROWS = 1 << 30  # batch-invariant calls: every expert's rows on the dot-product path, however many
@@ -54,7 +53,8 @@ _SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
-#define COLUMN_BLOCK 8  /* intermediate columns of a gate/up item: 8 gate + 8 up sums in registers */
+#define COLUMN_BLOCK (REGISTERS / 4)  /* intermediate columns of a gate/up item: their gate and up sums, an operand
+                                        and a broadcast in registers (8 + 8 + 2 of AVX-512's 32, 4 + 4 + 2 of AVX2's) */
 #define OUTPUT_BLOCK 16 /* output columns of a down item: 16 sums in registers, one cache line of an output row */
 #define SPAN 5          /* int64s per expert in spans */
 #define THREAD_BYTES @THREAD_BYTES@  /* moe_cpu.THREAD_BYTES */
@@ -82,17 +82,17 @@ DOT_PAIRS
 
 SILU
 
-/* The blocked path, for experts of more than a few rows: the rows sit transposed, sixteen to a vector (one lane per
+/* The blocked path, for experts of more than a few rows: the rows sit transposed, LANES to a vector (one lane per
    row), and every weight element is broadcast against the vector: g[c] += wg[c][k] * xt[k], no horizontal sums, each
-   weight element loaded once per sixteen rows. n (a constant after inlining) weight rows `stride` apart go at once
+   weight element loaded once per LANES rows. n (a constant after inlining) weight rows `stride` apart go at once
    (n gate and n up rows: 2n sums), each prefetched a few cache lines ahead: n streams at a time are more than the
    hardware's stream prefetch follows. */
 static inline __attribute__((always_inline)) void outer_pairs(int n, const float *restrict wg,
                                                               const float *restrict wu, int64_t stride,
-                                                              const float *restrict xt, int len, v16 *g, v16 *u) {
+                                                              const float *restrict xt, int len, vec *g, vec *u) {
     /* row c at wg + offset[c]: two moving bases and n fixed offsets keep the 2n streams in general registers */
     int64_t offset[COLUMN_BLOCK];
-    for (int c = 0; c < n; c++) { g[c] = (v16){0}; u[c] = (v16){0}; offset[c] = c * stride; }
+    for (int c = 0; c < n; c++) { g[c] = (vec){0}; u[c] = (vec){0}; offset[c] = c * stride; }
     for (int k0 = 0; k0 < len; k0 += LANES) {
         for (int c = 0; c < n; c++) {
             __builtin_prefetch(wg + offset[c] + k0 + 4 * LANES, 0, 0);
@@ -100,7 +100,7 @@ static inline __attribute__((always_inline)) void outer_pairs(int n, const float
         }
         int k1 = k0 + LANES < len ? k0 + LANES : len;
         for (int k = k0; k < k1; k++) {
-            v16 x = load(xt + (int64_t)k * LANES);
+            vec x = load(xt + (int64_t)k * LANES);
             const float *pg = wg + k, *pu = wu + k;
             for (int c = 0; c < n; c++) { g[c] += pg[offset[c]] * x; u[c] += pu[offset[c]] * x; }
         }
@@ -109,28 +109,28 @@ static inline __attribute__((always_inline)) void outer_pairs(int n, const float
 
 /* outer_pairs for n weight rows alone (the down projection): y[c] += w[c][k] * ht[k] */
 static inline __attribute__((always_inline)) void outer_rows(int n, const float *restrict w, int64_t stride,
-                                                             const float *restrict ht, int len, v16 *y) {
+                                                             const float *restrict ht, int len, vec *y) {
     int64_t offset[8];
-    for (int c = 0; c < n; c++) { y[c] = (v16){0}; offset[c] = c * stride; }
+    for (int c = 0; c < n; c++) { y[c] = (vec){0}; offset[c] = c * stride; }
     for (int k0 = 0; k0 < len; k0 += LANES) {
         for (int c = 0; c < n; c++) __builtin_prefetch(w + offset[c] + k0 + 4 * LANES, 0, 0);
         int k1 = k0 + LANES < len ? k0 + LANES : len;
         for (int k = k0; k < k1; k++) {
-            v16 x = load(ht + (int64_t)k * LANES);
+            vec x = load(ht + (int64_t)k * LANES);
             const float *p = w + k;
             for (int c = 0; c < n; c++) y[c] += p[offset[c]] * x;
         }
     }
 }
 
-static void outer_pairs_n(int n, const float *wg, const float *wu, int64_t stride, const float *xt, int len, v16 *g,
-                          v16 *u) {
+static void outer_pairs_n(int n, const float *wg, const float *wu, int64_t stride, const float *xt, int len, vec *g,
+                          vec *u) {
     if (n == COLUMN_BLOCK) outer_pairs(COLUMN_BLOCK, wg, wu, stride, xt, len, g, u);
     else for (int c = 0; c < n; c++) outer_pairs(1, wg + c * stride, wu + c * stride, stride, xt, len, g + c, u + c);
 }
 
 /* eight rows at a time: sixteen streams' offsets would not fit the general registers */
-static void outer_rows_n(int n, const float *w, int64_t stride, const float *ht, int len, v16 *y) {
+static void outer_rows_n(int n, const float *w, int64_t stride, const float *ht, int len, vec *y) {
     int c = 0;
     for (; c + 8 <= n; c += 8) outer_rows(8, w + c * stride, stride, ht, len, y + c);
     for (; c < n; c++) outer_rows(1, w + c * stride, stride, ht, len, y + c);
@@ -166,7 +166,7 @@ static void gate_up(const Job *j) {
         const float *wu0 = wg0 + (int64_t)j->I * j->gu1;
         int64_t blocks = blocks_of(span);
         for (int64_t b = 0; b < blocks; b++) {
-            v16 g[COLUMN_BLOCK], u[COLUMN_BLOCK];
+            vec g[COLUMN_BLOCK], u[COLUMN_BLOCK];
             outer_pairs_n(c1 - c0, wg0, wu0, j->gu1, j->xt + span[3] + b * j->D * LANES, j->D, g, u);
             float *ht = j->h + span[2] + (b * j->I + c0) * LANES;
             for (int c = 0; c < c1 - c0; c++) store(ht + c * LANES, silu_mul_v(g[c], u[c]));
@@ -209,7 +209,7 @@ static void down(const Job *j) {
             int o0 = (int)item * OUTPUT_BLOCK, o1 = o0 + OUTPUT_BLOCK < j->D ? o0 + OUTPUT_BLOCK : j->D;
             const float *w = j->wd + j->experts[a] * j->d0 + (int64_t)o0 * j->d1;
             for (int64_t b = 0; b < blocks; b++) {
-                v16 y[OUTPUT_BLOCK];
+                vec y[OUTPUT_BLOCK];
                 float lanes[LANES];
                 outer_rows_n(o1 - o0, w, j->d1, j->h + span[2] + b * j->I * LANES, j->I, y);
                 int count = span[4] - b * LANES < LANES ? (int)(span[4] - b * LANES) : LANES;

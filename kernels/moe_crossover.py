@@ -1,12 +1,12 @@
 """Up to how many rows per expert the MoE C kernel's dot-product path runs before its blocked path, on this CPU.
 
-The blocked path (kernels/moe_cpu.py) puts an expert's rows sixteen to a vector, so 9-15 rows pay for a padded block;
-the dot-product path loads each weight element once per eight rows and pays horizontal sums instead. Which is faster
-depends on the CPU and the expert's shape: on a Zen 5 the blocked path won from 9 rows at 512 x 1024; on a Zen 4 a
-crossover of 12 made decode-sized calls of those experts 2-7 % faster than 8, and of experts with 4096-long rows
-(4096 x 14336, timed on a slice of its columns) 14-16 made them 12-17 % faster; on an Intel Xeon (family 6 model 207)
-the dot-product path won at every row count up to the kernel's limit, the decode steps' MoE 4 % faster in the engine
-at a crossover of 24 or 64 than at 16.
+The blocked path (kernels/moe_cpu.py) puts an expert's rows a vector's floats to a vector (sixteen with AVX-512), so
+9-15 rows pay for a padded block there; the dot-product path loads each weight element once per four or eight rows and
+pays horizontal sums instead. Which is faster depends on the CPU and the expert's shape: on a Zen 5 the blocked path won
+from 9 rows at 512 x 1024; on a Zen 4 a crossover of 12 made decode-sized calls of those experts 2-7 % faster than 8,
+and of experts with 4096-long rows (4096 x 14336, timed on a slice of its columns) 14-16 made them 12-17 % faster; on an
+Intel Xeon (family 6 model 207) the dot-product path won at every row count up to the kernel's limit, the decode steps'
+MoE 4 % faster in the engine at a crossover of 24 or 64 than at 16.
 So it is measured: once per CPU, thread count, expert shape and kernel source, on synthetic layers of experts
 twice the last-level cache in all under random routings, the candidates alternated; the result is kept under
 $BATCHGEN_CACHE/calibration for every process of the machine. With BATCHGEN_PLAN=0 nothing is measured and the
@@ -25,7 +25,7 @@ import torch
 from batchgen.kernels.calibration import cache_root, disk_cached, measuring
 from batchgen.kernels.cpu_identity import last_level_cache_bytes, this_cpu
 
-DEFAULT_DOT_ROWS = 8  # a half block: the blocked path would pad it to sixteen rows
+DEFAULT_DOT_ROWS = 8  # half a block of AVX-512's sixteen rows to a vector (the blocked path would pad it), AVX2's whole
 CANDIDATES = (8, 10, 12, 16, 24, 32, 64)  # the crossovers tried; 64 (moe_cpu.SMALL_ROWS): every expert on the dot path
 MEAN_ROWS = (8, 12, 16, 24, 32)  # rows per expert on average in the routings they are timed on: a decode step's range
 LAYER_BYTES = 64 << 20  # weights of one synthetic layer of experts

@@ -3,22 +3,24 @@
 In the checkpoints' layout each weight row is one output column ([2I, D] gate and up rows, [D, I] down rows): a
 kernel either sums dot products along rows (horizontal sums at the end: moe_cpu's path for an expert's few rows)
 or broadcasts one weight element at a time against token rows transposed into vectors (17 loads to 16 FMAs: on the
-dev box ~30 % of the FMA peak in L1). Repacked so that the same input index of 32 neighbouring output columns is two
-vectors, a tile of up to ROWS token rows takes the two weight vectors and one broadcast input per row at each index,
-2 x ROWS FMAs into registers: the register tile of a GEMM micro-kernel, ~95 % of the FMA peak with the weights in
-L2 (a dev-box C loop: 198 of 208 GFLOP/s a core).
+dev box ~30 % of the FMA peak in L1). Repacked so that the same input index of 2G neighbouring output columns is two
+vectors (G = gate_columns(), one vector register's floats: 16 with AVX-512, 8 with AVX2), a tile of up to ROWS token
+rows takes the two weight vectors and one broadcast input per row at each index, 2 x ROWS FMAs into registers: the
+register tile of a GEMM micro-kernel, ~95 % of the FMA peak with the weights in L2 (a dev-box C loop: 198 of 208
+GFLOP/s a core). ROWS is 12 in AVX-512's 32 registers, 6 in AVX2's 16 (BLIS's 6 x 16 Haswell tile).
 
 Packed layouts (`pack_gate_up`, `pack_down`; in place, the same storage: `pack_in_place`):
-- gate_up [E, I / 16, D, 32]: block c of sixteen intermediate columns; at input index k, the gate columns 16c ..
-  16c + 15, then the same up columns (one tile's sums give silu(gate) * up of sixteen columns at once);
-- down [E, D / 32, I, 32]: block b of 32 output columns; at intermediate index i, those columns.
-Each block is a contiguous 2-4 KiB-per-index stream, read once per tile of rows (from memory for the first, L2 for
-the rest) while the next block is fetched into L2.
+- gate_up [E, I / G, D, 2G]: block c of G intermediate columns; at input index k, the gate columns Gc .. Gc + G - 1,
+  then the same up columns (one tile's sums give silu(gate) * up of G columns at once);
+- down [E, D / 2G, I, 2G]: block b of 2G output columns; at intermediate index i, those columns.
+Each block is a contiguous 1-4 KiB-per-index stream, read once per tile of rows (from memory for the first, L2 for
+the rest) while the next block is fetched into L2. The layout depends on the CPU, so weights are packed where they
+run (at load).
 
-`h` (silu(gate) * up, the down pass's input) of a panel of few rows (decode) is chunk-major, [I / 16, rows, 16]: a
-gate_up block's sixteen columns of all the panel's rows are one contiguous run, and the down pass reads its rows'
-sixteen indexes from neighbouring lines, where row-major rows 4 KiB apart scatter the same data over as many pages
-and cache sets. Larger panels (prefill) keep it row-major, [rows, I], whose rows stream better there.
+`h` (silu(gate) * up, the down pass's input) of a panel of few rows (decode) is chunk-major, [I / G, rows, G]: a
+gate_up block's G columns of all the panel's rows are one contiguous run, and the down pass reads its rows' G indexes
+from neighbouring lines, where row-major rows 4 KiB apart scatter the same data over as many pages and cache sets.
+Larger panels (prefill) keep it row-major, [rows, I], whose rows stream better there.
 
 Every output element is one accumulator summing its inputs in index order, whichever rows share its tile, and a
 token's experts are added into its output row in expert order by the one thread owning those columns: a row's
@@ -31,11 +33,15 @@ import ctypes
 
 import torch
 
-from batchgen.kernels.c_library import DOT_PAIRS_SOURCE, EXP_NEG_SOURCE, ROUTE_ROWS_SOURCE, SILU_SOURCE, CFunction
+from batchgen.kernels.c_library import (
+    DOT_PAIRS_SOURCE,
+    EXP_NEG_SOURCE,
+    ROUTE_ROWS_SOURCE,
+    SILU_SOURCE,
+    CFunction,
+    vector_lanes,
+)
 
-GATE_COLUMNS = 16  # intermediate columns per gate_up block (their gate and up sums: 32 floats an index)
-DOWN_COLUMNS = 2 * GATE_COLUMNS  # output columns per down block (as many floats an index as a gate_up block)
-ROWS = 12  # token rows per register tile: 2 x 12 accumulators, 2 weight vectors and a broadcast in 32 registers
 # an expert's rows per panel: as many as make this many bytes of its wider rows (x or h), which then stay in L2 while
 # the weights' blocks stream past (a layer of bench-moe's: 192 rows; 1.04-1.16x faster at 512-1024 rows per expert)
 PANEL_BYTES = 768 << 10
@@ -52,9 +58,12 @@ _SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
-#define ROWS @ROWS@          /* moe_packed_cpu.ROWS */
-#define WIDE @DOWN_COLUMNS@              /* floats a block holds per input index (DOWN_COLUMNS = 2 x GATE_COLUMNS) */
-#define GATE @GATE_COLUMNS@              /* intermediate columns per gate_up block */
+/* token rows per register tile: 2 x ROWS accumulators, 2 weight vectors and a broadcast in the registers (12 in
+   AVX-512's 32, 6 in AVX2's 16) */
+#define ROWS (REGISTERS == 32 ? 12 : 6)
+#define GATE LANES          /* intermediate columns per gate_up block (gate_columns()) */
+#define WIDE (2 * LANES)    /* floats a block holds per input index: a gate_up block's gate and up columns, a down
+                               block's output columns */
 #define PANEL 3             /* int64s per panel */
 #define PANEL_BYTES @PANEL_BYTES@  /* moe_packed_cpu.PANEL_BYTES */
 #define CHUNKED_ROWS @CHUNKED_ROWS@  /* moe_packed_cpu.CHUNKED_ROWS */
@@ -82,28 +91,33 @@ typedef struct {
     int D, I;
 } Job;
 
-/* sums[2r], sums[2r + 1] = x_r . w[:, 0:16], x_r . w[:, 16:32] for the n (a constant after inlining) rows x_r, over
-   the len indexes of the block w ([len, WIDE]): each sum one accumulator, in index order. Rows are x + r * stride, or
-   with `chunked` (a constant too) chunk-major: index k of row r at x + (k / GATE) * stride + r * GATE + k % GATE.
+/* sums[2r], sums[2r + 1] = x_r . w[:, 0:LANES], x_r . w[:, LANES:WIDE] for the n (a constant after inlining) rows
+   x_r, over the len indexes of the block w ([len, WIDE]): each sum one accumulator, in index order. Rows are
+   x + r * stride, or with `chunked` (a constant too) chunk-major: index k of row r at
+   x + (k / GATE) * stride + r * GATE + k % GATE.
    Meanwhile share `part` of `parts` of the next block (`next`, as long) is fetched into L2: a block's tiles of rows
    fetch it in turn, so the memory reads go on through all of them. */
 static inline __attribute__((always_inline)) void tile(int n, int chunked, const float *restrict w,
-                                                       const float *restrict x, int64_t stride, int len, v16 *sums,
+                                                       const float *restrict x, int64_t stride, int len, vec *sums,
                                                        const float *next, int part, int parts) {
-    v16 acc[2 * ROWS];
-    for (int i = 0; i < 2 * n; i++) acc[i] = (v16){0};
+    vec acc[2 * ROWS];
+    for (int i = 0; i < 2 * n; i++) acc[i] = (vec){0};
     /* (part * len + k) / parts without a division per index: times 2^32 / parts, rounded up (exact while
        part * len + k < 2^32 / parts) */
     uint64_t inverse = ((1ull << 32) + parts - 1) / parts, from = (uint64_t)part * len;
     for (int k = 0; k < len; k++) {
         int64_t ahead = (int64_t)(((from + k) * inverse) >> 32) * WIDE;
         __builtin_prefetch(next + ahead, 0, 2);
-        __builtin_prefetch(next + ahead + LANES, 0, 2);
+#if WIDE > 16  /* an index's floats span two cache lines */
+        __builtin_prefetch(next + ahead + 16, 0, 2);
+#endif
         if (n <= 8) {
             __builtin_prefetch(w + (int64_t)(k + 16) * WIDE, 0, 3);
-            __builtin_prefetch(w + (int64_t)(k + 16) * WIDE + LANES, 0, 3);
+#if WIDE > 16
+            __builtin_prefetch(w + (int64_t)(k + 16) * WIDE + 16, 0, 3);
+#endif
         }
-        v16 w0 = load(w + (int64_t)k * WIDE), w1 = load(w + (int64_t)k * WIDE + LANES);
+        vec w0 = load(w + (int64_t)k * WIDE), w1 = load(w + (int64_t)k * WIDE + LANES);
         for (int r = 0; r < n; r++) {
             float xr = chunked ? x[(k / GATE) * stride + r * GATE + k % GATE] : x[r * stride + k];
             acc[2 * r] += xr * w0;
@@ -115,7 +129,7 @@ static inline __attribute__((always_inline)) void tile(int n, int chunked, const
 
 /* tile with n and chunked compile-time constants in every case, so each keeps its sums in registers */
 static inline __attribute__((always_inline)) void tile_rows(int n, int chunked, const float *w, const float *x,
-                                                            int64_t stride, int len, v16 *sums, const float *next,
+                                                            int64_t stride, int len, vec *sums, const float *next,
                                                             int part, int parts) {
     switch (n) {
         case 1: tile(1, chunked, w, x, stride, len, sums, next, part, parts); break;
@@ -123,16 +137,18 @@ static inline __attribute__((always_inline)) void tile_rows(int n, int chunked, 
         case 3: tile(3, chunked, w, x, stride, len, sums, next, part, parts); break;
         case 4: tile(4, chunked, w, x, stride, len, sums, next, part, parts); break;
         case 5: tile(5, chunked, w, x, stride, len, sums, next, part, parts); break;
+#if REGISTERS == 32
         case 6: tile(6, chunked, w, x, stride, len, sums, next, part, parts); break;
         case 7: tile(7, chunked, w, x, stride, len, sums, next, part, parts); break;
         case 8: tile(8, chunked, w, x, stride, len, sums, next, part, parts); break;
         case 9: tile(9, chunked, w, x, stride, len, sums, next, part, parts); break;
         case 10: tile(10, chunked, w, x, stride, len, sums, next, part, parts); break;
         case 11: tile(11, chunked, w, x, stride, len, sums, next, part, parts); break;
+#endif
         default: tile(ROWS, chunked, w, x, stride, len, sums, next, part, parts); break;
     }
 }
-static void tile_n(int n, int chunked, const float *w, const float *x, int64_t stride, int len, v16 *sums,
+static void tile_n(int n, int chunked, const float *w, const float *x, int64_t stride, int len, vec *sums,
                    const float *next, int part, int parts) {
     if (chunked) tile_rows(n, 1, w, x, stride, len, sums, next, part, parts);
     else tile_rows(n, 0, w, x, stride, len, sums, next, part, parts);
@@ -148,7 +164,7 @@ static inline int64_t panel_rows(const Job *j, int64_t q) {
     return j->panels[PANEL * q + 2] - j->panels[PANEL * q + 1];
 }
 
-/* A panel's h: chunk-major up to CHUNKED_ROWS rows, else row-major. Row r (from the panel's first) holds the sixteen
+/* A panel's h: chunk-major up to CHUNKED_ROWS rows, else row-major. Row r (from the panel's first) holds the GATE
    columns of block c at h_offset; the tile steps by h_stride (a chunk of GATE indexes, or a row) */
 static inline int h_chunked(int64_t rows) { return rows <= CHUNKED_ROWS; }
 static inline int64_t h_offset(int64_t rows, int64_t I, int64_t r, int64_t c) {
@@ -186,7 +202,7 @@ static void gate_up(const Job *j) {
         const float *next = j->wgu + (j->panels[PANEL * (after / blocks)] * blocks + after % blocks) * j->D * WIDE;
         for (int64_t s = 0; s < tiles; s++) {
             int64_t r = tile_start(r0, rows, s, tiles), count = tile_start(r0, rows, s + 1, tiles) - r;
-            v16 sums[2 * ROWS];
+            vec sums[2 * ROWS];
             tile_n((int)count, 0, w, j->x + r * j->D, j->D, j->D, sums, next, (int)s, (int)tiles);
             for (int64_t q = 0; q < count; q++)
                 store(j->h + r0 * j->I + h_offset(rows, j->I, r + q - r0, c), silu_mul_v(sums[2 * q], sums[2 * q + 1]));
@@ -210,7 +226,7 @@ static void down(const Job *j) {
                               : p + 1 < j->P ? j->wd + (panel[PANEL] * blocks + first) * j->I * WIDE : w;
             for (int64_t s = 0; s < tiles; s++) {
                 int64_t r = tile_start(r0, rows, s, tiles), count = tile_start(r0, rows, s + 1, tiles) - r;
-                v16 sums[2 * ROWS];
+                vec sums[2 * ROWS];
                 tile_n((int)count, chunked, w, j->h + r0 * j->I + h_offset(rows, j->I, r - r0, 0),
                        h_stride(rows, j->I), j->I, sums, next, (int)s, (int)tiles);
                 for (int64_t q = 0; q < count; q++) {
@@ -293,8 +309,7 @@ int packed_experts_f32(const float *x, int64_t T, int K, const int64_t *ids, con
     return 0;
 }
 """.replace("EXP_NEG", EXP_NEG_SOURCE).replace("DOT_PAIRS", DOT_PAIRS_SOURCE).replace("SILU", SILU_SOURCE).replace(
-    "ROUTE_ROWS", ROUTE_ROWS_SOURCE).replace("@ROWS@", str(ROWS)).replace(
-    "@DOWN_COLUMNS@", str(DOWN_COLUMNS)).replace("@GATE_COLUMNS@", str(GATE_COLUMNS)).replace(
+    "ROUTE_ROWS", ROUTE_ROWS_SOURCE).replace(
     "@PANEL_BYTES@", str(PANEL_BYTES)).replace("@THREAD_BYTES@", str(THREAD_BYTES)).replace(
     "@CHUNKED_ROWS@", str(CHUNKED_ROWS))
 
@@ -308,26 +323,38 @@ def unavailable() -> str | None:
     return _PACKED.unavailable()
 
 
+def gate_columns() -> int:
+    """Intermediate columns per gate_up block: one vector register's floats on this CPU (c_library.vector_lanes)."""
+    return vector_lanes()
+
+
+def down_columns() -> int:
+    """Output columns per down block: as many floats an index as a gate_up block (its gate and up columns)."""
+    return 2 * vector_lanes()
+
+
 def packing_refusal(dim: int, inter: int) -> str | None:
     """Why experts of hidden size `dim` and intermediate size `inter` cannot be packed, or None."""
-    if inter % GATE_COLUMNS or dim % DOWN_COLUMNS:
-        return (f"packed experts need the intermediate size a multiple of {GATE_COLUMNS} and the hidden size one of "
-                f"{DOWN_COLUMNS}, got {inter} and {dim}")
+    if inter % gate_columns() or dim % down_columns():
+        return (f"packed experts need the intermediate size a multiple of {gate_columns()} and the hidden size one of "
+                f"{down_columns()} on this CPU, got {inter} and {dim}")
     return None
 
 
 def pack_gate_up(w: torch.Tensor) -> torch.Tensor:
-    """[E, 2I, D] (gate rows, then up rows) -> [E, I / 16, D, 32] (a new tensor)."""
+    """[E, 2I, D] (gate rows, then up rows) -> [E, I / G, D, 2G] (a new tensor; G = gate_columns())."""
     experts, two_i, dim = w.shape
-    blocks = two_i // 2 // GATE_COLUMNS
-    return w.reshape(experts, 2, blocks, GATE_COLUMNS, dim).permute(0, 2, 4, 1, 3).reshape(
-        experts, blocks, dim, 2 * GATE_COLUMNS).contiguous()
+    gate = gate_columns()
+    blocks = two_i // 2 // gate
+    return w.reshape(experts, 2, blocks, gate, dim).permute(0, 2, 4, 1, 3).reshape(
+        experts, blocks, dim, 2 * gate).contiguous()
 
 
 def pack_down(w: torch.Tensor) -> torch.Tensor:
-    """[E, D, I] -> [E, D / 32, I, 32] (a new tensor)."""
+    """[E, D, I] -> [E, D / W, I, W] (a new tensor; W = down_columns())."""
     experts, dim, inter = w.shape
-    return w.reshape(experts, dim // DOWN_COLUMNS, DOWN_COLUMNS, inter).permute(0, 1, 3, 2).contiguous()
+    wide = down_columns()
+    return w.reshape(experts, dim // wide, wide, inter).permute(0, 1, 3, 2).contiguous()
 
 
 def pack_in_place(w: torch.Tensor, pack) -> torch.Tensor:
@@ -356,7 +383,7 @@ def fused_moe_packed_cpu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch
     starts = torch.empty(num_experts + 1, dtype=torch.int64)
     failed = _PACKED(x.data_ptr(), tokens, top_k, ids.data_ptr(), weights.data_ptr(), num_experts, w_gate_up.data_ptr(),
             w_down.data_ptr(), token_rows.data_ptr(), row_weights.data_ptr(), starts.data_ptr(),
-            out.data_ptr(), dim, blocks * GATE_COLUMNS, torch.get_num_threads())
+            out.data_ptr(), dim, blocks * gate_columns(), torch.get_num_threads())
     if failed:
         raise MemoryError(f"fused_moe_packed: no memory for the buffers of {tokens * top_k} routed rows")
     return out

@@ -1,16 +1,16 @@
 """Varlen causal prefill attention for float32 CPU tensors, on the unpadded token rows.
 
-The torch path (attention_torch.py) gathers each group of similar-length prompts into padded batches, runs SDPA
-(~48 GFLOP/s on the dev box's 2 threads at bench-moe's 140-token prompts) and scatters the rows back: a 4,060-token
-prefill step spent 12 % of its time there. This kernel takes the rows where they are: an item is (sequence, KV head,
-CHUNK query rows); the item's visible keys lie transposed (dims x keys; a thread extends the ones it holds for the
-sequence and KV head as its items move down the queries) so four query rows' scores against 32 keys are eight vector
-FMAs per dim with no horizontal sums, takes the softmax of each row over its visible keys (maximum and exponentials
+The torch path (attention_torch.py) gathers each group of similar-length prompts into padded batches, runs SDPA (~48
+GFLOP/s on the dev box's 2 threads at bench-moe's 140-token prompts) and scatters the rows back: a 4,060-token prefill
+step spent 12 % of its time there. This kernel takes the rows where they are: an item is (sequence, KV head, CHUNK query
+rows); the item's visible keys lie transposed (dims x keys; a thread extends the ones it holds for the sequence and KV
+head as its items move down the queries) so four query rows' scores against two vectors of keys are eight vector FMAs
+per dim with no horizontal sums, takes the softmax of each row over its visible keys (maximum and exponentials
 vectorised), and sums the V rows into four query rows at once, each V row loaded once for the four. Every query head
 sharing the KV head (GQA) reuses the transposed keys. Items are handed out dynamically over the OpenMP team torch runs
-on (their costs grow with the query position). On an Intel Xeon's 2 threads, 4,096 tokens of 32-256-token prompts:
-6.4 ms a layer where a scalar running maximum, one key vector per query broadcast and keys transposed again for each
-item took 10.8 ms (bit-identical).
+on (their costs grow with the query position). On an Intel Xeon's 2 threads, 4,096 tokens of 32-256-token prompts: 6.4
+ms a layer where a scalar running maximum, one key vector per query broadcast and keys transposed again for each item
+took 10.8 ms (bit-identical).
 
 Sequences may continue a cached prefix (fewer queries than keys: query i sees keys up to len_k - len_q + i).
 """
@@ -57,11 +57,11 @@ static void scores(int n, const float *const *q, const float *restrict kt, int64
                    float scale, float *restrict s) {
     int64_t j = 0;
     for (; j + 2 * LANES <= keys; j += 2 * LANES) {
-        v16 a0[ROWS] = {{0}}, a1[ROWS] = {{0}};
+        vec a0[ROWS] = {{0}}, a1[ROWS] = {{0}};
         for (int d = 0; d < dk; d++) {
-            v16 k0 = load(kt + d * stride + j), k1 = load(kt + d * stride + j + LANES);
+            vec k0 = load(kt + d * stride + j), k1 = load(kt + d * stride + j + LANES);
             for (int r = 0; r < ROWS; r++) {
-                v16 qv = (v16){0} + q[r < n ? r : 0][d];
+                vec qv = (vec){0} + q[r < n ? r : 0][d];
                 IN_REGISTER(qv);
                 a0[r] += qv * k0;
                 a1[r] += qv * k1;
@@ -73,41 +73,39 @@ static void scores(int n, const float *const *q, const float *restrict kt, int64
         }
     }
     for (; j < keys; j += LANES) {
-        v16 acc[ROWS] = {{0}};
+        vec acc[ROWS] = {{0}};
         for (int d = 0; d < dk; d++) {
-            v16 kv = load(kt + d * stride + j);
+            vec kv = load(kt + d * stride + j);
             for (int r = 0; r < ROWS; r++) acc[r] += q[r < n ? r : 0][d] * kv;
         }
         for (int r = 0; r < n; r++) store(s + r * stride + j, acc[r] * scale);
     }
 }
 
-/* o[r] = sum_j p[r][j] v_j over j < keys for the n rows (p zero past each row's visible keys): four vectors of a V
-   row at a time, so each broadcast weight feeds four FMAs from a register */
+/* o[r] = sum_j p[r][j] v_j over j < keys for the n rows (p zero past each row's visible keys): ROW_VECS vectors of
+   a V row at a time, so each broadcast weight feeds as many FMAs from a register */
 static void weighted_values(int n, const float *restrict p, int64_t stride, const float *restrict v, int64_t vstride,
                             int64_t keys, int dv, float *const *o) {
     int d0 = 0;
-    for (; d0 + 4 * LANES <= dv; d0 += 4 * LANES) {
-        v16 acc[ROWS][4] = {{{0}}};
+    for (; d0 + ROW_VECS * LANES <= dv; d0 += ROW_VECS * LANES) {
+        vec acc[ROWS][ROW_VECS] = {{{0}}};
         for (int64_t j = 0; j < keys; j++) {
             const float *vj = v + j * vstride + d0;
-            v16 v0 = load(vj), v1 = load(vj + LANES), v2 = load(vj + 2 * LANES), v3 = load(vj + 3 * LANES);
+            vec vc[ROW_VECS];
+            for (int c = 0; c < ROW_VECS; c++) vc[c] = load(vj + c * LANES);
             for (int r = 0; r < ROWS; r++) {
-                v16 pv = (v16){0} + p[(r < n ? r : 0) * stride + j];
+                vec pv = (vec){0} + p[(r < n ? r : 0) * stride + j];
                 IN_REGISTER(pv);
-                acc[r][0] += pv * v0;
-                acc[r][1] += pv * v1;
-                acc[r][2] += pv * v2;
-                acc[r][3] += pv * v3;
+                for (int c = 0; c < ROW_VECS; c++) acc[r][c] += pv * vc[c];
             }
         }
         for (int r = 0; r < n; r++)
-            for (int c = 0; c < 4; c++) store(o[r] + d0 + c * LANES, acc[r][c]);
+            for (int c = 0; c < ROW_VECS; c++) store(o[r] + d0 + c * LANES, acc[r][c]);
     }
     for (; d0 + LANES <= dv; d0 += LANES) {
-        v16 acc[ROWS] = {{0}};
+        vec acc[ROWS] = {{0}};
         for (int64_t j = 0; j < keys; j++) {
-            v16 vj = load(v + j * vstride + d0);
+            vec vj = load(v + j * vstride + d0);
             for (int r = 0; r < ROWS; r++) acc[r] += p[(r < n ? r : 0) * stride + j] * vj;
         }
         for (int r = 0; r < n; r++) store(o[r] + d0, acc[r]);

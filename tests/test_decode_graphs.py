@@ -126,9 +126,9 @@ def test_larger_batches_replay_padded_to_a_recorded_size(arch, tmp_path, monkeyp
 def test_a_batch_whose_forward_reads_values_back_runs_eagerly_and_is_not_recorded_again(tmp_path, monkeypatch):
     """With the MoE kernel's row limit at 2, a step of twenty tokens leaves experts to the GEMM path, whose per-expert
     calls need the rows' counts read back to the host: the recording is refused once, and that batch size is not
-    tried again. (Experts 40 wide: the packed kernel, which reads nothing back, does not take them.)"""
+    tried again. (Experts 36 wide: the packed kernel, which reads nothing back, does not take them.)"""
     monkeypatch.setattr(moe_cpu, "SMALL_ROWS", 2)
-    hf = save_tiny_checkpoint("mixtral", tmp_path, intermediate_size=40)
+    hf = save_tiny_checkpoint("mixtral", tmp_path, intermediate_size=36)
     loaded = load_model(str(tmp_path))
     requests = _requests(loaded.model.vocab_size, (8,) * 20)
     engine = Engine(loaded, page_size=4)

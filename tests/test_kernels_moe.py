@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.kernels import ops, registry
+from batchgen.kernels.c_library import vector_lanes
 from batchgen.kernels.moe_align import align_to_blocks
 from batchgen.kernels.moe_config import config_file_name, moe_config
 from batchgen.kernels.moe_cpu import FEW_TOKENS
@@ -209,8 +210,9 @@ def test_cpu_c_takes_any_row_count_up_to_its_limit_and_sizes_off_the_vector_widt
 @pytest.mark.parametrize("threads", [1, 2])
 def test_cpu_c_blocked_path_takes_partial_blocks_and_tails_of_every_dimension(threads, monkeypatch):
     """Experts of more than DOT_ROWS rows go transposed, LANES rows to a vector, a last partial block of at most
-    DOT_ROWS rows to the dot-product path: expert 0 gets 45 rows (two whole blocks and a padded one of 13), expert 3
-    20 (a whole block, then 4 dot-product rows), expert 1 9 (one padded block), experts 2 and 4 the dot path's 8.
+    DOT_ROWS rows to the dot-product path: with 16 lanes expert 0 gets 45 rows (two whole blocks and a padded one of
+    13), expert 3 20 (a whole block, then 4 dot-product rows), expert 1 9 (one padded block), experts 2 and 4 the dot
+    path's 8.
     D = 21 (a tail of 5 past one 16-column output block and past one 16-element vector of a row) and I = 42 (5
     column blocks of 8 and a tail of 2)."""
     from batchgen.kernels import moe_cpu
@@ -226,14 +228,19 @@ def test_cpu_c_blocked_path_takes_partial_blocks_and_tails_of_every_dimension(th
     torch.testing.assert_close(out.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
     layout = layout_rows(calls[-1])
     assert not by_blas and [row[1] - row[0] for row in layout] == [45, 9, 8, 20, 8]
-    assert [row[4] for row in layout] == [45, 9, 0, 16, 0]  # rows on the blocked path
-    # h: padded blocks, then the dot-product rows; transposed rows only for the blocked experts' padded blocks
-    assert [row[2] for row in layout] == [0, 48 * 42, 64 * 42, 72 * 42, (72 + 16 + 4) * 42]
-    assert [row[3] for row in layout] == [0, 48 * 21, -1, 64 * 21, -1]
+    # rows on the blocked path; h: padded blocks, then the dot-product rows; transposed rows only for the blocked
+    # experts' padded blocks. With 8 lanes (AVX2) every partial block has at most DOT_ROWS rows: dot-product rows.
+    blocked, h, xt = {
+        16: ([45, 9, 0, 16, 0], [0, 48, 64, 72, 72 + 16 + 4], [0, 48, -1, 64, -1]),
+        8: ([40, 8, 0, 16, 0], [0, 40 + 5, 45 + 8 + 1, 54 + 8, 62 + 16 + 4], [0, 40, -1, 48, -1]),
+    }[vector_lanes()]
+    assert [row[4] for row in layout] == blocked
+    assert [row[2] for row in layout] == [rows * 42 for rows in h]
+    assert [row[3] for row in layout] == [rows * 21 if rows >= 0 else -1 for rows in xt]
 
 
 def test_engine_moe_on_both_c_paths_decodes_transformers_greedy_tokens(tmp_path, monkeypatch):
-    """A Mixtral of 4 experts whose intermediate size (40) the packed kernel's tiles do not divide, so the engine
+    """A Mixtral of 4 experts whose intermediate size (36) the packed kernel's tiles do not divide, so the engine
     keeps the checkpoint layout: the prefill of 29 tokens gives each expert ~15 rows (the blocked path), the decode
     steps of 3 sequences a few (the dot-product path); the engine's greedy tokens are transformers' own."""
     from tiny_models import hf_greedy_batch, prompts, save_tiny_checkpoint
@@ -245,7 +252,7 @@ def test_engine_moe_on_both_c_paths_decodes_transformers_greedy_tokens(tmp_path,
     if moe_cpu.unavailable():
         pytest.skip(moe_cpu.unavailable())
     calls = grouped_calls(monkeypatch)
-    hf_model = save_tiny_checkpoint("mixtral", tmp_path, intermediate_size=40)
+    hf_model = save_tiny_checkpoint("mixtral", tmp_path, intermediate_size=36)
     batch = prompts(lengths=(3, 9, 17))
     expected = hf_greedy_batch(hf_model, batch, 10)
     requests = [Request(f"r{i}", p, sampling=SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
@@ -431,8 +438,9 @@ def test_crossover_is_measured_once_per_machine_and_not_at_all_under_fixed_setti
 
 
 def test_cpu_c_kernel_takes_the_crossover_for_its_expert_shape(monkeypatch):
-    """Experts of 12 and 40 rows: both blocked at the default crossover (one padded block; two whole blocks and 8
-    dot-product rows), the first on the dot path at 16, both at the kernel's limit (every expert on the dot path)."""
+    """Experts of 12 and 40 rows: both blocked at the default crossover (with 16 lanes one padded block, two whole
+    blocks and 8 dot-product rows), the first on the dot path at 16, both at the kernel's limit (every expert on the
+    dot path)."""
     from batchgen.kernels import moe_cpu, moe_crossover
 
     if moe_cpu.unavailable():
@@ -441,7 +449,10 @@ def test_cpu_c_kernel_takes_the_crossover_for_its_expert_shape(monkeypatch):
     x, w13, w2, _, _ = make_moe(52, 16, 24, 2, 1)  # more tokens than FEW_TOKENS: the crossover applies
     ids = (torch.arange(52) >= 12).to(torch.int64).unsqueeze(1)  # 12 rows for expert 0, 40 for expert 1
     weights = torch.rand(52, 1, generator=torch.Generator().manual_seed(3))
-    for crossover, blocked in ((moe_crossover.DEFAULT_DOT_ROWS, [12, 32]), (16, [0, 32]), (moe_cpu.SMALL_ROWS, [0, 0])):
+    lanes = vector_lanes()  # rows to a vector: 16 with AVX-512, 8 with AVX2 (then 12 rows are a block and 4 dot rows)
+    expected = {16: ([12, 32], [0, 32]), 8: ([8, 40], [0, 40])}[lanes]
+    for crossover, blocked in ((moe_crossover.DEFAULT_DOT_ROWS, expected[0]), (16, expected[1]),
+                               (moe_cpu.SMALL_ROWS, [0, 0])):
         monkeypatch.setattr(moe_crossover, "dot_rows", lambda dim, inter, value=crossover: value)
         out, by_blas = cpu_c_moe(monkeypatch, 2, x, w13, w2, weights, ids)
         torch.testing.assert_close(out.double(), naive_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)

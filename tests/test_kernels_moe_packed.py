@@ -15,15 +15,20 @@ def packed(w_gate_up, w_down):
     return moe_packed_cpu.pack_gate_up(w_gate_up), moe_packed_cpu.pack_down(w_down)
 
 
-def test_packed_layouts_put_sixteen_gate_and_up_columns_and_thirty_two_down_columns_at_each_index():
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_packed_layouts_put_a_vector_of_gate_and_up_columns_and_two_of_down_columns_at_each_index(lanes, monkeypatch):
+    """The layout follows the CPU's vector width (AVX2's 8 floats, AVX-512's 16); both packings are checked here,
+    whichever this CPU runs."""
+    monkeypatch.setattr(moe_packed_cpu, "vector_lanes", lambda: lanes)
+    gate, wide = lanes, 2 * lanes
     _, w13, w2, _, _ = make_moe(1, 64, 48, 3, 1)
     gate_up, down = packed(w13, w2)
-    assert gate_up.shape == (3, 3, 64, 32) and down.shape == (3, 2, 48, 32)
-    for expert, block, k, j in [(0, 0, 0, 0), (1, 2, 63, 15), (2, 1, 17, 16), (2, 2, 5, 31)]:
-        row = 16 * block + j if j < 16 else 48 + 16 * block + j - 16  # a gate row, else the same column's up row
+    assert gate_up.shape == (3, 48 // gate, 64, wide) and down.shape == (3, 64 // wide, 48, wide)
+    for expert, block, k, j in [(0, 0, 0, 0), (1, 48 // gate - 1, 63, gate - 1), (2, 1, 17, gate), (2, 2, 5, wide - 1)]:
+        row = gate * block + j if j < gate else 48 + gate * block + j - gate  # a gate row, else the column's up row
         assert gate_up[expert, block, k, j] == w13[expert, row, k]
-    for expert, block, i, j in [(0, 0, 0, 0), (1, 1, 47, 31), (2, 1, 3, 0)]:
-        assert down[expert, block, i, j] == w2[expert, 32 * block + j, i]
+    for expert, block, i, j in [(0, 0, 0, 0), (1, 64 // wide - 1, 47, wide - 1), (2, 1, 3, 0)]:
+        assert down[expert, block, i, j] == w2[expert, wide * block + j, i]
 
 
 def test_packing_in_place_keeps_the_storage_and_gives_the_packed_tensor():
@@ -41,7 +46,8 @@ def test_packing_in_place_keeps_the_storage_and_gives_the_packed_tensor():
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("tokens,top_k", [(1, 1), (7, 2), (33, 4), (90, 2)])
 def test_packed_kernel_matches_naive(tokens, top_k, threads):
-    """Expert 5 is picked by (nearly) every token: up to 90 rows, in tiles of 12 and an uneven last few; some pairs
+    """Expert 5 is picked by (nearly) every token: up to 90 rows, in tiles of ROWS (12 or 6) and an uneven
+    last few; some pairs
     belong to experts of another rank (-1), and expert 2 gets no rows."""
     x, w13, w2, _, _ = make_moe(tokens, 64, 48, 7, 1)
     scores = torch.rand(tokens, 7, generator=torch.Generator().manual_seed(tokens))
@@ -101,15 +107,18 @@ def test_a_rows_result_is_the_same_bits_alone_and_in_any_batch():
 def test_packed_inputs_are_checked():
     x, w13, w2, weights, ids = make_moe(4, 64, 48, 3, 2)
     gate_up, down = packed(w13, w2)
-    with pytest.raises(ValueError, match=r"w_gate_up must be packed \[E, I/16, D, 32\], got \[3, 96, 64\]"):
+    gate, wide = moe_packed_cpu.gate_columns(), moe_packed_cpu.down_columns()
+    with pytest.raises(ValueError, match=rf"w_gate_up must be packed \[E, I/{gate}, D, {wide}\] on this CPU, got "
+                                         r"\[3, 96, 64\]"):
         ops.fused_moe_packed(x, w13, down, weights, ids)
-    with pytest.raises(ValueError, match=r"w_down must be packed \[E, D/32, I, 32\] = \[3, 2, 48, 32\]"):
+    with pytest.raises(ValueError, match=rf"w_down must be packed \[E, D/{wide}, I, {wide}\] = "
+                                         rf"\[3, {64 // wide}, 48, {wide}\]"):
         ops.fused_moe_packed(x, gate_up, w2, weights, ids)
     with pytest.raises(ValueError, match="does not match x"):
         ops.fused_moe_packed(x[:, :32], gate_up, down, weights, ids)
     assert moe_packed_cpu.packing_refusal(64, 48) is None
-    assert "multiple of 16" in moe_packed_cpu.packing_refusal(64, 40)
-    assert "hidden size one of 32" in moe_packed_cpu.packing_refusal(48, 48)
+    assert f"multiple of {gate}" in moe_packed_cpu.packing_refusal(64, gate + gate // 2)
+    assert f"hidden size one of {wide}" in moe_packed_cpu.packing_refusal(wide + wide // 2, 48)
 
 
 def _greedy_requests(batch, max_tokens):
