@@ -22,11 +22,13 @@ first --transformers-repeats rounds (its median run then reports). Each engine m
 b_attn, b_moe, refill) are planned for this workload's prompt and output lengths, as `batchgen run` plans a job's
 engines for its input (`engine_settings` in the JSON); `--plan generic` leaves them to the engine's own plan for a
 generic workload.
-The roofline bound (bench/roofline.py) is measured in the same run, for the workload (the best schedule) and for
-each engine mode's steps as it ran them (Engine.observe_steps): `speedup_vs_lockstep_at_bounds` is the speedup the
-two schedules would give if both ran every step at the roofline, `over_schedule_bound` how far each run is from its
-own schedule's bound, and `step_classes` where that distance lies: each mode's steps by class (prefill, decode by
-sequences decoded), their wall time against their bound. With --json the last line printed is one JSON object.
+The roofline bound (bench/roofline.py) is measured in the same run, its peaks sampled at the start and after each
+scenario and taken at their best (`machine.peak_samples`: a shared machine's speed drifts by minutes), for the workload
+(the best schedule) and for each engine mode's steps as it ran them (Engine.observe_steps):
+`speedup_vs_lockstep_at_bounds` is the speedup the two schedules would give if both ran every step at the roofline,
+`over_schedule_bound` how far each run is from its own schedule's bound, and `step_classes` where that distance lies:
+each mode's steps by class (prefill, decode by sequences decoded), their wall time against their bound. With --json the
+last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -48,7 +50,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from roofline import MachinePeaks, MoEShape, StepShape, measure_peaks, schedule_bound, step_seconds, workload_bound
+from roofline import (
+    MachinePeaks,
+    MoEShape,
+    StepShape,
+    best_peaks,
+    measure_peaks,
+    schedule_bound,
+    step_seconds,
+    workload_bound,
+)
 
 from batchgen.connectors.checkpoint import load_model
 from batchgen.connectors.presets import build_preset
@@ -616,11 +627,8 @@ def run(args: argparse.Namespace, log) -> dict:
         f"output tokens (max {max(workload.max_tokens)}); torch threads {torch.get_num_threads()}, {device}, "
         f"load average {load_at_start[0]:.2f}")
 
-    peaks = measure_peaks(device=device, dtype=getattr(torch, args.dtype))
-    bound = workload_bound(shape, [len(p) for p in workload.prompts], workload.max_tokens, peaks)
-    log(f"roofline: matmul {peaks.matmul_flops / 1e9:.0f} GFLOP/s, read {peaks.read_bandwidth / 1e9:.1f} GB/s"
-        f" -> bound {bound.seconds:.2f} s (prefill {bound.prefill_seconds:.2f} s, {bound.decode_steps} "
-        f"decode steps {bound.decode_seconds:.2f} s, {bound.compute_bound_steps} of them compute-bound)")
+    samples = [measure_peaks(device=device, dtype=getattr(torch, args.dtype))]  # again after each scenario
+    log_peaks(log, "roofline at the start", samples[0])
 
     loaded, hf_model = load_systems(model_dir, device, args.dtype)
 
@@ -636,7 +644,7 @@ def run(args: argparse.Namespace, log) -> dict:
     check_budget(shape, workload, constrained)
     # unconstrained: twice every full context, so room is left after coroutine mode's staging share
     budgets = {"unconstrained": 2 * host_bytes, "kv_budget": constrained}
-    scenarios = {}
+    scenarios, finished = {}, {}
     for scenario, device_bytes in budgets.items():
         configs = {name: engine_config(mode, device_bytes, host_bytes, not args.eager)
                    for name, mode in ENGINE_MODES.items()}
@@ -662,16 +670,25 @@ def run(args: argparse.Namespace, log) -> dict:
                 f"mean expert batch {runs[name].mean_expert_batch:.2f}")
         if args.profile:
             log(f"[{scenario}] BatchGen profile:\n" + profile_engine(loaded, configs["batchgen"], workload))
-        summary = scenario_summary(runs, output_tokens, bound.seconds, probe, TIE_GAP[args.dtype],
-                                   ROUTING_TIE_GAP[args.dtype], shape, peaks)
         settings = {name: {field: getattr(config, field) for field in PLANNED_FIELDS}
                     for name, config in configs.items()}
         if args.plan == "workload":
             log(f"[{scenario}] planned for the workload: " + "; ".join(
                 f"{name} " + ", ".join(f"{k} {v}" for k, v in fields.items() if "bytes" not in k)
                 for name, fields in settings.items()))
-        scenarios[scenario] = {"kv_budget_bytes": device_bytes, "engine_settings": settings, **summary,
+        scenarios[scenario] = {"kv_budget_bytes": device_bytes, "engine_settings": settings,
                                "bct_runs_s": {name: [r.bct_s for r in rs] for name, rs in repeated.items()}}
+        finished[scenario] = runs
+        samples.append(measure_peaks(device=device, dtype=getattr(torch, args.dtype)))
+
+    # every scenario priced at the machine's best peaks of the run, each its best over the samples
+    peaks = best_peaks(samples)
+    bound = workload_bound(shape, [len(p) for p in workload.prompts], workload.max_tokens, peaks)
+    log_peaks(log, f"roofline at the best of {len(samples)} samples (start, after each scenario)", peaks, bound)
+    for scenario, runs in finished.items():
+        summary = scenario_summary(runs, output_tokens, bound.seconds, probe, TIE_GAP[args.dtype],
+                                   ROUTING_TIE_GAP[args.dtype], shape, peaks)
+        scenarios[scenario].update(summary)
         log(describe(scenario, summary))
 
     return {
@@ -683,7 +700,7 @@ def run(args: argparse.Namespace, log) -> dict:
                      "kv_bytes_per_token": shape.kv_bytes_per_token, "host_kv_bytes": host_bytes},
         "machine": {"torch_threads": torch.get_num_threads(), "device": str(device),
                     "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(),
-                    **dataclasses.asdict(peaks)},
+                    **dataclasses.asdict(peaks), "peak_samples": [dataclasses.asdict(s) for s in samples]},
         "roofline": dataclasses.asdict(bound),
         "decode_graphs": not args.eager,
         "scenarios": scenarios,
@@ -691,6 +708,14 @@ def run(args: argparse.Namespace, log) -> dict:
         "outputs_match_by_pair": {key: all(s["outputs_match_by_pair"][key] for s in scenarios.values())
                                   for key in ("batchgen_vs_lockstep", "batchgen_vs_hf")},
     }
+
+
+def log_peaks(log, what: str, peaks: MachinePeaks, bound=None) -> None:
+    line = f"{what}: matmul {peaks.matmul_flops / 1e9:.0f} GFLOP/s, read {peaks.read_bandwidth / 1e9:.1f} GB/s"
+    if bound is not None:
+        line += (f" -> bound {bound.seconds:.2f} s (prefill {bound.prefill_seconds:.2f} s, {bound.decode_steps} "
+                 f"decode steps {bound.decode_seconds:.2f} s, {bound.compute_bound_steps} of them compute-bound)")
+    log(line)
 
 
 def describe(scenario: str, summary: dict) -> str:

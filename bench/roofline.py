@@ -60,6 +60,15 @@ class MachinePeaks:
     copy_bandwidth: float  # bytes/s read + written by a large tensor copy
 
 
+def best_peaks(samples: list[MachinePeaks]) -> MachinePeaks:
+    """Each peak at its best over samples taken at different times of one run: a shared machine's speed drifts by
+    minutes (on the AVX2 dev box the same GEMM read 117 GFLOP/s at a bench's start and 160-180 minutes later), and a
+    peak read in a slow moment prices every bound too high (a prefill "faster than its bound")."""
+    return MachinePeaks(matmul_flops=max(s.matmul_flops for s in samples),
+                        read_bandwidth=max(s.read_bandwidth for s in samples),
+                        copy_bandwidth=max(s.copy_bandwidth for s in samples))
+
+
 @dataclass(frozen=True)
 class MoEShape:
     """What the bound needs of a Mixtral-style model (q/k/v/o attention, top-k routed SwiGLU experts)."""

@@ -157,7 +157,7 @@ static inline void lane_sums(const vec *v, float *s) {
 #else
 static inline void lane_sums(const vec *v, float *s) {
     vec w[4], x[2], z;
-    for (int i = 0; i < 4; i++)  /* lanes 0-3: vector 2i's lanes j + j + 4, lanes 4-7: vector 2i + 1's */
+    for (int i = 0; i < 4; i++)  /* lanes 0-3: vector 2i's lanes j and j + 4 added, lanes 4-7: vector 2i + 1's */
         w[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11)
              + SHUFFLE(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
     for (int i = 0; i < 2; i++)  /* lanes 2m + k: vector 4i + m's lanes k mod 2 */

@@ -31,6 +31,11 @@ def test_quick_json_report(monkeypatch, capsys):
     assert gc.get_freeze_count() == frozen
 
     assert report["workload"]["num_prompts"] == PROMPTS and report["decode_graphs"] is True
+    # the peaks sampled at the start and after each scenario, every bound priced at each peak's best of them
+    samples, machine = report["machine"]["peak_samples"], report["machine"]
+    assert len(samples) == 3
+    for peak in ("matmul_flops", "read_bandwidth", "copy_bandwidth"):
+        assert machine[peak] == max(sample[peak] for sample in samples), peak
     assert report["workload"]["experts"] == EXPERTS
     for name in ("unconstrained", "kv_budget"):
         scenario = report["scenarios"][name]
