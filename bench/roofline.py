@@ -62,8 +62,8 @@ class MachinePeaks:
 
 def best_peaks(samples: list[MachinePeaks]) -> MachinePeaks:
     """Each peak at its best over samples taken at different times of one run: a shared machine's speed drifts by
-    minutes (on the AVX2 dev box the same GEMM read 117 GFLOP/s at a bench's start and 160-180 minutes later), and a
-    peak read in a slow moment prices every bound too high (a prefill "faster than its bound")."""
+    minutes (on the AVX2 dev box the same GEMM read 117 GFLOP/s at a bench's start and 160-180 GFLOP/s a few
+    minutes later), and a peak read in a slow moment prices every bound too high (a prefill "faster than its bound")."""
     return MachinePeaks(matmul_flops=max(s.matmul_flops for s in samples),
                         read_bandwidth=max(s.read_bandwidth for s in samples),
                         copy_bandwidth=max(s.copy_bandwidth for s in samples))
