@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -64,9 +64,7 @@ def best_peaks(samples: list[MachinePeaks]) -> MachinePeaks:
     """Each peak at its best over samples taken at different times of one run: a shared machine's speed drifts by
     minutes (on the AVX2 dev box the same GEMM read 117 GFLOP/s at a bench's start and 160-180 GFLOP/s a few
     minutes later), and a peak read in a slow moment prices every bound too high (a prefill "faster than its bound")."""
-    return MachinePeaks(matmul_flops=max(s.matmul_flops for s in samples),
-                        read_bandwidth=max(s.read_bandwidth for s in samples),
-                        copy_bandwidth=max(s.copy_bandwidth for s in samples))
+    return MachinePeaks(**{peak.name: max(getattr(s, peak.name) for s in samples) for peak in fields(MachinePeaks)})
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from batchgen.kernels import c_library
+from batchgen.kernels.cpu_identity import cpuinfo, first_processor
 
 SCRIPT = """
 import sys
@@ -35,8 +36,7 @@ SELECT = ("(cpu_c or packed or c_kernel or blocked or cpu_argmax or c_activation
 
 
 def _has_avx2() -> bool:
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
+    flags = first_processor(cpuinfo()).get("flags", "").split()
     return "avx2" in flags and "fma" in flags
 
 
