@@ -96,10 +96,10 @@ def read_marker(marker: str | Path) -> dict[str, str]:
     return {"stage": stage, **dict(field.split("=", 1) for field in fields)}
 
 
-def crashing_agent(stage: type, *, marker: str | Path, moment: str) -> type:
+def crashing_agent(stage: type, *, marker: str | Path, moment: str, stores: int = 1) -> type:
     """A subclass of the engine stage `stage` (given a balancer) whose worker dies at a MIGRATE `moment`:
     "adopted", right after it took requests another actor exported (they are in its engine, their owner
-    waits for them), or "checkpointed", right after it stored checkpoints of suspended requests."""
+    waits for them), or "checkpointed", right after its `stores`-th store of checkpoints of suspended requests."""
     name, marker = stage.__name__, str(marker)
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -118,6 +118,7 @@ def crashing_agent(stage: type, *, marker: str | Path, moment: str) -> type:
         elif moment == "checkpointed":
             store, snapshot = agent._store_checkpoints, agent.loop.snapshot
             holds: list[threading.Event] = []
+            stored: list[bool] = []  # whether each store held any snapshot
 
             def snapshot_then_hold(skip: Any) -> Any:
                 """The engine thread waits right after the snapshot until it is stored and this worker dead: no
@@ -130,7 +131,8 @@ def crashing_agent(stage: type, *, marker: str | Path, moment: str) -> type:
             async def store_then_die(snapshots: Any) -> None:
                 try:
                     await store(snapshots)
-                    if snapshots:
+                    stored.append(bool(snapshots))
+                    if snapshots and sum(stored) >= stores:
                         _die_first(marker, f"{name} pid={os.getpid()} moment=checkpointed requests={len(snapshots)}")
                 finally:
                     holds.pop(0).set()
