@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(VENV)/bin/python -m compileall -q -j 0 -x '$(NOT_COMPILED)' $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 
-# Where PYTHONDONTWRITEBYTECODE is set (CI's machines set it) no process caches the bytecode it compiles, so each one
+# Where PYTHONDONTWRITEBYTECODE is set (the dev box sets it) no process caches the bytecode it compiles, so each one
 # that imports batchgen compiled it again: ~0.4 s of CPU a process, and a job starts an engine actor, read and write
 # workers, the test suite ~150 such processes. Compiled here once (only what changed since); the checkout's own
 # __pycache__ folders are git-ignored.
