@@ -7,8 +7,9 @@ CONSTRAINTS := constraints.txt
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 NOT_COMPILED := /tests?/|/transformers/models/(?!auto/)[^/]+/
-# the package's own code (the batchgen namespace is the repository root) and the benches tests import
-CODE := __init__.py engine kernels operators connectors pipelines bench
+# the package's own code (the batchgen namespace is the repository root, its subpackages the folders holding an
+# __init__.py) and the benches tests import
+CODE := __init__.py $(dir $(wildcard */__init__.py)) bench
 
 .PHONY: venv bytecode run test lint bench clean
 
