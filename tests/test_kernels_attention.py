@@ -228,10 +228,11 @@ def test_decode_cpu_c_matches_naive(heads, kv_heads, page_size):
     assert out[-1].eq(0).all()
 
 
-@pytest.mark.parametrize("dim_v", [64, 80, 200])
+@pytest.mark.parametrize("dim_v", [64, 128, 80, 200])
 def test_decode_cpu_c_sums_values_in_register_blocks_and_a_tail(dim_v):
-    """Four query heads per KV head sum V 64 dims at a time in registers, then the dims past the last 64 one by
-    one (80: a block and a tail; 200: three blocks and a tail)."""
+    """Four query heads per KV head sum V in register blocks (64 dims with AVX-512, 16 with AVX2), then the dims past
+    the last block one by one (80, 200: blocks and a tail); a row of eight vectors (64 dims with AVX2, 128 with
+    AVX-512) one head at a time over whole rows."""
     from batchgen.kernels.attention_cpu import paged_decode_attention_cpu, unavailable
 
     if unavailable():
