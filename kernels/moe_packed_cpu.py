@@ -108,15 +108,15 @@ static inline __attribute__((always_inline)) void tile(int n, int chunked, const
     for (int k = 0; k < len; k++) {
         int64_t ahead = (int64_t)(((from + k) * inverse) >> 32) * WIDE;
         __builtin_prefetch(next + ahead, 0, 2);
-#if WIDE > 16  /* an index's floats span two cache lines */
+#if WIDE > 16  /* AVX-512: an index's floats span two cache lines, and a tile of few rows fetches the block's indexes
+                  16 ahead into L1 too. Not with AVX2 (an index one line), where that fetch cost more than it saved:
+                  1-27 % of a call at 1-16 tokens per expert on an AMD EPYC (bench/RESULTS.md) */
         __builtin_prefetch(next + ahead + 16, 0, 2);
-#endif
         if (n <= 8) {
             __builtin_prefetch(w + (int64_t)(k + 16) * WIDE, 0, 3);
-#if WIDE > 16
             __builtin_prefetch(w + (int64_t)(k + 16) * WIDE + 16, 0, 3);
-#endif
         }
+#endif
         vec w0 = load(w + (int64_t)k * WIDE), w1 = load(w + (int64_t)k * WIDE + LANES);
         for (int r = 0; r < n; r++) {
             float xr = chunked ? x[(k / GATE) * stride + r * GATE + k % GATE] : x[r * stride + k];
