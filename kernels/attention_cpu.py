@@ -8,8 +8,8 @@ from cache, so every cached K/V byte is read from memory once. What bounds it is
 next page (of the sequence, or the next sequence's first) is prefetched row by row while the current
 one is computed (the pages lie scattered through the pool), query heads sharing a KV head go four at
 a time over each K/V row (their weighted V sums held in vector registers across a page's tokens, 16-64 dims
-at a time), and the softmax's exponentials are a polynomial the compiler vectorises
-instead of a libm call each. Sequences are split over up to `torch.get_num_threads()` threads of the
+at a time, or one head's whole row where four heads' blocks would split it), and the softmax's exponentials are
+a polynomial the compiler vectorises instead of a libm call each. Sequences are split over up to `torch.get_num_threads()` threads of the
 OpenMP pool torch itself runs on (no threads started per call, none spinning against torch's), one per
 THREAD_BYTES of K/V read, each taking an equal share of the tokens (not of the sequences).
 
