@@ -1,17 +1,16 @@
 """Paged decode attention for CPU tensors, reading each sequence's pages in place.
 
-The torch path (attention_torch.py) gathers every sequence's pages into padded K/V before attending:
-a copy of the whole cache per call, plus padding. This backend is a small C kernel, compiled on first
-use with the system C compiler and loaded through ctypes: for each sequence it walks its pages where
-they lie, one page at a time, with an online softmax, every query head reusing the page's K/V rows
-from cache, so every cached K/V byte is read from memory once. What bounds it is the memory, so the
-next page (of the sequence, or the next sequence's first) is prefetched row by row while the current
-one is computed (the pages lie scattered through the pool), query heads sharing a KV head go four at
-a time over each K/V row (their weighted V sums held in vector registers across a page's tokens, 16-64 dims
-at a time, or one head's whole row where four heads' blocks would split it), and the softmax's exponentials are
-a polynomial the compiler vectorises instead of a libm call each. Sequences are split over up to `torch.get_num_threads()` threads of the
-OpenMP pool torch itself runs on (no threads started per call, none spinning against torch's), one per
-THREAD_BYTES of K/V read, each taking an equal share of the tokens (not of the sequences).
+The torch path (attention_torch.py) gathers every sequence's pages into padded K/V before attending: a copy of the
+whole cache per call, plus padding. This backend is a small C kernel, compiled on first use with the system C compiler
+and loaded through ctypes: for each sequence it walks its pages where they lie, one page at a time, with an online
+softmax, every query head reusing the page's K/V rows from cache, so every cached K/V byte is read from memory once.
+What bounds it is the memory, so the next page (of the sequence, or the next sequence's first) is prefetched row by
+row while the current one is computed (the pages lie scattered through the pool), query heads sharing a KV head go
+four at a time over each K/V row (their weighted V sums held in vector registers across a page's tokens, 16-64 dims at
+a time, or one head's whole row where four heads' blocks would split it), and the softmax's exponentials are a
+polynomial the compiler vectorises instead of a libm call each. Sequences are split over up to
+`torch.get_num_threads()` threads of the OpenMP pool torch itself runs on (no threads started per call, none spinning
+against torch's), one per THREAD_BYTES of K/V read, each taking an equal share of the tokens (not of the sequences).
 
 float32 only (the CPU engine's dtype); caches may be strided views with a dense last dim. Without a C
 compiler the backend reports itself unavailable and the registry keeps the torch path.
