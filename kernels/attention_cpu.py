@@ -42,6 +42,11 @@ typedef struct {
 
 EXP_NEG
 
+/* a row of `floats` floats fetched into L1, a cache line at a time */
+static inline void fetch_row(const char *row, int floats) {
+    for (int o = 0; o < floats * 4; o += 64) __builtin_prefetch(row + o, 0, 3);
+}
+
 /* Scores of `c` (4 or 1) query heads sharing one KV head against n cached K rows: each K row is read once
    for all c heads. */
 static void scores_of(int c, const float *restrict q, int dk, const float *restrict kh, int64_t kstride, int n,
@@ -49,7 +54,7 @@ static void scores_of(int c, const float *restrict q, int dk, const float *restr
     for (int t = 0; t < n; t++) {
         const float *restrict kt = kh + t * kstride;
         if (t < next_n)
-            for (int o = 0; o < dk * 4; o += 64) __builtin_prefetch(next + t * kstride * 4 + o, 0, 3);
+            fetch_row(next + t * kstride * 4, dk);
         if (c == 4) {
             float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
             for (int d = 0; d < dk; d++) {
@@ -91,7 +96,7 @@ static void accumulate(int c, const float *restrict w, int page, const float *re
             for (int t = 0; t < n; t++) {
                 const float *restrict vt = vh + t * vstride;
                 if (x == 0 && t < next_n)  /* the next page's rows, fetched while this one is summed */
-                    for (int o = 0; o < dv * 4; o += 64) __builtin_prefetch(next + t * vstride * 4 + o, 0, 3);
+                    fetch_row(next + t * vstride * 4, dv);
                 float wx = w[x * page + t];
                 for (int j = 0; j < WHOLE_ROW / LANES; j++) a[j] += wx * load(vt + LANES * j);
             }
@@ -107,7 +112,7 @@ static void accumulate(int c, const float *restrict w, int page, const float *re
             for (int t = 0; t < n; t++) {
                 const float *restrict vt = vh + t * vstride + d0;
                 if (d0 == 0 && t < next_n)  /* the next page's rows, fetched while this one is summed */
-                    for (int o = 0; o < dv * 4; o += 64) __builtin_prefetch(next + t * vstride * 4 + o, 0, 3);
+                    fetch_row(next + t * vstride * 4, dv);
                 vec vc[ROW_VECS];
                 for (int j = 0; j < ROW_VECS; j++) vc[j] = load(vt + LANES * j);
                 for (int x = 0; x < 4; x++) {
@@ -122,7 +127,7 @@ static void accumulate(int c, const float *restrict w, int page, const float *re
     for (int t = 0; t < n && d0 < dv; t++) {  /* what the blocks left: other head counts, dims past the last 64 */
         const float *restrict vt = vh + t * vstride;
         if (d0 == 0 && t < next_n)
-            for (int o = 0; o < dv * 4; o += 64) __builtin_prefetch(next + t * vstride * 4 + o, 0, 3);
+            fetch_row(next + t * vstride * 4, dv);
         if (c == 4) {
             float w0 = w[t], w1 = w[page + t], w2 = w[2 * page + t], w3 = w[3 * page + t];
             float *restrict a0 = acc, *restrict a1 = acc + dv, *restrict a2 = acc + 2 * dv, *restrict a3 = acc + 3 * dv;
